@@ -1,0 +1,23 @@
+"""speclm: lossless speculative decoding for Hugging Face transformers models.
+
+    import speclm
+    target = speclm.load_model("qwen2.5-coder-1.5b")
+    draft = speclm.load_model("qwen2.5-coder-0.5b")
+    engine = speclm.SpecEngine(target, draft=draft)
+    out = engine.generate("Write a haiku about caches.", method="draft", k=4, chat=True)
+    print(out.text, out.stats.mean_accepted_tokens)
+"""
+
+from speclm.engine import METHODS, Completion, GenerationOptions, SpecEngine, TextStream
+from speclm.errors import PullError, SpeclmError, UsageError
+from speclm.models import LoadedModel, load_model, pull
+from speclm.sampling import SamplingParams
+from speclm.stats import RequestStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS", "Completion", "GenerationOptions", "SpecEngine", "TextStream",
+    "PullError", "SpeclmError", "UsageError",
+    "LoadedModel", "load_model", "pull", "SamplingParams", "RequestStats",
+]

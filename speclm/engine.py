@@ -1,0 +1,283 @@
+"""The speculative decoding engine: propose -> verify -> commit, for a batch of prompts.
+
+Contract:
+- Every method runs through the same loop and the same verifier; `none` proposes nothing, so
+  each target forward commits exactly one token (plain autoregressive decoding).
+- Greedy output equals plain greedy decoding of the target, token for token, up to
+  floating-point near-ties (a forward over k tokens is not bit-identical to k forwards of 1).
+- Sampled output follows the target's processed distribution exactly; each row draws from
+  its own `torch.Generator` (seeded `seed + prompt_index`), never from global state.
+- A row stops at any EOS id (which is returned), at exactly `max_new_tokens`, or when a stop
+  string appears (the text ends before it; the ids end with the token that completed it).
+
+One round, for the rows still active:
+  1. each row's budget: min(k, tokens left - 1), so a commit never passes max_new_tokens;
+  2. the proposer drafts up to that many tokens per row;
+  3. the target scores [tokens it has not seen, draft tokens] in one forward;
+  4. the verifier picks the accepted prefix plus one recovered or bonus token per row;
+  5. both caches roll back to the committed prefix; stops are applied; finished rows leave.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from speclm.errors import UsageError
+from speclm.kv import RaggedKV
+from speclm.models.loading import LoadedModel
+from speclm.proposers import Draft, DraftModelProposer, PromptLookupProposer, Proposer
+from speclm.sampling import SamplingParams
+from speclm.stats import RequestStats
+from speclm.text import IncrementalText, final_text, stop_cut
+from speclm.verify import verify
+
+METHODS = ("none", "draft", "pld")
+DEFAULT_K = {"draft": 4, "pld": 4}
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """`generate`-style arguments."""
+
+    method: str = "none"  # none | draft | pld
+    k: int | None = None  # draft length per round; None: the method's default
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = False  # apply the target's chat template to each prompt as one user message
+    ngram_max: int = 3  # pld: longest n-gram to match
+    ngram_min: int = 1  # pld: shortest n-gram to match
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UsageError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+        if self.k is not None and self.k < 1:
+            raise UsageError(f"k must be >= 1, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise UsageError("need 1 <= ngram-min <= ngram-max")
+        self.sampling  # validates temperature, top-p, top-k
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def draft_length(self) -> int:
+        return self.k if self.k is not None else DEFAULT_K.get(self.method, 0)
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    text: str
+    token_ids: list[int]  # generated ids only
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: RequestStats
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_index": self.prompt_index,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass
+class _Row:
+    index: int  # position in the caller's prompt list
+    context: list[int]  # prompt + generated ids
+    prompt_len: int
+    max_new: int
+    generator: torch.Generator | None
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish_reason: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.context[self.prompt_len :]
+
+
+class SpecEngine:
+    """Speculative decoding over a loaded target (and optionally a draft) model.
+
+    >>> engine = SpecEngine(load_model("qwen2.5-coder-1.5b"), draft=load_model("qwen2.5-coder-0.5b"))
+    >>> engine.generate("def fib(n):", method="draft", max_new_tokens=64).text
+    """
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+        self.target, self.draft = target, draft
+        if draft is not None:
+            check_same_vocabulary(target, draft)
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, prompts, batch_size: int | None = None, **options) -> Completion | list[Completion]:
+        """Generate for one prompt (returns a Completion) or a list (returns a list, in order).
+
+        A prompt is a string or a list of token ids. A list runs as batches of `batch_size`
+        rows (default: all at once); each row accepts its own number of tokens per round.
+        Keyword options are those of `GenerationOptions`.
+        """
+        opts = GenerationOptions(**options)
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        encoded = self.encode([prompts] if single else list(prompts), opts.chat)
+        size = batch_size or len(encoded)
+        results: list[Completion] = []
+        for start in range(0, len(encoded), size):
+            chunk = list(enumerate(encoded))[start : start + size]
+            rows = self._rows(chunk, opts)
+            for _ in self._decode(rows, opts):
+                pass
+            results.extend(self._completion(r, opts) for r in rows)
+        return results[0] if single else results
+
+    def stream(self, prompt, **options) -> "TextStream":
+        """Iterate over text deltas as tokens are committed; `.completion` holds the result after."""
+        opts = GenerationOptions(**options)
+        rows = self._rows(list(enumerate(self.encode([prompt], opts.chat))), opts)
+        return TextStream(self, rows[0], opts)
+
+    def encode(self, prompts: list, chat: bool) -> list[list[int]]:
+        tok = self.target.tokenizer
+        out = []
+        for p in prompts:
+            if not isinstance(p, str):
+                ids = [int(t) for t in p]
+            elif chat:
+                if not getattr(tok, "chat_template", None):
+                    raise UsageError(f"model '{self.target.name}' has no chat template; drop --chat")
+                text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                ids = tok(text, add_special_tokens=False).input_ids
+            else:
+                ids = tok(p).input_ids
+            if not ids:
+                raise UsageError("empty prompt")
+            limit = self.target.max_context
+            if limit and len(ids) >= limit:
+                raise UsageError(f"prompt of {len(ids)} tokens does not fit the context of {limit} tokens")
+            out.append(ids)
+        return out
+
+    def make_proposer(self, opts: GenerationOptions) -> Proposer | None:
+        if opts.method == "none":
+            return None
+        if opts.method == "draft":
+            if self.draft is None:
+                raise UsageError("method 'draft' needs a draft model (--draft MODEL)")
+            return DraftModelProposer(self.draft.model, k=opts.draft_length)
+        return PromptLookupProposer(k=opts.draft_length, max_ngram=opts.ngram_max, min_ngram=opts.ngram_min)
+
+    # ---------------------------------------------------------------- the loop
+    def _rows(self, indexed: list[tuple[int, list[int]]], opts: GenerationOptions) -> list[_Row]:
+        seed = opts.seed if opts.seed is not None else secrets.randbits(62)
+        limit = self.target.max_context or 1 << 62
+        rows = []
+        for index, ids in indexed:
+            gen = None if opts.sampling.greedy else torch.Generator().manual_seed(seed + index)
+            rows.append(_Row(index, list(ids), len(ids), min(opts.max_new_tokens, limit - len(ids)), gen))
+        return rows
+
+    def _decode(self, rows: list[_Row], opts: GenerationOptions) -> Iterator[list[_Row]]:
+        """Run rows to completion; after each round yield the rows that committed tokens."""
+        params = opts.sampling
+        eos = set(self.target.eos_token_ids)
+        proposer = self.make_proposer(opts)
+        k = opts.draft_length
+        target_kv = RaggedKV(self.target.model, len(rows))
+        if proposer:
+            proposer.start(len(rows))
+        active = list(rows)
+        t_start = time.perf_counter()
+        while active:
+            contexts = [r.context for r in active]
+            budgets = [min(k, r.max_new - len(r.generated) - 1) for r in active]
+            gens = [r.generator for r in active]
+
+            t0 = time.perf_counter()
+            draft = proposer.propose(contexts, budgets, params, gens).trimmed() if proposer else Draft.empty(len(active))
+            t1 = time.perf_counter()
+
+            have = target_kv.lengths_list()
+            feed = [c[h:] + d for c, h, d in zip(contexts, have, draft.tokens.tolist())]
+            logits = target_kv.forward(feed, draft.width + 1)  # (B, K+1, V)
+            verdict = verify(logits, draft, params, gens)
+            t2 = time.perf_counter()
+
+            keep = [len(c) + int(n) for c, n in zip(contexts, verdict.num_accepted)]
+            target_kv.truncate(keep)
+            if proposer:
+                proposer.rollback(keep)
+
+            for b, row in enumerate(active):
+                s = row.stats
+                s.target_forwards += 1
+                s.draft_forwards += draft.forwards
+                s.draft_seconds += t1 - t0
+                s.verify_seconds += t2 - t1
+                s.record_acceptance(int(draft.lengths[b]), int(verdict.num_accepted[b]))
+                self._commit(row, verdict.committed(b), eos, opts.stop)
+                s.new_tokens = len(row.generated)
+                s.wall_seconds = time.perf_counter() - t_start
+            yield active
+
+            still = [b for b, r in enumerate(active) if r.finish_reason is None]
+            if len(still) < len(active):
+                active = [active[b] for b in still]
+                if active:
+                    target_kv.select(still)
+                    if proposer:
+                        proposer.select(still)
+
+    def _commit(self, row: _Row, new: list[int], eos: set[int], stops: tuple[str, ...]) -> None:
+        first_new = len(row.generated)
+        for i, t in enumerate(new):
+            if t in eos:
+                new, row.finish_reason = new[: i + 1], "stop"
+                break
+        row.context.extend(new)
+        cut = stop_cut(self.target.tokenizer, row.generated, first_new, stops)
+        if cut is not None:
+            del row.context[row.prompt_len + cut :]
+            row.finish_reason = "stop"
+        elif row.finish_reason is None and len(row.generated) >= row.max_new:
+            row.finish_reason = "length"
+
+    def _completion(self, row: _Row, opts: GenerationOptions) -> Completion:
+        text = final_text(self.target.tokenizer, row.generated, opts.stop)
+        return Completion(row.index, text, list(row.generated), row.finish_reason or "length", row.stats)
+
+
+class TextStream:
+    """Iterator of text deltas for one prompt; `completion` is set once it is exhausted."""
+
+    def __init__(self, engine: SpecEngine, row: _Row, opts: GenerationOptions):
+        self._engine, self._row, self._opts = engine, row, opts
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        text = IncrementalText(self._engine.target.tokenizer, self._opts.stop)
+        for _ in self._engine._decode([self._row], self._opts):
+            delta = text.delta(self._row.generated, finished=self._row.finish_reason is not None)
+            if delta:
+                yield delta
+        self.completion = self._engine._completion(self._row, self._opts)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Draft tokens are target token ids, so both must share one tokenizer vocabulary."""
+    if target.vocab_size != draft.vocab_size or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise UsageError(
+            f"draft '{draft.name}' does not share the target's vocabulary "
+            f"({draft.vocab_size} vs {target.vocab_size} output ids); pick a draft of the same family"
+        )

@@ -1,0 +1,95 @@
+"""Load a model by catalog name, Hugging Face hub id, local model folder or `.gguf` file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from speclm.catalog import CATALOG
+from speclm.errors import UsageError
+from speclm.models import store
+
+
+@dataclass
+class LoadedModel:
+    name: str  # as the user gave it
+    model: object  # a transformers PreTrainedModel (causal LM), in eval mode
+    tokenizer: object  # its transformers tokenizer
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def resolve_model(name: str, *, progress: bool = True) -> str:
+    """Map a user-facing model name to something `from_pretrained` accepts (a folder or hub id).
+
+    Catalog names are pulled on first use; a `.gguf` file is converted once into the cache.
+    """
+    if name in CATALOG:
+        return str(store.cached_path(name) or store.pull(name, progress=progress))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UsageError(f"model file not found: {name}")
+        return str(_converted_gguf(path, progress))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"'{name}' is not a model folder (no config.json)")
+        return str(path)
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name  # a hub id; from_pretrained decides whether it can be had
+    raise UsageError(
+        f"unknown model '{name}': not a catalog name ({', '.join(CATALOG)}), hub id, model folder or .gguf file"
+    )
+
+
+def _converted_gguf(path: Path, progress: bool) -> Path:
+    stat = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    final = store.models_dir() / f"gguf-{path.stem}-{key}"
+    if store.is_model_folder(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".partial-gguf-{key}-", dir=final.parent))
+    try:
+        store.convert_gguf(path, work / "model", progress=progress)
+        (work / "model" / store.MARKER).write_text(json.dumps({"name": path.name, "source": str(path.resolve())}))
+        (work / "model").rename(final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", progress: bool = True) -> LoadedModel:
+    """Load model and tokenizer; `name` as in `resolve_model`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    source = resolve_model(name, progress=progress)
+    torch_dtype = getattr(torch, dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot load model '{name}': {first}") from exc
+    model.to(device).eval()
+    eos: set[int] = set()
+    try:
+        gen = GenerationConfig.from_pretrained(source)
+        eos.update(store._as_list(gen.eos_token_id))
+    except OSError:
+        pass
+    eos.update(store._as_list(model.generation_config.eos_token_id))
+    eos.update(store._as_list(tokenizer.eos_token_id))
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)))

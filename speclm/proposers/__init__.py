@@ -1,0 +1,7 @@
+"""Proposers: everything that drafts tokens for the one verifier."""
+
+from speclm.proposers.base import Draft, Proposer
+from speclm.proposers.draft_model import DraftModelProposer
+from speclm.proposers.prompt_lookup import PromptLookupProposer, lookup
+
+__all__ = ["Draft", "Proposer", "DraftModelProposer", "PromptLookupProposer", "lookup"]

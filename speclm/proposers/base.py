@@ -1,0 +1,62 @@
+"""What every proposer returns, and the interface the engine drives.
+
+A proposer sees each active row's committed tokens (prompt + generated) and proposes up to
+`max_tokens[b]` next tokens per row. It may keep state (a draft model's KV cache); the engine
+tells it which rows leave the batch (`select`) and how long a prefix of each row survived
+verification (`rollback`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speclm.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # (B, K) long; entries at j >= lengths[b] are padding
+    lengths: torch.Tensor  # (B,) long; drafted tokens per row, 0 <= lengths[b] <= K
+    draft_probs: torch.Tensor | None  # (B, K, V) the distribution each token was drawn from; None: one-hot
+    forwards: int = 0  # draft model forwards spent on this proposal
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def trimmed(self) -> "Draft":
+        """The same draft, padded only to its longest row (no columns that no row uses)."""
+        width = int(self.lengths.max()) if len(self.lengths) else 0
+        probs = self.draft_probs[:, :width] if self.draft_probs is not None and width else None
+        return Draft(self.tokens[:, :width], self.lengths, probs, self.forwards)
+
+    @staticmethod
+    def empty(batch_size: int) -> "Draft":
+        zeros = torch.zeros(batch_size, dtype=torch.long)
+        return Draft(torch.zeros(batch_size, 0, dtype=torch.long), zeros, None)
+
+
+class Proposer:
+    """Base class; stateless proposers only implement `propose`."""
+
+    name = "proposer"
+
+    def start(self, batch_size: int) -> None:
+        """A new batch of requests begins."""
+
+    def propose(
+        self,
+        contexts: list[list[int]],
+        max_tokens: list[int],
+        params: SamplingParams,
+        generators: list[torch.Generator | None],
+    ) -> Draft:
+        raise NotImplementedError
+
+    def rollback(self, keep: list[int]) -> None:
+        """Row b's first keep[b] tokens are committed; anything cached past them is stale."""
+
+    def select(self, rows: list[int]) -> None:
+        """Only these rows stay in the batch."""

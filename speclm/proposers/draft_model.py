@@ -1,0 +1,56 @@
+"""Drafting with a smaller model that shares the target's tokenizer.
+
+The draft keeps its own ragged KV cache. Each proposal first feeds the committed tokens
+the draft has not seen (the whole prompt at the start; afterwards the target's
+recovered or bonus token, plus the last draft token when every draft was accepted), then
+drafts autoregressively. Its last drafted token is never fed, so a fully accepted round
+costs k draft forwards, not k+1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speclm.proposers.base import Draft, Proposer
+from speclm.kv import RaggedKV
+from speclm.sampling import SamplingParams, processed_probs, sample
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+
+    def __init__(self, model, k: int = 4):
+        self.model, self.k = model, k
+        self.kv: RaggedKV | None = None
+
+    def start(self, batch_size: int) -> None:
+        self.kv = RaggedKV(self.model, batch_size)
+
+    def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
+        batch = len(contexts)
+        width = min(self.k, max(max_tokens))
+        if width <= 0:
+            return Draft.empty(batch)
+        have = self.kv.lengths_list()
+        logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1)[:, -1]  # (B, V)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        probs = [] if not params.greedy else None
+        for j in range(width):
+            if params.greedy:
+                step = logits.argmax(-1).cpu()
+            else:
+                p = processed_probs(logits, params)  # (B, V)
+                probs.append(p)
+                step = torch.tensor([sample(p[b].cpu(), generators[b]) for b in range(batch)])
+            tokens[:, j] = step
+            if j + 1 < width:
+                logits = self.kv.forward([[t] for t in step.tolist()], 1)[:, -1]
+        lengths = torch.tensor([min(width, max(m, 0)) for m in max_tokens], dtype=torch.long)
+        draft_probs = torch.stack(probs, dim=1) if probs is not None else None  # (B, K, V)
+        return Draft(tokens, lengths, draft_probs, forwards=width)
+
+    def rollback(self, keep: list[int]) -> None:
+        self.kv.truncate(keep)
+
+    def select(self, rows: list[int]) -> None:
+        self.kv.select(rows)

@@ -1,0 +1,46 @@
+"""Per-request statistics. The field names are a contract shared with the CLI's JSON output."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestStats:
+    target_forwards: int = 0  # target forwards this request took part in, prefill included
+    draft_forwards: int = 0  # draft model forwards (0 for pld and none)
+    drafted_tokens: int = 0  # tokens proposed and sent to verification
+    accepted_tokens: int = 0  # drafted tokens the verifier accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft token j was accepted
+    draft_seconds: float = 0.0  # time proposing (shared batch time while the row was active)
+    verify_seconds: float = 0.0  # time in target forwards and verification, prefill included
+    wall_seconds: float = 0.0  # from the start of the request to its last token
+    new_tokens: int = 0  # generated tokens returned (EOS included when generated)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens committed per target forward, the recovered or bonus token included (plain decoding: 1.0)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted_tokens"] = self.mean_accepted_tokens
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
+
+    def record_acceptance(self, drafted: int, accepted: int) -> None:
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1

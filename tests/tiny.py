@@ -1,0 +1,50 @@
+"""Tiny randomly initialised models and tokenizers for fast tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from speclm.models.loading import LoadedModel
+
+EOS = "<eos>"
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """256 byte tokens (no merges) + <eos>: a character outside ASCII spans several tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab[EOS] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    return fast
+
+
+def word_tokenizer(size: int) -> PreTrainedTokenizerFast:
+    """Words 'w0'..'w{size-2}' and <eos> (id size-1): a small vocabulary for exact distributions."""
+    vocab = {f"w{i}": i for i in range(size - 1)}
+    vocab[EOS] = size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+
+
+def tiny_model(vocab_size: int, seed: int, layers: int = 2, hidden: int = 64, init: float = 0.2) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, initializer_range=init,
+    )
+    config._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(config).eval()
+
+
+def loaded(model, tokenizer, name: str = "tiny", eos: bool = True) -> LoadedModel:
+    ids = (tokenizer.convert_tokens_to_ids(EOS),) if eos else ()
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=ids)
