@@ -1,0 +1,218 @@
+"""The `speclm` command line. Bad input: one line on stderr, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from speclm.errors import PullError, SpeclmError, UsageError
+
+DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="speclm", description="Lossless speculative decoding for transformers models.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
+    g.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
+    g.add_argument("--method", choices=["none", "draft", "pld"], default="none")
+    g.add_argument("--draft", help="draft model for --method draft (same tokenizer as the target)")
+    _add_decoding_options(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help='JSON lines with a "prompt" string (or Spec-Bench "turns")')
+    g.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt per line on stdout")
+
+    d = sub.add_parser("demo", help="speculative vs plain decoding with the default Qwen pair, one prompt")
+    d.add_argument("--target", default="qwen2.5-coder-1.5b")
+    d.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    d.add_argument("--prompt", default=DEMO_PROMPT)
+    d.add_argument("--k", type=int, default=4)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--threads", type=int, default=None)
+
+    m = sub.add_parser("models", help="the model catalog and cache")
+    msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
+    msub.add_parser("list", help="catalog models and what is cached")
+    pull = msub.add_parser("pull", help="download, verify and convert a catalog model")
+    pull.add_argument("name")
+    pull.add_argument("--force", action="store_true", help="pull again even if cached")
+    return p
+
+
+def _add_decoding_options(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--k", type=int, default=None, help="draft tokens per round (default 4)")
+    g.add_argument("--ngram-max", type=int, default=3, help="pld: longest n-gram matched (default 3)")
+    g.add_argument("--ngram-min", type=int, default=1, help="pld: shortest n-gram matched (default 1)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
+    g.add_argument("--seed", type=int, default=None, help="row i samples with seed + i")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--chat", action="store_true", help="apply the target's chat template (one user message)")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "models":
+            return _models(args)
+        _quiet_transformers()
+        if getattr(args, "threads", None):
+            import torch
+
+            if args.threads < 1:
+                raise UsageError("--threads must be >= 1")
+            torch.set_num_threads(args.threads)
+        if args.command == "generate":
+            return _generate(args)
+        return _demo(args)
+    except UsageError as exc:
+        print(f"speclm: error: {exc}", file=sys.stderr)
+        return 2
+    except SpeclmError as exc:
+        print(f"speclm: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("speclm: interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def _models(args) -> int:
+    from speclm.catalog import CATALOG
+    from speclm.models import store
+
+    if args.models_command == "list":
+        cached = store.cached_models()
+        print(f"{'name':<22} {'cached':<7} description")
+        for name, entry in CATALOG.items():
+            print(f"{name:<22} {'yes' if name in cached else 'no':<7} {entry.description}")
+        print(f"cache: {store.models_dir()}")
+        return 0
+    if args.name not in CATALOG:
+        raise UsageError(f"'{args.name}' is not in the catalog ({', '.join(CATALOG)})")
+    try:
+        path = store.pull(args.name, force=args.force)
+    except PullError as exc:
+        print(f"speclm: pull failed: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def _generate(args) -> int:
+    from speclm.engine import GenerationOptions, SpecEngine
+    from speclm.models.loading import load_model, resolve_model
+    from speclm.prompts import read_prompt_file
+
+    opts = GenerationOptions(
+        method=args.method, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+    )
+    if args.batch_size < 1:
+        raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
+    if args.method == "draft" and not args.draft:
+        raise UsageError("--method draft needs --draft MODEL")
+    prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
+    resolve_model(args.target, progress=False) if not _is_catalog(args.target) else None  # fail fast on bad names
+    if args.method == "draft" and not _is_catalog(args.draft):
+        resolve_model(args.draft, progress=False)
+    target = load_model(args.target)
+    draft = load_model(args.draft) if args.method == "draft" else None
+    engine = SpecEngine(target, draft=draft)
+    engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
+
+    if not args.json and args.batch_size == 1:
+        for i, prompt in enumerate(prompts):
+            stream = engine.stream(prompt, **_as_kwargs(opts, seed_offset=i))
+            for delta in stream:
+                print(delta, end="", flush=True)
+            print()
+            _print_stats(stream.completion.stats, sys.stderr)
+        return 0
+    for start in range(0, len(prompts), args.batch_size):
+        chunk = prompts[start : start + args.batch_size]
+        results = engine.generate(chunk, **_as_kwargs(opts, seed_offset=start))
+        for r in results:
+            r.prompt_index += start
+            if args.json:
+                print(json.dumps(r.to_dict(), ensure_ascii=False), flush=True)
+            else:
+                print(r.text)
+                _print_stats(r.stats, sys.stderr)
+    return 0
+
+
+def _is_catalog(name: str) -> bool:
+    from speclm.catalog import CATALOG
+
+    return name in CATALOG
+
+
+def _as_kwargs(opts, seed_offset: int) -> dict:
+    from dataclasses import asdict
+
+    kw = asdict(opts)
+    if kw["seed"] is not None:
+        kw["seed"] += seed_offset  # row i of the whole prompt list samples with seed + i
+    return kw
+
+
+def _print_stats(stats, file) -> None:
+    d = stats.to_dict()
+    print(
+        f"[{d['new_tokens']} tokens, {d['tokens_per_second']:.2f} tok/s, {d['target_forwards']} target forwards, "
+        f"mean accepted {d['mean_accepted_tokens']:.2f}, acceptance {d['acceptance_rate']:.2f}, "
+        f"draft {d['draft_seconds']:.2f}s, verify {d['verify_seconds']:.2f}s]",
+        file=file,
+    )
+
+
+def _demo(args) -> int:
+    from speclm.engine import SpecEngine
+    from speclm.models.loading import load_model
+
+    print(f"loading {args.target} (target) and {args.draft} (draft)...", file=sys.stderr)
+    engine = SpecEngine(load_model(args.target), draft=load_model(args.draft))
+    common = dict(max_new_tokens=args.max_new_tokens, chat=True)
+    engine.generate("Hi", max_new_tokens=2, chat=True)  # warm-up: first-call allocations
+    print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={args.k}), streamed")
+    stream = engine.stream(args.prompt, method="draft", k=args.k, **common)
+    for delta in stream:
+        print(delta, end="", flush=True)
+    spec = stream.completion
+    print("\n\n== plain decoding (method none), same engine")
+    plain = engine.generate(args.prompt, method="none", **common)
+    print(f"(generated {len(plain.token_ids)} tokens)")
+    print("\n== statistics (speculative)")
+    for key, value in spec.stats.to_dict().items():
+        print(f"  {key}: {round(value, 4) if isinstance(value, float) else value}")
+    same = spec.token_ids == plain.token_ids
+    print(f"\n== result\n  plain:       {plain.stats.tokens_per_second:.2f} tok/s")
+    print(f"  speculative: {spec.stats.tokens_per_second:.2f} tok/s")
+    print(f"  speedup:     {spec.stats.tokens_per_second / plain.stats.tokens_per_second:.2f}x")
+    print(f"  identical output: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The verifier alone, on hand-made logits and drafts."""
+
+import numpy as np
+import torch
+
+from chisq import ALPHA, chisq_pvalue
+from speclm.proposers import Draft
+from speclm.sampling import SamplingParams, processed_probs
+from speclm.verify import verify
+
+GREEDY = SamplingParams()
+
+
+def logits_preferring(tokens: list[list[int]], vocab: int = 10) -> torch.Tensor:
+    """(B, K+1, V) logits whose argmax at position j of row b is tokens[b][j]."""
+    out = torch.randn(len(tokens), len(tokens[0]), vocab)
+    for b, row in enumerate(tokens):
+        for j, t in enumerate(row):
+            out[b, j, t] = 10.0
+    return out
+
+
+def test_greedy_accepts_matching_prefix_per_row():
+    logits = logits_preferring([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]])
+    draft = Draft(torch.tensor([[1, 2, 3], [1, 9, 3], [1, 2, 3]]), torch.tensor([3, 3, 3]), None)
+    v = verify(logits, draft, GREEDY, [None] * 3)
+    assert v.num_accepted.tolist() == [3, 1, 0]
+    assert v.committed(0) == [1, 2, 3, 4]  # all accepted + bonus
+    assert v.committed(1) == [1, 2]  # accepted 1, recovered 2
+    assert v.committed(2) == [5]
+
+
+def test_greedy_acceptance_stops_at_row_draft_length():
+    logits = logits_preferring([[1, 2, 3, 4], [1, 2, 3, 4]])
+    draft = Draft(torch.tensor([[1, 2, 3], [1, 2, 0]]), torch.tensor([1, 2]), None)
+    v = verify(logits, draft, GREEDY, [None] * 2)
+    assert v.num_accepted.tolist() == [1, 2]
+    assert v.committed(0) == [1, 2] and v.committed(1) == [1, 2, 3]
+
+
+def test_empty_draft_is_plain_decoding():
+    logits = logits_preferring([[4], [7]])
+    v = verify(logits, Draft.empty(2), GREEDY, [None] * 2)
+    assert v.num_accepted.tolist() == [0, 0] and v.committed(0) == [4] and v.committed(1) == [7]
+
+
+def _first_token_counts(draft_probs_fn, params, n=6000, vocab=6, width=3, seed=0):
+    """Commit one verification round n times; count the first committed token."""
+    gen = torch.Generator().manual_seed(1234)
+    target_logits = torch.randn(1, width + 1, vocab, generator=gen) * 1.5
+    target_probs = processed_probs(target_logits, params)[0, 0]
+    counts = np.zeros(vocab)
+    rngs = [torch.Generator().manual_seed(seed + i) for i in range(n)]
+    for i in range(n):
+        q = draft_probs_fn(gen)  # (width, V) or None
+        if q is None:
+            tokens = torch.tensor([[2, 3, 1]])
+        else:
+            tokens = torch.multinomial(q, 1, generator=rngs[i]).T
+        draft = Draft(tokens, torch.tensor([width]), None if q is None else q[None])
+        counts[verify(target_logits, draft, params, [rngs[i]]).committed(0)[0]] += 1
+    return counts, target_probs.numpy()
+
+
+def test_sampled_first_token_follows_target_with_draft_probs():
+    fixed = torch.randn(3, 6, generator=torch.Generator().manual_seed(7)).softmax(-1)
+    counts, target = _first_token_counts(lambda g: fixed, SamplingParams(temperature=1.0))
+    assert chisq_pvalue(counts, target) > ALPHA
+
+
+def test_sampled_first_token_follows_target_one_hot_draft():
+    counts, target = _first_token_counts(lambda g: None, SamplingParams(temperature=0.8, top_k=5))
+    assert chisq_pvalue(counts, target) > ALPHA
