@@ -74,15 +74,19 @@ def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", progre
     """Load model and tokenizer; `name` as in `resolve_model`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     source = resolve_model(name, progress=progress)
     torch_dtype = getattr(torch, dtype)
+    hf_logging.disable_progress_bar()  # a cached safetensors folder loads in seconds
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"cannot load model '{name}': {first}") from exc
+    finally:
+        hf_logging.enable_progress_bar()
     model.to(device).eval()
     eos: set[int] = set()
     try:

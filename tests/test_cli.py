@@ -1,0 +1,133 @@
+"""The CLI contract: JSON output keys, and one-line errors with exit status 2."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from speclm.cli import main
+from tiny import byte_tokenizer, tiny_model, word_tokenizer
+
+STAT_KEYS = {
+    "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+    "mean_accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds",
+    "wall_seconds", "new_tokens", "tokens_per_second",
+}
+
+
+def save(model, tokenizer, folder):
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tok = byte_tokenizer()
+    return {
+        "target": save(tiny_model(len(tok), seed=0), tok, root / "target"),
+        "draft": save(tiny_model(len(tok), seed=1, layers=1), tok, root / "draft"),
+        "other_vocab": save(tiny_model(40, seed=2), word_tokenizer(40), root / "other"),
+    }
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_batch(folders, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello hello"}\n{"question_id": 1, "turns": ["abc abc", "second turn"]}\n{"prompt": "x"}\n')
+    argv = ["generate", "--target", folders["target"], "--method", "draft", "--draft", folders["draft"],
+            "--prompt-file", str(prompts), "--max-new-tokens", "9", "--batch-size", "2", "--json"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt_index"] for r in lines] == [0, 1, 2]
+    for r in lines:
+        assert set(r) >= {"prompt_index", "text", "token_ids", "stats"}
+        assert set(r["stats"]) == STAT_KEYS
+        assert len(r["token_ids"]) == r["stats"]["new_tokens"] <= 9
+    # same greedy ids as plain decoding, prompt by prompt
+    code, plain_out, _ = run(argv[:4] + ["none"] + argv[7:], capsys)
+    assert [json.loads(x)["token_ids"] for x in plain_out.splitlines()] == [r["token_ids"] for r in lines]
+
+
+def test_generate_streams_text_and_stats(folders, capsys):
+    code, out, err = run(["generate", "--target", folders["target"], "--method", "pld", "--prompt", "ab ab ab",
+                          "--max-new-tokens", "5", "--chat"], capsys)
+    assert code == 0 and out.endswith("\n")
+    assert re.match(r"\[[1-5] tokens, [0-9.]+ tok/s, \d+ target forwards, mean accepted", err)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--method", "draft"], "needs --draft"),
+        (["--k", "0"], "k must be >= 1"),
+        (["--temperature", "-0.5"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top-p must be in (0, 1]"),
+        (["--top-p", "1.01"], "top-p must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+        (["--method", "beam"], "invalid choice"),
+        (["--batch-size", "0"], "batch-size must be >= 1"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line(folders, capsys, extra, message):
+    code, out, err = run(["generate", "--target", folders["target"], "--prompt", "hi"] + extra, capsys)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_unknown_model(capsys):
+    code, _, err = run(["generate", "--target", "no-such-model", "--prompt", "hi"], capsys)
+    assert code == 2 and "unknown model 'no-such-model'" in err and len(err.splitlines()) == 1
+
+
+def test_folder_without_config(tmp_path, capsys):
+    code, _, err = run(["generate", "--target", str(tmp_path), "--prompt", "hi"], capsys)
+    assert code == 2 and "not a model folder" in err
+
+
+def test_draft_vocabulary_mismatch(folders, capsys):
+    code, out, err = run(["generate", "--target", folders["target"], "--method", "draft", "--draft",
+                          folders["other_vocab"], "--prompt", "hi"], capsys)
+    assert code == 2 and out == "" and "does not share the target's vocabulary" in err
+
+
+def test_prompt_longer_than_context(folders, capsys):
+    code, out, err = run(["generate", "--target", folders["target"], "--prompt", "x" * 300], capsys)
+    assert code == 2 and out == "" and "does not fit the context of 256 tokens" in err
+
+
+def test_bad_prompt_file(folders, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": 1}\n')
+    code, out, err = run(["generate", "--target", folders["target"], "--prompt-file", str(bad)], capsys)
+    assert code == 2 and out == "" and "bad.jsonl:2" in err
+    code, _, err = run(["generate", "--target", folders["target"], "--prompt-file", str(tmp_path / "none.jsonl")], capsys)
+    assert code == 2 and "cannot read prompt file" in err
+
+
+def test_no_traceback_from_the_console_script(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "speclm.cli", "generate", "--target", "nope", "--prompt", "x"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = subprocess.run([sys.executable, "-m", "speclm.cli", "generate"], capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_models_list(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
+    code, out, _ = run(["models", "list"], capsys)
+    assert code == 0
+    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"):
+        assert name in out
+    code, _, err = run(["models", "pull", "gpt-9"], capsys)
+    assert code == 2 and "not in the catalog" in err

