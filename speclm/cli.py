@@ -33,6 +33,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line on stdout")
 
+    b = sub.add_parser("bench", help="benchmark methods side by side (speclm and transformers) and write a report")
+    b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
+    b.add_argument("--draft", help="draft model for draft and hf-assisted")
+    b.add_argument("--methods", default="none,draft,pld,hf",
+                   help="comma list: none, draft[:k=N], pld[:k=N,ngram_max=N,ngram_min=N], hf, hf-assisted[:k=N], hf-pld[:k=N]")
+    b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
+    b.add_argument("--categories", help="comma list of categories (default: all)")
+    b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--chat", action="store_true", help="apply the target's chat template")
+    b.add_argument("--cost-repeats", type=int, default=5, help="samples per point of the cost model (0: skip it)")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--out", help="output folder: results.json, report.md, plots")
+    b.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two runs side by side and exit")
+
     d = sub.add_parser("demo", help="speculative vs plain decoding with the default Qwen pair, one prompt")
     d.add_argument("--target", default="qwen2.5-coder-1.5b")
     d.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -77,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            return _bench(args)
         return _demo(args)
     except UsageError as exc:
         print(f"speclm: error: {exc}", file=sys.stderr)
@@ -185,6 +205,59 @@ def _print_stats(stats, file) -> None:
         f"draft {d['draft_seconds']:.2f}s, verify {d['verify_seconds']:.2f}s]",
         file=file,
     )
+
+
+def _bench(args) -> int:
+    from pathlib import Path
+
+    from speclm.bench import report
+    from speclm.bench.dataset import load_prompts
+    from speclm.bench.methods import parse_methods
+    from speclm.bench.runner import BenchConfig, load_results, run_bench
+    from speclm.engine import SpecEngine
+    from speclm.models.loading import load_model
+
+    if args.compare:
+        runs = []
+        for path in args.compare:
+            try:
+                runs.append(load_results(path))
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"cannot read results {path}: {exc}") from exc
+        print(report.compare(runs[0], runs[1], Path(args.compare[0]).parent.name or "A", Path(args.compare[1]).parent.name or "B"))
+        return 0
+    if not args.target or not args.out:
+        raise UsageError("bench needs --target and --out (or --compare A.json B.json)")
+    specs = parse_methods(args.methods)
+    if any(s.needs_draft for s in specs) and not args.draft:
+        raise UsageError("methods draft and hf-assisted need --draft MODEL")
+    for name, value, low in (("max-new-tokens", args.max_new_tokens, 1), ("repeats", args.repeats, 1),
+                             ("per-category", args.per_category or 1, 1), ("cost-repeats", args.cost_repeats, 0)):
+        if value < low:
+            raise UsageError(f"{name} must be >= {low}")
+    if args.temperature < 0:
+        raise UsageError("temperature must be >= 0")
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    prompts = load_prompts(args.dataset, categories, args.per_category)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a folder")
+    target = load_model(args.target)
+    draft = load_model(args.draft) if args.draft and any(s.needs_draft for s in specs) else None
+    engine = SpecEngine(target, draft=draft)
+    config = BenchConfig(
+        target=args.target, draft=args.draft if draft else None, methods=[s.label for s in specs], dataset=args.dataset,
+        categories=categories, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, seed=args.seed, repeats=args.repeats, chat=args.chat,
+        dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""), cost_repeats=args.cost_repeats,
+    )
+    results = run_bench(engine, specs, prompts, config, out, measure_cost_model=args.cost_repeats > 0)
+    print((out / "report.md").read_text() if (out / "report.md").exists() else "no run finished")
+    print(f"results in {out}/", file=sys.stderr)
+    bad = [r for r in results["runs"] if r["lossless"] is False]
+    if bad:
+        print(f"speclm: WARNING: {len(bad)} greedy output(s) differ from none; see report.md", file=sys.stderr)
+    return 0 if results["complete"] else 130
 
 
 def _demo(args) -> int:

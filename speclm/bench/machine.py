@@ -1,0 +1,30 @@
+"""Facts about the machine and software a benchmark ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def machine_facts() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }

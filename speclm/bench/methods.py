@@ -1,0 +1,125 @@
+"""Benchmark methods: `name[:key=value,...]`, e.g. `none`, `draft:k=4`, `pld:k=8,ngram_max=2`,
+`hf`, `hf-assisted:k=4`, `hf-pld:k=10`.
+
+speclm methods run through `SpecEngine`; `hf*` methods through transformers' `generate` on
+the very same model objects (so on the same weights, dtype and threads).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from speclm.engine import METHODS, SpecEngine
+from speclm.errors import UsageError
+from speclm.stats import RequestStats
+
+HF_METHODS = ("hf", "hf-assisted", "hf-pld")
+OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str  # as written by the user; the key in every report
+    name: str  # none | draft | pld | hf | hf-assisted | hf-pld
+    options: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name in HF_METHODS
+
+    @property
+    def needs_draft(self) -> bool:
+        return self.name in ("draft", "hf-assisted")
+
+    @property
+    def drafts(self) -> bool:
+        return self.name not in ("none", "hf")
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    specs = []
+    for label in _split(text):
+        name, _, opts = label.partition(":")
+        if name not in METHODS + HF_METHODS:
+            raise UsageError(f"unknown method '{name}' (choose from {', '.join(METHODS + HF_METHODS)})")
+        options = {}
+        for item in filter(None, opts.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or key not in OPTION_TYPES:
+                raise UsageError(f"bad option '{item}' in method '{label}' (options: {', '.join(OPTION_TYPES)})")
+            try:
+                options[key] = OPTION_TYPES[key](value)
+            except ValueError:
+                raise UsageError(f"option {key} of method '{label}' must be an integer") from None
+        if options.get("k", 1) < 1:
+            raise UsageError(f"k must be >= 1 in method '{label}'")
+        specs.append(MethodSpec(label, name, options))
+    if not specs:
+        raise UsageError("no methods given")
+    if len({s.label for s in specs}) != len(specs):
+        raise UsageError("a method is listed twice")
+    return specs
+
+
+def _split(text: str) -> list[str]:
+    """Split `a,b:k=4,c:k=2,ngram_max=2` at commas that start a new method."""
+    parts: list[str] = []
+    for piece in text.split(","):
+        piece = piece.strip()
+        if not piece:
+            continue
+        if parts and "=" in piece and ":" not in piece:
+            parts[-1] += "," + piece  # an option of the previous method
+        else:
+            parts.append(piece)
+    return parts
+
+
+@dataclass
+class RunResult:
+    token_ids: list[int]
+    seconds: float
+    stats: RequestStats | None  # None for hf methods (transformers reports none)
+
+
+def run_method(spec: MethodSpec, engine: SpecEngine, prompt_ids: list[int], max_new_tokens: int,
+               temperature: float, seed: int) -> RunResult:
+    if spec.is_hf:
+        return _run_hf(spec, engine, prompt_ids, max_new_tokens, temperature, seed)
+    start = time.perf_counter()
+    out = engine.generate(prompt_ids, method=spec.name, max_new_tokens=max_new_tokens,
+                          temperature=temperature, seed=seed, **spec.options)
+    return RunResult(out.token_ids, time.perf_counter() - start, out.stats)
+
+
+@torch.inference_mode()
+def _run_hf(spec, engine, prompt_ids, max_new_tokens, temperature, seed) -> RunResult:
+    target = engine.target
+    ids = torch.tensor([prompt_ids], device=target.model.device)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=list(target.eos_token_ids),
+        pad_token_id=target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.eos_token_ids[0],
+    )
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(seed)  # transformers samples from torch's global generator
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    if spec.name == "hf-assisted":
+        if engine.draft is None:
+            raise UsageError("hf-assisted needs --draft")
+        kwargs["assistant_model"] = engine.draft.model
+        if "k" in spec.options:  # a fixed draft length, like speclm's; else transformers' adaptive default
+            kwargs.update(num_assistant_tokens=spec.options["k"], num_assistant_tokens_schedule="constant",
+                          assistant_confidence_threshold=0.0)
+    elif spec.name == "hf-pld":
+        kwargs["prompt_lookup_num_tokens"] = spec.options.get("k", 10)
+        if "ngram_max" in spec.options:
+            kwargs["max_matching_ngram_size"] = spec.options["ngram_max"]
+    start = time.perf_counter()
+    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+    seconds = time.perf_counter() - start
+    return RunResult(out[0, len(prompt_ids):].tolist(), seconds, None)

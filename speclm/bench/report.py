@@ -1,0 +1,264 @@
+"""Summaries, report.md, plots and run comparisons, all computed from results.json alone.
+
+tokens/s of a method in a category is a ratio of means, as Spec-Bench computes it:
+sum of new tokens / sum of seconds over that category's runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from speclm.bench.costs import predicted_speedup
+
+ALL = "all"
+
+
+def _ordered(values):
+    return list(dict.fromkeys(values))
+
+
+def summarize(results: dict) -> dict:
+    runs = results["runs"]
+    methods = _ordered(r["method"] for r in runs)
+    categories = _ordered(r["category"] for r in runs) + [ALL]
+    table: dict[str, dict[str, dict]] = {}
+    for m in methods:
+        table[m] = {}
+        for cat in categories:
+            rs = [r for r in runs if r["method"] == m and (cat == ALL or r["category"] == cat)]
+            if rs:
+                table[m][cat] = _cell(rs)
+    for m in methods:
+        for cat, cell in table[m].items():
+            for base in ("none", "hf"):
+                ref = table.get(base, {}).get(cat)
+                cell[f"speedup_vs_{base}"] = cell["tokens_per_second"] / ref["tokens_per_second"] if ref and ref["tokens_per_second"] else None
+    return {"methods": table, "categories": categories, "predicted": _predicted(results, table)}
+
+
+def _cell(rs: list[dict]) -> dict:
+    tokens = sum(r["new_tokens"] for r in rs)
+    seconds = sum(r["seconds"] for r in rs)
+    cell = {"runs": len(rs), "new_tokens": tokens, "seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds else 0.0}
+    stats = [r["stats"] for r in rs if r["stats"]]
+    if stats:
+        forwards = sum(s["target_forwards"] for s in stats)
+        drafted = sum(s["drafted_tokens"] for s in stats)
+        accepted = sum(s["accepted_tokens"] for s in stats)
+        width = max(len(s["accepted_per_position"]) for s in stats)
+        per_pos = [sum(s["accepted_per_position"][j] for s in stats if j < len(s["accepted_per_position"])) for j in range(width)]
+        wall = sum(s["wall_seconds"] for s in stats)
+        cell.update(
+            mean_accepted_tokens=tokens / forwards if forwards else None,
+            acceptance_rate=accepted / drafted if drafted else None,
+            target_forwards_per_token=forwards / tokens if tokens else None,
+            accepted_per_position=per_pos,
+            target_forwards=forwards,
+            draft_forwards=sum(s["draft_forwards"] for s in stats),
+            drafted_tokens=drafted,
+            draft_share=sum(s["draft_seconds"] for s in stats) / wall if wall else None,
+            verify_share=sum(s["verify_seconds"] for s in stats) / wall if wall else None,
+        )
+    checked = [r["lossless"] for r in rs if r["lossless"] is not None]
+    cell["lossless"] = f"{sum(checked)}/{len(checked)}" if checked else None
+    return cell
+
+
+def _predicted(results: dict, table: dict) -> dict:
+    """Predicted speedup of each drafting method from its measured tau, c and v.
+
+    Per target forward a method spends d draft steps (draft model: its forwards; pld: one
+    lookup) and verifies g tokens on average, so the cost of one round, in target steps,
+    is d·c + v(g + 1) (v interpolated between measured k) and the speedup is tau / that.
+    """
+    cost = results.get("cost_model")
+    if not cost:
+        return {}
+    v = {int(k): x for k, x in cost["v"].items()}
+    out = {}
+    for label, c in cost["c"].items():
+        cell = table.get(label, {}).get(ALL)
+        if not cell or not cell.get("target_forwards"):
+            continue
+        forwards = cell["target_forwards"]
+        steps = cell["draft_forwards"] / forwards if label.startswith("draft") else 1.0
+        gamma = cell["drafted_tokens"] / forwards
+        out[label] = {"draft_steps_per_forward": steps, "drafted_per_forward": gamma, "tau": cell["mean_accepted_tokens"],
+                      "c": c, "predicted_speedup": predicted_speedup(cell["mean_accepted_tokens"], gamma, c, v, steps),
+                      "measured_speedup": cell.get("speedup_vs_none")}
+    return out
+
+
+def _fmt(x, spec=".2f"):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(results: dict, summary: dict) -> str:
+    cfg, mach = results["config"], results["machine"]
+    lines = ["# speclm benchmark report", ""]
+    if not results.get("complete"):
+        lines += [f"**Incomplete run**: interrupted after {len(results['runs'])} runs; the tables cover what finished.", ""]
+    if results.get("command"):
+        lines += [f"Command: `{results['command']}`", ""]
+    lines += [
+        f"Created {results['created']}. Target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, "
+        f"temperature {cfg['temperature']}, {cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeat(s), "
+        f"dataset {cfg['dataset']}{', chat template' if cfg['chat'] else ''}.",
+        "",
+        f"Machine: {mach['cpu']}, {mach['cpu_count']} CPUs, {mach['torch_threads']} torch threads"
+        f"{', GPU ' + mach['cuda'] if mach.get('cuda') else ''}; torch {mach['torch']}, transformers {mach['transformers']}, "
+        f"Python {mach['python']}.",
+        "",
+        "## Overall (all categories)",
+        "",
+        "| method | tokens/s | speedup vs none | speedup vs hf | mean accepted tokens | acceptance rate | target forwards / token | lossless vs none |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    methods = summary["methods"]
+    for m, cells in methods.items():
+        c = cells.get(ALL)
+        lines.append(
+            f"| {m} | {_fmt(c['tokens_per_second'])} | {_fmt(c.get('speedup_vs_none'))} | {_fmt(c.get('speedup_vs_hf'))} | "
+            f"{_fmt(c.get('mean_accepted_tokens'))} | {_fmt(c.get('acceptance_rate'))} | "
+            f"{_fmt(c.get('target_forwards_per_token'))} | {c['lossless'] or '–'} |"
+        )
+    cats = [x for x in summary["categories"] if x != ALL]
+    lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " |",
+              "|---" * (len(cats) + 1) + "|"]
+    for m, cells in methods.items():
+        lines.append(f"| {m} | " + " | ".join(_fmt(cells.get(c, {}).get("speedup_vs_none")) for c in cats) + " |")
+    lines += ["", "## tokens/s by category", "", "| method | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+    for m, cells in methods.items():
+        lines.append(f"| {m} | " + " | ".join(_fmt(cells.get(c, {}).get("tokens_per_second")) for c in cats) + " |")
+    lines += ["", "## Mean accepted tokens per target forward by category", "", "| method | " + " | ".join(cats) + " |",
+              "|---" * (len(cats) + 1) + "|"]
+    for m, cells in methods.items():
+        if cells.get(ALL, {}).get("mean_accepted_tokens") is not None:
+            lines.append(f"| {m} | " + " | ".join(_fmt(cells.get(c, {}).get("mean_accepted_tokens")) for c in cats) + " |")
+    cost = results.get("cost_model")
+    if cost:
+        v = cost["v"]
+        lines += ["", "## Cost model (measured in this run)", "",
+                  f"One target forward over 1 new token: {cost['target_step_seconds'] * 1000:.1f} ms"
+                  + (f"; one draft step: {cost['draft_step_seconds'] * 1000:.1f} ms." if cost.get("draft_step_seconds") else "."),
+                  "", "| k | " + " | ".join(str(k) for k in v) + " |", "|---" * (len(v) + 1) + "|",
+                  "| v(k) | " + " | ".join(_fmt(x) for x in v.values()) + " |", ""]
+        if summary["predicted"]:
+            lines += ["| method | draft steps d / forward | drafted tokens g / forward | tau | c | predicted speedup | measured speedup |",
+                      "|---|---|---|---|---|---|---|"]
+            for label, p in summary["predicted"].items():
+                lines.append(f"| {label} | {_fmt(p['draft_steps_per_forward'])} | {_fmt(p['drafted_per_forward'])} | {_fmt(p['tau'])} | "
+                             f"{_fmt(p['c'], '.3f')} | {_fmt(p['predicted_speedup'])} | {_fmt(p['measured_speedup'])} |")
+            lines += ["", "predicted = tau / (d·c + v(g+1)), the issue's tau / (gamma·c + v(gamma+1)) with gamma measured "
+                      "per forward; a measured speedup well below it is engine overhead."]
+    bad = [r for r in results["runs"] if r["lossless"] is False]
+    lines += ["", "## Lossless check", ""]
+    if bad:
+        lines += [f"**{len(bad)} greedy output(s) differ from `none`:**", "",
+                  "| method | prompt | first differing position | expected | got | target top-2 logit margin there |", "|---|---|---|---|---|---|"]
+        for r in bad:
+            mm = r["mismatch"]
+            lines.append(f"| {r['method']} | {r['category']}/{r['prompt_id']} | {mm['position']} | {mm['expected']} | {mm['got']} | {mm['top2_margin']:.4g} |")
+        lines += ["", "A margin near 0 is a floating-point near-tie (a k-token forward is not bit-identical to k 1-token forwards); a large one is a bug."]
+    elif cfg["temperature"] == 0:
+        lines.append("Every greedy output equals `none`'s token for token.")
+    else:
+        lines.append("Sampling run: outputs are not compared token for token.")
+    lines += ["", "Plots: `speedup.png`, `accepted_per_position.png`, `v_k.png`.", ""]
+    return "\n".join(lines)
+
+
+def plots(results: dict, summary: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    methods = {m: c for m, c in summary["methods"].items() if m != "none"}
+    cats = summary["categories"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cats)), 4))
+    width = 0.8 / max(1, len(methods))
+    for i, (m, cells) in enumerate(methods.items()):
+        xs = [j + i * width for j in range(len(cats))]
+        ax.bar(xs, [cells.get(c, {}).get("speedup_vs_none") or 0 for c in cats], width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(cats))], cats, rotation=20)
+    ax.set_ylabel("speedup over none (tokens/s ratio)")
+    ax.set_title(f"{results['config']['target']}: speedup by category")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(_save(fig, out_dir / "speedup.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, cells in summary["methods"].items():
+        c = cells.get(ALL, {})
+        if c.get("accepted_per_position") and c.get("target_forwards"):
+            ax.plot(range(1, len(c["accepted_per_position"]) + 1),
+                    [x / c["target_forwards"] for x in c["accepted_per_position"]], marker="o", label=m)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of target forwards accepting it")
+    ax.set_ylim(0, 1)
+    ax.set_title("accepted tokens per draft position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(_save(fig, out_dir / "accepted_per_position.png"))
+
+    cost = results.get("cost_model")
+    if cost:
+        ks = [int(k) for k in cost["v"]]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(ks, list(cost["v"].values()), marker="o", label="measured v(k)")
+        ax.plot(ks, ks, linestyle="--", color="gray", label="v(k) = k (no batching gain)")
+        ax.set_xlabel("new tokens in one target forward (k)")
+        ax.set_ylabel("cost / cost of 1 token")
+        ax.set_title(f"verification cost v(k), {results['config']['dtype']}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "v_k.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(results: dict, out_dir: Path) -> None:
+    """results.json, report.md and plots; each file is replaced whole (write, then rename)."""
+    summary = summarize(results) if results["runs"] else {"methods": {}, "categories": [], "predicted": {}}
+    results["summary"] = summary
+    _atomic_write(out_dir / "results.json", json.dumps(results, indent=1))
+    if results["runs"]:
+        _atomic_write(out_dir / "report.md", markdown(results, summary))
+        plots(results, summary, out_dir)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def compare(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:
+    sa, sb = summarize(a), summarize(b)
+    lines = [f"| method | category | {name_a} tokens/s | {name_b} tokens/s | {name_b}/{name_a} | "
+             f"{name_a} speedup vs none | {name_b} speedup vs none | {name_a} mean accepted | {name_b} mean accepted |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m in _ordered(list(sa["methods"]) + list(sb["methods"])):
+        for cat in _ordered(sa["categories"] + sb["categories"]):
+            ca, cb = sa["methods"].get(m, {}).get(cat), sb["methods"].get(m, {}).get(cat)
+            if not ca and not cb:
+                continue
+            ta, tb = (ca or {}).get("tokens_per_second"), (cb or {}).get("tokens_per_second")
+            lines.append(
+                f"| {m} | {cat} | {_fmt(ta)} | {_fmt(tb)} | {_fmt(tb / ta if ta and tb else None)} | "
+                f"{_fmt((ca or {}).get('speedup_vs_none'))} | {_fmt((cb or {}).get('speedup_vs_none'))} | "
+                f"{_fmt((ca or {}).get('mean_accepted_tokens'))} | {_fmt((cb or {}).get('mean_accepted_tokens'))} |"
+            )
+    return "\n".join(lines)

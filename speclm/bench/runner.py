@@ -1,0 +1,147 @@
+"""The benchmark protocol.
+
+1. Load the target (and draft) once; every method, speclm's and transformers', uses those
+   model objects.
+2. Measure the cost model (v(k), c) on the first prompt.
+3. Warm up every method on a short generation.
+4. For each prompt, for each repeat, run every method in turn (A B C A B C ...), so that
+   drift of a shared machine hits all methods alike.
+5. Greedy outputs of every method are compared with `none` token for token; a mismatch is
+   reported with its first differing position and the target's top-2 logit margin there,
+   which tells a floating-point near-tie from a bug.
+6. Results are written after every prompt; an interrupted run (Ctrl-C, SIGTERM) keeps
+   what it finished and says so.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+import signal
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from speclm.bench import report
+from speclm.bench.costs import measure_costs
+from speclm.bench.dataset import BenchPrompt
+from speclm.bench.machine import machine_facts
+from speclm.bench.methods import MethodSpec, run_method
+from speclm.engine import SpecEngine
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    draft: str | None
+    methods: list[str]
+    dataset: str
+    categories: list[str] | None
+    per_category: int | None
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    repeats: int
+    chat: bool
+    dtype: str = "float32"
+    cost_repeats: int = 5
+
+
+def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPrompt], config: BenchConfig,
+              out_dir: Path, progress: bool = True, measure_cost_model: bool = True) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    encoded = engine.encode([p.text for p in prompts], config.chat)
+    results = {
+        "schema": SCHEMA_VERSION,
+        "command": "speclm " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("speclm") else None,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "complete": False,
+        "machine": machine_facts(),
+        "config": asdict(config),
+        "cost_model": None,
+        "runs": [],
+    }
+    stop = _install_sigterm()
+    total = len(prompts) * config.repeats * len(specs)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
+    try:
+        if measure_cost_model:
+            bar.set_postfix_str("cost model")
+            results["cost_model"] = measure_costs(
+                engine.target.model, engine.draft.model if engine.draft else None, encoded[0][:256],
+                repeats=config.cost_repeats,
+                pld_labels=[s.label for s in specs if s.name == "pld"],
+                draft_labels=[s.label for s in specs if s.name == "draft"],
+            )
+        bar.set_postfix_str("warm-up")
+        for spec in specs:
+            run_method(spec, engine, encoded[0], 8, config.temperature, config.seed)
+        for prompt, ids in zip(prompts, encoded):
+            for repeat in range(config.repeats):
+                reference = None
+                for spec in specs:
+                    bar.set_postfix_str(f"{prompt.category}/{prompt.prompt_id} {spec.label}")
+                    r = run_method(spec, engine, ids, config.max_new_tokens, config.temperature, config.seed + repeat)
+                    if spec.name == "none":
+                        reference = r.token_ids
+                    results["runs"].append(_record(engine, prompt, spec, repeat, r, ids, reference, config))
+                    bar.update(1)
+            report.write_all(results, out_dir)
+        results["complete"] = True
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: writing the {len(results['runs'])} finished runs", file=sys.stderr)
+    finally:
+        bar.close()
+        signal.signal(signal.SIGTERM, stop)
+        report.write_all(results, out_dir)
+    return results
+
+
+def _record(engine, prompt, spec, repeat, r, prompt_ids, reference, config) -> dict:
+    lossless = mismatch = None
+    if config.temperature == 0 and reference is not None and spec.name != "none":
+        lossless = r.token_ids == reference
+        if not lossless:
+            mismatch = first_mismatch(engine, prompt_ids, reference, r.token_ids)
+    return {
+        "prompt_id": prompt.prompt_id,
+        "category": prompt.category,
+        "method": spec.label,
+        "repeat": repeat,
+        "new_tokens": len(r.token_ids),
+        "seconds": r.seconds,
+        "tokens_per_second": len(r.token_ids) / r.seconds if r.seconds else 0.0,
+        "token_ids": r.token_ids,
+        "stats": r.stats.to_dict() if r.stats else None,
+        "lossless": lossless,
+        "mismatch": mismatch,
+    }
+
+
+@torch.inference_mode()
+def first_mismatch(engine: SpecEngine, prompt_ids: list[int], reference: list[int], got: list[int]) -> dict:
+    """Where two greedy outputs first differ, and the target's top-2 logit margin there."""
+    pos = next((i for i, (a, b) in enumerate(zip(reference, got)) if a != b), min(len(reference), len(got)))
+    ids = torch.tensor([prompt_ids + reference[:pos]], device=engine.target.model.device)
+    logits = engine.target.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    return {"position": pos, "expected": reference[pos] if pos < len(reference) else None,
+            "got": got[pos] if pos < len(got) else None,
+            "top2_margin": float(top.values[0] - top.values[1])}
+
+
+def _install_sigterm():
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def load_results(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,172 @@
+"""The benchmark harness on tiny models: arithmetic, lossless check, files, interruption."""
+
+import json
+
+import pytest
+
+from speclm import SpecEngine
+from speclm.bench import report
+from speclm.bench.costs import predicted_speedup
+from speclm.bench.dataset import SPEC_BENCH_KINDS, load_prompts
+from speclm.bench.methods import RunResult, parse_methods
+from speclm.bench.runner import BenchConfig, run_bench
+from speclm.cli import main
+from speclm.errors import UsageError
+
+
+def config(**kw):
+    base = dict(target="tiny", draft="tiny-draft", methods=[], dataset="spec-bench", categories=None, per_category=1,
+                max_new_tokens=12, temperature=0.0, seed=0, repeats=1, chat=False, cost_repeats=1)
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_parse_methods():
+    specs = parse_methods("none,draft:k=4,pld:k=8,ngram_max=2,hf,hf-assisted:k=3,hf-pld")
+    assert [s.label for s in specs] == ["none", "draft:k=4", "pld:k=8,ngram_max=2", "hf", "hf-assisted:k=3", "hf-pld"]
+    assert specs[2].options == {"k": 8, "ngram_max": 2}
+    for bad in ("beam", "draft:k=0", "draft:depth=2", "pld:k=x", "none,none"):
+        with pytest.raises(UsageError):
+            parse_methods(bad)
+
+
+def test_spec_bench_has_six_kinds_and_selection():
+    prompts = load_prompts("spec-bench", None, 2)
+    assert sorted({p.category for p in prompts}) == sorted(SPEC_BENCH_KINDS)
+    assert len(prompts) == 12
+    mt = load_prompts("spec-bench", ["mt_bench"], 4)
+    assert [p.prompt_id for p in mt] == ["81", "101", "121", "141"]  # spread over MT-bench sub-categories
+    with pytest.raises(UsageError):
+        load_prompts("spec-bench", ["poetry"], 1)
+
+
+def fake_run(method, category, tokens, seconds, forwards=None, drafted=0, accepted=0, lossless=None):
+    stats = None
+    if forwards is not None:
+        stats = {"target_forwards": forwards, "draft_forwards": drafted, "drafted_tokens": drafted,
+                 "accepted_tokens": accepted, "accepted_per_position": [accepted], "draft_seconds": 0.1,
+                 "verify_seconds": seconds - 0.1, "wall_seconds": seconds}
+    return {"prompt_id": "1", "category": category, "method": method, "repeat": 0, "new_tokens": tokens,
+            "seconds": seconds, "tokens_per_second": tokens / seconds, "token_ids": [], "stats": stats,
+            "lossless": lossless, "mismatch": None}
+
+
+def test_summary_arithmetic():
+    runs = [
+        fake_run("none", "a", 100, 10.0, forwards=100),
+        fake_run("none", "b", 50, 10.0, forwards=50),
+        fake_run("pld", "a", 100, 5.0, forwards=40, drafted=80, accepted=60, lossless=True),
+        fake_run("pld", "b", 50, 10.0, forwards=50, drafted=10, accepted=0, lossless=False),
+        fake_run("hf", "a", 100, 8.0),
+        fake_run("hf", "b", 50, 12.0),
+    ]
+    s = report.summarize({"runs": runs, "cost_model": None})
+    none_all = s["methods"]["none"]["all"]
+    assert none_all["tokens_per_second"] == pytest.approx(150 / 20)  # ratio of means, not mean of ratios
+    pld = s["methods"]["pld"]
+    assert pld["a"]["speedup_vs_none"] == pytest.approx(20 / 10)
+    assert pld["all"]["speedup_vs_none"] == pytest.approx((150 / 15) / (150 / 20))
+    assert pld["all"]["speedup_vs_hf"] == pytest.approx((150 / 15) / (150 / 20))
+    assert pld["all"]["mean_accepted_tokens"] == pytest.approx(150 / 90)
+    assert pld["all"]["acceptance_rate"] == pytest.approx(60 / 90)
+    assert pld["all"]["target_forwards_per_token"] == pytest.approx(90 / 150)
+    assert pld["all"]["lossless"] == "1/2"
+    assert "mean_accepted_tokens" not in s["methods"]["hf"]["a"]  # transformers reports no acceptance
+
+
+def test_predicted_speedup_formula():
+    v = {1: 1.0, 2: 1.2, 3: 1.5, 4: 2.0, 5: 2.2}
+    assert predicted_speedup(3.0, 4, 0.25, v) == pytest.approx(3.0 / (4 * 0.25 + 2.2))
+    assert predicted_speedup(1.5, 1.5, 0.0, v, draft_steps=1) == pytest.approx(1.5 / 1.35)
+    assert predicted_speedup(2.0, 9, 0.1, v) is None  # v(10) not measured
+
+
+@pytest.fixture
+def engine(target, unrelated_draft):
+    return SpecEngine(target, draft=unrelated_draft)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """Short prompts in three categories (a JSON-lines file, as users pass with --dataset)."""
+    path = tmp_path / "prompts.jsonl"
+    rows = [("qa", "who wrote it? who wrote it?"), ("rag", "the cat sat. the cat"), ("translation", "Hallo Welt, Hallo")]
+    path.write_text("\n".join(json.dumps({"id": i, "category": c, "prompt": p}) for i, (c, p) in enumerate(rows)) + "\n")
+    return str(path)
+
+
+def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
+    specs = parse_methods("none,draft:k=2,pld:k=3,hf,hf-assisted:k=2,hf-pld:k=3")
+    prompts = load_prompts(dataset, ["qa", "rag"], 1)
+    out = tmp_path / "out"
+    results = run_bench(engine, specs, prompts, config(methods=[s.label for s in specs]), out, progress=False)
+    assert results["complete"]
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["runs"]) == 2 * len(specs)
+    assert set(saved["cost_model"]["v"]) == {str(k) for k in range(1, 17)}
+    assert all(r["lossless"] for r in saved["runs"] if r["method"] != "none")
+    text = (out / "report.md").read_text()
+    assert "| draft:k=2 |" in text and "Every greedy output equals" in text and "predicted speedup" in text
+    for png in ("speedup.png", "accepted_per_position.png", "v_k.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_lossless_check_catches_planted_mismatch(engine, tmp_path, monkeypatch, dataset):
+    import speclm.bench.runner as runner
+
+    real = runner.run_method
+
+    def corrupt(spec, eng, ids, n, temperature, seed):
+        r = real(spec, eng, ids, n, temperature, seed)
+        if spec.name == "pld" and n > 8:
+            r = RunResult(r.token_ids[:5] + [(r.token_ids[5] + 1) % 257] + r.token_ids[6:], r.seconds, r.stats)
+        return r
+
+    monkeypatch.setattr(runner, "run_method", corrupt)
+    specs = parse_methods("none,pld")
+    results = run_bench(engine, specs, load_prompts(dataset, ["qa"], 1), config(), tmp_path / "out", progress=False,
+                        measure_cost_model=False)
+    bad = [r for r in results["runs"] if r["lossless"] is False]
+    assert len(bad) == 1 and bad[0]["mismatch"]["position"] == 5
+    assert bad[0]["mismatch"]["top2_margin"] > 0
+    assert "1 greedy output(s) differ from `none`" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_interrupted_run_keeps_finished_part(engine, tmp_path, monkeypatch, dataset):
+    import speclm.bench.runner as runner
+
+    real, calls = runner.run_method, []
+
+    def interrupt_later(spec, eng, ids, n, temperature, seed):
+        calls.append(spec.label)
+        if len(calls) == 2 + 5:  # 2 warm-ups, 2 prompts of 2 methods, then stop inside the third prompt
+            raise KeyboardInterrupt
+        return real(spec, eng, ids, n, temperature, seed)
+
+    monkeypatch.setattr(runner, "run_method", interrupt_later)
+    specs = parse_methods("none,pld")
+    out = tmp_path / "out"
+    results = run_bench(engine, specs, load_prompts(dataset, ["qa", "rag", "translation"], 1), config(),
+                        out, progress=False, measure_cost_model=False)
+    saved = json.loads((out / "results.json").read_text())
+    assert results["complete"] is False and saved["complete"] is False
+    assert len(saved["runs"]) == 4
+    assert "Incomplete run" in (out / "report.md").read_text()
+
+
+def test_compare_table(tmp_path):
+    runs_a = [fake_run("none", "a", 100, 10.0, forwards=100), fake_run("pld", "a", 100, 5.0, forwards=50, drafted=60, accepted=50)]
+    runs_b = [fake_run("none", "a", 100, 5.0, forwards=100), fake_run("pld", "a", 100, 2.0, forwards=40, drafted=60, accepted=60)]
+    for name, runs in (("A", runs_a), ("B", runs_b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"runs": runs, "cost_model": None}))
+    table = report.compare({"runs": runs_a}, {"runs": runs_b})
+    assert "| pld | all | 20.00 | 50.00 | 2.50 | 2.00 | 2.50 | 2.00 | 2.50 |" in table
+    assert main(["bench", "--compare", str(tmp_path / "A" / "results.json"), str(tmp_path / "B" / "results.json")]) == 0
+
+
+def test_bench_cli_errors(capsys):
+    assert main(["bench", "--target", "x", "--methods", "none,draft", "--out", "o"]) == 2
+    assert "need --draft" in capsys.readouterr().err
+    assert main(["bench", "--methods", "none"]) == 2
+    assert main(["bench", "--compare", "nope.json", "nope2.json"]) == 2
