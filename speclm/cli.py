@@ -111,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _quiet_transformers() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import huggingface_hub
     import transformers
 
     transformers.logging.set_verbosity_error()
+    huggingface_hub.utils.logging.set_verbosity_error()  # no retry chatter before our one-line error
 
 
 def _models(args) -> int:
@@ -140,7 +142,7 @@ def _models(args) -> int:
 
 def _generate(args) -> int:
     from speclm.engine import GenerationOptions, SpecEngine
-    from speclm.models.loading import load_model, resolve_model
+    from speclm.models.loading import check_model_name, load_model
     from speclm.prompts import read_prompt_file
 
     opts = GenerationOptions(
@@ -153,9 +155,9 @@ def _generate(args) -> int:
     if args.method == "draft" and not args.draft:
         raise UsageError("--method draft needs --draft MODEL")
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
-    resolve_model(args.target, progress=False) if not _is_catalog(args.target) else None  # fail fast on bad names
-    if args.method == "draft" and not _is_catalog(args.draft):
-        resolve_model(args.draft, progress=False)
+    check_model_name(args.target)  # fail fast, before minutes of loading
+    if args.method == "draft":
+        check_model_name(args.draft)
     target = load_model(args.target)
     draft = load_model(args.draft) if args.method == "draft" else None
     engine = SpecEngine(target, draft=draft)
@@ -180,12 +182,6 @@ def _generate(args) -> int:
                 print(r.text)
                 _print_stats(r.stats, sys.stderr)
     return 0
-
-
-def _is_catalog(name: str) -> bool:
-    from speclm.catalog import CATALOG
-
-    return name in CATALOG
 
 
 def _as_kwargs(opts, seed_offset: int) -> dict:
@@ -215,7 +211,7 @@ def _bench(args) -> int:
     from speclm.bench.methods import parse_methods
     from speclm.bench.runner import BenchConfig, load_results, run_bench
     from speclm.engine import SpecEngine
-    from speclm.models.loading import load_model
+    from speclm.models.loading import check_model_name, load_model
 
     if args.compare:
         runs = []
@@ -237,6 +233,9 @@ def _bench(args) -> int:
             raise UsageError(f"{name} must be >= {low}")
     if args.temperature < 0:
         raise UsageError("temperature must be >= 0")
+    check_model_name(args.target)
+    if args.draft:
+        check_model_name(args.draft)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = load_prompts(args.dataset, categories, args.per_category)
     out = Path(args.out)

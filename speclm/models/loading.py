@@ -30,27 +30,36 @@ class LoadedModel:
         return getattr(self.model.config, "max_position_embeddings", None)
 
 
-def resolve_model(name: str, *, progress: bool = True) -> str:
-    """Map a user-facing model name to something `from_pretrained` accepts (a folder or hub id).
-
-    Catalog names are pulled on first use; a `.gguf` file is converted once into the cache.
-    """
+def check_model_name(name: str) -> None:
+    """Raise UsageError if `name` cannot name a model; no download, conversion or loading."""
     if name in CATALOG:
-        return str(store.cached_path(name) or store.pull(name, progress=progress))
+        return
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UsageError(f"model file not found: {name}")
-        return str(_converted_gguf(path, progress))
-    if path.exists():
+    elif path.exists():
         if not (path / "config.json").is_file():
             raise UsageError(f"'{name}' is not a model folder (no config.json)")
-        return str(path)
-    if name.count("/") == 1 and not name.startswith((".", "/")):
-        return name  # a hub id; from_pretrained decides whether it can be had
-    raise UsageError(
-        f"unknown model '{name}': not a catalog name ({', '.join(CATALOG)}), hub id, model folder or .gguf file"
-    )
+    elif name.count("/") != 1 or name.startswith((".", "/")):
+        raise UsageError(
+            f"unknown model '{name}': not a catalog name ({', '.join(CATALOG)}), hub id, model folder or .gguf file"
+        )
+
+
+def resolve_model(name: str, *, progress: bool = True) -> str:
+    """Map a user-facing model name to something `from_pretrained` accepts (a folder or hub id).
+
+    Catalog names are pulled on first use; a `.gguf` file is converted once into the cache;
+    a hub id is passed on, and transformers decides whether it can be had.
+    """
+    check_model_name(name)
+    if name in CATALOG:
+        return str(store.cached_path(name) or store.pull(name, progress=progress))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        return str(_converted_gguf(path, progress))
+    return str(path) if path.exists() else name
 
 
 def _converted_gguf(path: Path, progress: bool) -> Path:
