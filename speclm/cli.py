@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", default="qwen2.5-coder-1.5b")
     d.add_argument("--draft", default="qwen2.5-coder-0.5b")
     d.add_argument("--prompt", default=DEMO_PROMPT)
-    d.add_argument("--k", type=int, default=4)
+    d.add_argument("--k", type=int, default=None, help="draft tokens per round (default 2)")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--threads", type=int, default=None)
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_decoding_options(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--k", type=int, default=None, help="draft tokens per round (default 4)")
+    g.add_argument("--k", type=int, default=None, help="draft tokens per round (default 2, measured best on CPU)")
     g.add_argument("--ngram-max", type=int, default=3, help="pld: longest n-gram matched (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="pld: shortest n-gram matched (default 1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -260,15 +260,16 @@ def _bench(args) -> int:
 
 
 def _demo(args) -> int:
-    from speclm.engine import SpecEngine
+    from speclm.engine import GenerationOptions, SpecEngine
     from speclm.models.loading import load_model
 
     print(f"loading {args.target} (target) and {args.draft} (draft)...", file=sys.stderr)
     engine = SpecEngine(load_model(args.target), draft=load_model(args.draft))
     common = dict(max_new_tokens=args.max_new_tokens, chat=True)
     engine.generate("Hi", max_new_tokens=2, chat=True)  # warm-up: first-call allocations
-    print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={args.k}), streamed")
-    stream = engine.stream(args.prompt, method="draft", k=args.k, **common)
+    k = args.k or GenerationOptions(method="draft").draft_length
+    print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={k}), streamed")
+    stream = engine.stream(args.prompt, method="draft", k=k, **common)
     for delta in stream:
         print(delta, end="", flush=True)
     spec = stream.completion

@@ -131,3 +131,12 @@ def test_models_list(capsys, tmp_path, monkeypatch):
         assert name in out
     code, _, err = run(["models", "pull", "gpt-9"], capsys)
     assert code == 2 and "not in the catalog" in err
+
+
+def test_demo_runs_both_methods_and_reports_speedup(folders, capsys):
+    code, out, err = run(["demo", "--target", folders["target"], "--draft", folders["target"], "--max-new-tokens", "12",
+                          "--prompt", "hello"], capsys)
+    assert code == 0
+    assert "== statistics (speculative)" in out and "mean_accepted_tokens:" in out
+    assert re.search(r"speedup: +[0-9.]+x", out)
+    assert "identical output: yes" in out

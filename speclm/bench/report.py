@@ -198,6 +198,7 @@ def plots(results: dict, summary: dict, out_dir: Path) -> list[Path]:
         if c.get("accepted_per_position") and c.get("target_forwards"):
             ax.plot(range(1, len(c["accepted_per_position"]) + 1),
                     [x / c["target_forwards"] for x in c["accepted_per_position"]], marker="o", label=m)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("draft position")
     ax.set_ylabel("share of target forwards accepting it")
     ax.set_ylim(0, 1)
