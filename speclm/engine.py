@@ -38,7 +38,7 @@ from speclm.verify import verify
 
 METHODS = ("none", "draft", "pld")
 # Measured on a 2-core CPU in fp32 (benchmarks/cpu-fp32-qwen1.5b-1x6*): a target forward over
-# 3 new tokens costs the same as over 1 (v(3) = 1.02) but 5 cost 1.9x, so k = 2 beat k = 4
+# 3 new tokens costs 1.0-1.2x one token (v(3) = 1.02, 1.23) but 5 cost 1.9-2.1x, so k = 2 beat k = 4
 # for both methods (1.17x / 1.21x vs 0.92x / 0.97x over none). Pass k for other hardware.
 DEFAULT_K = {"draft": 2, "pld": 2}
 
