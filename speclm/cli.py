@@ -161,18 +161,18 @@ def _generate(args) -> int:
     target = load_model(args.target)
     draft = load_model(args.draft) if args.method == "draft" else None
     engine = SpecEngine(target, draft=draft)
-    engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
+    encoded = engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
 
     if not args.json and args.batch_size == 1:
-        for i, prompt in enumerate(prompts):
-            stream = engine.stream(prompt, **_as_kwargs(opts, seed_offset=i))
+        for i, ids in enumerate(encoded):
+            stream = engine.stream(ids, **_as_kwargs(opts, seed_offset=i))
             for delta in stream:
                 print(delta, end="", flush=True)
             print()
             _print_stats(stream.completion.stats, sys.stderr)
         return 0
     for start in range(0, len(prompts), args.batch_size):
-        chunk = prompts[start : start + args.batch_size]
+        chunk = encoded[start : start + args.batch_size]
         results = engine.generate(chunk, **_as_kwargs(opts, seed_offset=start))
         for r in results:
             r.prompt_index += start
@@ -212,6 +212,7 @@ def _bench(args) -> int:
     from speclm.bench.runner import BenchConfig, load_results, run_bench
     from speclm.engine import SpecEngine
     from speclm.models.loading import check_model_name, load_model
+    from speclm.sampling import SamplingParams
 
     if args.compare:
         runs = []
@@ -231,8 +232,7 @@ def _bench(args) -> int:
                              ("per-category", args.per_category or 1, 1), ("cost-repeats", args.cost_repeats, 0)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}")
-    if args.temperature < 0:
-        raise UsageError("temperature must be >= 0")
+    SamplingParams(temperature=args.temperature)  # validates
     check_model_name(args.target)
     if args.draft:
         check_model_name(args.draft)

@@ -34,10 +34,6 @@ class MethodSpec:
     def needs_draft(self) -> bool:
         return self.name in ("draft", "hf-assisted")
 
-    @property
-    def drafts(self) -> bool:
-        return self.name not in ("none", "hf")
-
 
 def parse_methods(text: str) -> list[MethodSpec]:
     specs = []

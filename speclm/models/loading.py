@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,15 +65,12 @@ def _converted_gguf(path: Path, progress: bool) -> Path:
     final = store.models_dir() / f"gguf-{path.stem}-{key}"
     if store.is_model_folder(final):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".partial-gguf-{key}-", dir=final.parent))
-    try:
+
+    def build(work: Path) -> Path:
         store.convert_gguf(path, work / "model", progress=progress)
-        (work / "model" / store.MARKER).write_text(json.dumps({"name": path.name, "source": str(path.resolve())}))
-        (work / "model").rename(final)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return final
+        return work / "model"
+
+    return store.publish_model_folder(final, f"gguf-{key}", build, {"name": path.name, "source": str(path.resolve())})
 
 
 def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", progress: bool = True) -> LoadedModel:

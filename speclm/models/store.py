@@ -17,6 +17,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 from tqdm.auto import tqdm
 
@@ -64,17 +65,26 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
     final = models_dir() / name
     if is_model_folder(final) and not force:
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(final.parent, name)
-    work = Path(tempfile.mkdtemp(prefix=f".partial-{name}-", dir=final.parent))
-    try:
+
+    def build(work: Path) -> Path:
         gguf = fetch_gguf(entry, work, progress)
-        folder = work / "model"
-        convert_gguf(gguf, folder, extra_eos_tokens=entry.extra_eos_tokens, progress=progress)
+        convert_gguf(gguf, work / "model", extra_eos_tokens=entry.extra_eos_tokens, progress=progress)
         gguf.unlink()
-        (folder / MARKER).write_text(
-            json.dumps({"name": name, "source": "catalog", "hub_id": entry.hub_id, "gguf_sha256": entry.sha256}, indent=2)
-        )
+        return work / "model"
+
+    marker = {"name": name, "source": "catalog", "hub_id": entry.hub_id, "gguf_sha256": entry.sha256}
+    return publish_model_folder(final, name, build, marker)
+
+
+def publish_model_folder(final: Path, partial_name: str, build: Callable[[Path], Path], marker: dict) -> Path:
+    """Run build(work) -> folder inside a `.partial-{partial_name}-*` folder beside `final`, mark
+    the folder and rename it to `final`; whatever happens, the partial folder is removed."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".partial-{partial_name}-", dir=final.parent))
+    try:
+        folder = build(work)
+        (folder / MARKER).write_text(json.dumps(marker, indent=2))
         if final.exists():
             shutil.rmtree(final)
         folder.rename(final)
