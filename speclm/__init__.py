@@ -1,16 +1,19 @@
 """speclm: lossless speculative decoding for Hugging Face transformers models.
 
     import speclm
-    target = speclm.load_model("qwen2.5-coder-1.5b")
-    draft = speclm.load_model("qwen2.5-coder-0.5b")
+    speclm.set_threads()  # one torch thread per usable core
+    target = speclm.load_model("qwen2.5-coder-1.5b", quantize="int8")
+    draft = speclm.load_model("qwen2.5-coder-0.5b", quantize="int8")
     engine = speclm.SpecEngine(target, draft=draft)
-    out = engine.generate("Write a haiku about caches.", method="draft", k=4, chat=True)
+    out = engine.generate("Write a haiku about caches.", method="draft", chat=True)
     print(out.text, out.stats.mean_accepted_tokens)
 """
 
 from speclm.engine import METHODS, Completion, GenerationOptions, SpecEngine, TextStream
 from speclm.errors import PullError, SpeclmError, UsageError
 from speclm.models import LoadedModel, load_model, pull
+from speclm.quant import QUANTIZE_MODES, quantize_model
+from speclm.runtime import set_threads
 from speclm.sampling import SamplingParams
 from speclm.stats import RequestStats
 
@@ -20,4 +23,5 @@ __all__ = [
     "METHODS", "Completion", "GenerationOptions", "SpecEngine", "TextStream",
     "PullError", "SpeclmError", "UsageError",
     "LoadedModel", "load_model", "pull", "SamplingParams", "RequestStats",
+    "QUANTIZE_MODES", "quantize_model", "set_threads",
 ]

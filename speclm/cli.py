@@ -8,6 +8,9 @@ import os
 import sys
 
 from speclm.errors import PullError, SpeclmError, UsageError
+from speclm.runtime import set_threads
+
+QUANTIZE_MODES = ("none", "int8")  # = speclm.quant.QUANTIZE_MODES, named here so parsing needs no torch
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
 
@@ -32,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line on stdout")
+    g.add_argument("--quantize", choices=QUANTIZE_MODES, default="none", help="int8: int8 weights for every linear layer of target and draft (speclm.quant); default none")
 
     b = sub.add_parser("bench", help="benchmark methods side by side (speclm and transformers) and write a report")
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
@@ -47,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--chat", action="store_true", help="apply the target's chat template")
     b.add_argument("--cost-repeats", type=int, default=5, help="samples per point of the cost model (0: skip it)")
-    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
+                   help="weights of every method without its own quantize= option (default none)")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     b.add_argument("--out", help="output folder: results.json, report.md, plots")
     b.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two runs side by side and exit")
 
@@ -57,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--k", type=int, default=None, help="draft tokens per round (default 2)")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--quantize", choices=QUANTIZE_MODES, default="int8",
+                   help="int8 (default): int8 weights, the fast path on CPU; none: the weights as published")
+    d.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 
     m = sub.add_parser("models", help="the model catalog and cache")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
@@ -78,7 +86,7 @@ def _add_decoding_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="row i samples with seed + i")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--chat", action="store_true", help="apply the target's chat template (one user message)")
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,12 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             return _models(args)
         _quiet_transformers()
-        if getattr(args, "threads", None):
-            import torch
-
-            if args.threads < 1:
-                raise UsageError("--threads must be >= 1")
-            torch.set_num_threads(args.threads)
+        if hasattr(args, "threads"):
+            set_threads(args.threads)
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
@@ -158,8 +162,8 @@ def _generate(args) -> int:
     check_model_name(args.target)  # fail fast, before minutes of loading
     if args.method == "draft":
         check_model_name(args.draft)
-    target = load_model(args.target)
-    draft = load_model(args.draft) if args.method == "draft" else None
+    target = load_model(args.target, quantize=args.quantize)
+    draft = load_model(args.draft, quantize=args.quantize) if args.method == "draft" else None
     engine = SpecEngine(target, draft=draft)
     encoded = engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
 
@@ -241,16 +245,21 @@ def _bench(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a folder")
-    target = load_model(args.target)
-    draft = load_model(args.draft) if args.draft and any(s.needs_draft for s in specs) else None
-    engine = SpecEngine(target, draft=draft)
+    engines = {}  # quantize mode -> engine over those weights; the default mode's first
+    for mode in dict.fromkeys([args.quantize] + [s.quantize for s in specs if s.quantize]):
+        needs_draft = args.draft and any(s.needs_draft and (s.quantize or args.quantize) == mode for s in specs)
+        engines[mode] = SpecEngine(load_model(args.target, quantize=mode),
+                                   draft=load_model(args.draft, quantize=mode) if needs_draft else None)
+    engine = engines[args.quantize]
+    target, draft = engine.target, engine.draft
     config = BenchConfig(
         target=args.target, draft=args.draft if draft else None, methods=[s.label for s in specs], dataset=args.dataset,
         categories=categories, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, repeats=args.repeats, chat=args.chat,
         dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""), cost_repeats=args.cost_repeats,
+        quantize=args.quantize,
     )
-    results = run_bench(engine, specs, prompts, config, out, measure_cost_model=args.cost_repeats > 0)
+    results = run_bench(engine, specs, prompts, config, out, measure_cost_model=args.cost_repeats > 0, engines=engines)
     print((out / "report.md").read_text() if (out / "report.md").exists() else "no run finished")
     print(f"results in {out}/", file=sys.stderr)
     bad = [r for r in results["runs"] if r["lossless"] is False]
@@ -263,8 +272,8 @@ def _demo(args) -> int:
     from speclm.engine import GenerationOptions, SpecEngine
     from speclm.models.loading import load_model
 
-    print(f"loading {args.target} (target) and {args.draft} (draft)...", file=sys.stderr)
-    engine = SpecEngine(load_model(args.target), draft=load_model(args.draft))
+    print(f"loading {args.target} (target) and {args.draft} (draft), weights {args.quantize}...", file=sys.stderr)
+    engine = SpecEngine(load_model(args.target, quantize=args.quantize), draft=load_model(args.draft, quantize=args.quantize))
     common = dict(max_new_tokens=args.max_new_tokens, chat=True)
     engine.generate("Hi", max_new_tokens=2, chat=True)  # warm-up: first-call allocations
     k = args.k or GenerationOptions(method="draft").draft_length

@@ -11,7 +11,8 @@ Contract:
   string appears (the text ends before it; the ids end with the token that completed it).
 
 One round, for the rows still active:
-  1. each row's budget: min(k, tokens left - 1), so a commit never passes max_new_tokens;
+  1. each row's budget: min(k, tokens left - 1), so a commit never passes max_new_tokens
+     (0 in the first round, which prefills the prompt alone, exactly as plain decoding);
   2. the proposer drafts up to that many tokens per row;
   3. the target scores [tokens it has not seen, draft tokens] in one forward;
   4. the verifier picks the accepted prefix plus one recovered or bonus token per row;
@@ -28,7 +29,7 @@ from typing import Iterator
 import torch
 
 from speclm.errors import UsageError
-from speclm.kv import RaggedKV
+from speclm.kv import StaticKV
 from speclm.models.loading import LoadedModel
 from speclm.proposers import Draft, DraftModelProposer, PromptLookupProposer, Proposer
 from speclm.sampling import SamplingParams
@@ -197,14 +198,20 @@ class SpecEngine:
         eos = set(self.target.eos_token_ids)
         proposer = self.make_proposer(opts)
         k = opts.draft_length
-        target_kv = RaggedKV(self.target.model, len(rows))
+        # one round past the last token: a row's final round may feed k draft tokens beyond it
+        capacity = max(r.prompt_len + r.max_new for r in rows) + k + 1
+        target_kv = StaticKV(self.target.model, len(rows), capacity)
         if proposer:
-            proposer.start(len(rows))
+            proposer.start(len(rows), capacity)
         active = list(rows)
+        first_round = True
         t_start = time.perf_counter()
         while active:
             contexts = [r.context for r in active]
-            budgets = [min(k, r.max_new - len(r.generated) - 1) for r in active]
+            # the first round prefills the prompt alone, as plain decoding does, so that the
+            # prompt's keys and values are bit-identical with and without speculation
+            budgets = [0 if first_round else min(k, r.max_new - len(r.generated) - 1) for r in active]
+            first_round = False
             gens = [r.generator for r in active]
 
             t0 = time.perf_counter()
@@ -216,6 +223,7 @@ class SpecEngine:
             logits = target_kv.forward(feed, draft.width + 1)  # (B, K+1, V)
             verdict = verify(logits, draft, params, gens)
             t2 = time.perf_counter()
+            in_forwards = target_kv.forward_seconds + (proposer.forward_seconds if proposer else 0.0)
 
             keep = [len(c) + int(n) for c, n in zip(contexts, verdict.num_accepted)]
             target_kv.truncate(keep)
@@ -228,6 +236,7 @@ class SpecEngine:
                 s.draft_forwards += draft.forwards
                 s.draft_seconds += t1 - t0
                 s.verify_seconds += t2 - t1
+                s.forward_seconds = in_forwards
                 s.record_acceptance(int(draft.lengths[b]), int(verdict.num_accepted[b]))
                 self._commit(row, verdict.committed(b), eos, opts.stop)
                 s.new_tokens = len(row.generated)

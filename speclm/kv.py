@@ -1,76 +1,145 @@
-"""A transformers KV cache shared by the rows of a batch that advance at different speeds.
+"""A preallocated KV cache for the rows of a batch that advance at different speeds.
 
-Rows are right-aligned: each forward appends the same number M of slots to every row, and
-a row with fewer new tokens gets masked slots ("holes") on the left. Rolling back a row
-turns its rejected slots into holes; slots that are holes in every row are cropped off
-the end. Rollback is bookkeeping: the committed prefix is never recomputed or copied.
+Every layer's keys and values live in one tensor (B, H_kv, capacity, D) allocated when the
+request starts, sized to its longest row (prompt + max_new_tokens + one round of draft).
+Row b's i-th token is written at slot lengths[b] + i, so a slot's index is its position id.
+Rolling a row back is moving lengths[b]: slots past it are garbage that the attention mask
+hides and the next forward overwrites. Nothing is concatenated or copied per step; the only
+copy is when finished rows leave the batch.
 
-Each valid slot's position id is the number of valid slots before it in its row, so a row
-sees exactly the positions and keys it would see alone.
+A forward feeds each row its own number of new tokens, left-aligned: row b's n_b tokens
+take columns [0, n_b) and the columns after them are padding. Padding writes finite values
+into slots past the row's length (hidden by the mask, never read), and the logits a row
+needs are gathered from its own last columns.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
-from transformers import DynamicCache
+
+from speclm.attention import per_query, use_exact_attention
 
 
-class RaggedKV:
-    def __init__(self, model, batch_size: int):
+class _SlotWriter:
+    """What the model sees as `past_key_values`: `update` writes this forward's keys and
+    values at the slots the StaticKV chose and returns every layer's visible window."""
+
+    def __init__(self, kv: "StaticKV"):
+        self.kv = kv
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None):
+        kv = self.kv  # key, value (B, H_kv, M, D)
+        keys, values = kv.keys[layer_idx], kv.values[layer_idx]
+        if keys.dtype != key.dtype:  # first write decides the dtype (fp32, or bf16/fp16 models)
+            keys = kv.keys[layer_idx] = keys.to(key.dtype)
+            values = kv.values[layer_idx] = values.to(value.dtype)
+        keys[kv._write_rows, :, kv._write_slots] = key.transpose(1, 2)  # (B, M, H, D) at (B, M) slots
+        values[kv._write_rows, :, kv._write_slots] = value.transpose(1, 2)
+        return keys[:, :, : kv._window], values[:, :, : kv._window]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.kv.lengths.max()) if self.kv.batch_size else 0
+
+
+class StaticKV:
+    def __init__(self, model, batch_size: int, capacity: int, exact: bool = True):
+        """exact: attend per query (speclm.attention), so that a token's logits do not depend
+        on the other tokens of a forward; the target needs it, a draft model does not."""
         self.model = model
+        self.exact = exact
+        if exact:
+            use_exact_attention(model)
         self.device = model.device
-        self.cache = DynamicCache(config=model.config)
-        self.slot_valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)  # (B, S)
+        cfg = model.config
+        cfg = getattr(cfg, "text_config", None) or cfg
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.capacity = capacity
+        # zeros, not empty: a masked slot still enters q.k before masking, and garbage NaNs would
+        # survive it (NaN + -inf = NaN)
+        shape = (batch_size, heads, capacity, head_dim)
+        dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) valid slots per row
+        self._writer = _SlotWriter(self)
+        self._slots = torch.arange(capacity, device=self.device)  # built once
+        self._rows = torch.arange(batch_size, device=self.device)
+        self.forward_seconds = 0.0  # time spent inside model forwards, for overhead accounting
 
     @property
     def batch_size(self) -> int:
-        return self.slot_valid.shape[0]
+        return int(self.lengths.shape[0])
 
     def lengths_list(self) -> list[int]:
         return self.lengths.tolist()
 
+    def _grow(self, needed: int) -> None:
+        """Only when a caller under-estimated the request's length: one copy, doubling."""
+        new_cap = max(needed, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                bigger = torch.zeros(*t.shape[:2], new_cap, t.shape[3], dtype=t.dtype, device=t.device)
+                bigger[:, :, : self.capacity] = t
+                store[i] = bigger
+        self.capacity = new_cap
+        self._slots = torch.arange(new_cap, device=self.device)
+
     @torch.inference_mode()
     def forward(self, rows: list[list[int]], logits_to_keep: int) -> torch.Tensor:
-        """Append each row's tokens; return logits (B, logits_to_keep, V) of the last slots."""
-        width = max(len(r) for r in rows)
-        assert width >= logits_to_keep >= 1 and all(len(r) >= logits_to_keep for r in rows)
-        ids = torch.zeros(self.batch_size, width, dtype=torch.long)
-        valid = torch.zeros(self.batch_size, width, dtype=torch.bool)
-        for b, row in enumerate(rows):
-            if row:
-                ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-                valid[b, width - len(row) :] = True
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        positions = (self.lengths[:, None] + valid.cumsum(1) - 1).clamp_min(0)  # (B, M)
-        mask = torch.cat([self.slot_valid, valid], dim=1)  # (B, S + M)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask.long(),
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
-        self.slot_valid = mask
-        self.lengths = self.lengths + valid.sum(1)
-        return out.logits.float()
+        """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens."""
+        counts = [len(r) for r in rows]
+        width = max(counts)
+        assert width >= 1 and min(counts) >= logits_to_keep >= 1
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)  # (B, M)
+        n = torch.tensor(counts, dtype=torch.long, device=self.device)  # (B,)
+        offsets = self._slots[:width]  # (M,)
+        positions = self.lengths[:, None] + offsets  # (B, M): slot index == position id
+        window = int(positions[:, -1].max()) + 1
+        if window > self.capacity:
+            self._grow(window)
+        # query (b, i) sees slots 0..lengths[b] + i; padding queries see the same, harmlessly
+        mask = self._slots[None, None, None, :window] <= positions[:, None, :, None]  # (B, 1, M, W)
+        self._write_rows, self._write_slots, self._window = self._rows[:, None], positions, window
+        # which columns hold each row's last `logits_to_keep` tokens; all rows agree when the
+        # feed is not ragged, the usual case after prefill
+        if min(counts) == width:
+            keep, gather = logits_to_keep, None
+        else:
+            cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep])  # (B, K)
+            keep, inverse = torch.unique(cols, return_inverse=True)  # keep (U,), inverse (B, K)
+            gather = inverse
+        t0 = time.perf_counter()
+        starts = self.lengths.tolist() if self.exact else None
+        with per_query(starts, counts) if self.exact else contextlib.nullcontext():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self._writer,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+        logits = out.logits  # (B, keep or U, V)
+        if gather is not None:
+            logits = logits[self._rows[:, None], gather]  # (B, K, V)
+        logits = logits.float()
+        self.forward_seconds += time.perf_counter() - t0
+        self.lengths = self.lengths + n
+        return logits
 
     def truncate(self, keep: torch.Tensor | list[int]) -> None:
-        """Keep only the first keep[b] valid slots of row b (keep (B,)); later ones become holes."""
+        """Row b keeps its first keep[b] slots; the rest are rolled back (a length moves)."""
         keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
-        self.slot_valid = self.slot_valid & (self.slot_valid.cumsum(1) <= keep[:, None])
         self.lengths = torch.minimum(self.lengths, keep)
-        used = self.slot_valid.any(0).nonzero()
-        new_len = int(used[-1]) + 1 if len(used) else 0
-        drop = self.slot_valid.shape[1] - new_len
-        if drop:
-            self.cache.crop(-drop)
-            self.slot_valid = self.slot_valid[:, :new_len]
 
     def select(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep only these batch rows (finished rows leave the batch)."""
+        """Keep only these batch rows (finished rows leave the batch): one copy per exit."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        self.cache.batch_select_indices(rows)
-        self.slot_valid = self.slot_valid[rows]
+        self.keys = [t[rows] for t in self.keys]
+        self.values = [t[rows] for t in self.values]
         self.lengths = self.lengths[rows]
+        self._rows = torch.arange(len(rows), device=self.device)

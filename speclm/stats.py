@@ -15,6 +15,7 @@ class RequestStats:
     draft_seconds: float = 0.0  # time proposing (shared batch time while the row was active)
     verify_seconds: float = 0.0  # time in target forwards and verification, prefill included
     wall_seconds: float = 0.0  # from the start of the request to its last token
+    forward_seconds: float = 0.0  # inside target and draft model forwards (shared batch time)
     new_tokens: int = 0  # generated tokens returned (EOS included when generated)
 
     @property
@@ -30,11 +31,17 @@ class RequestStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
+    @property
+    def overhead_share(self) -> float:
+        """Share of wall time spent outside model forwards: the engine's own cost."""
+        return max(0.0, 1.0 - self.forward_seconds / self.wall_seconds) if self.wall_seconds > 0 else 0.0
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["acceptance_rate"] = self.acceptance_rate
         d["mean_accepted_tokens"] = self.mean_accepted_tokens
         d["tokens_per_second"] = self.tokens_per_second
+        d["overhead_share"] = self.overhead_share
         return d
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:

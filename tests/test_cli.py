@@ -13,7 +13,7 @@ from tiny import byte_tokenizer, tiny_model, word_tokenizer
 STAT_KEYS = {
     "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
     "mean_accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds",
-    "wall_seconds", "new_tokens", "tokens_per_second",
+    "wall_seconds", "new_tokens", "tokens_per_second", "forward_seconds", "overhead_share",
 }
 
 

@@ -22,9 +22,8 @@ def test_draft_equal_to_target_accepts_everything(target, prompt):
     out = SpecEngine(target, draft=target).generate(prompt, method="draft", k=4, max_new_tokens=N)
     assert out.token_ids == ref.token_ids
     assert out.stats.acceptance_rate == 1.0
-    # the prefill forward also verifies the first draft: every forward commits k + 1 = 5 tokens
-    assert out.stats.target_forwards == N // 5
-    assert out.stats.mean_accepted_tokens == 5.0
+    # the prefill forward commits one token, every later forward k + 1 = 5
+    assert out.stats.target_forwards == 1 + -(-(N - 1) // 5)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -67,11 +66,12 @@ def test_planted_first_error_at_each_position(target, tok, error_at, monkeypatch
     assert out.token_ids == ref.token_ids
     per_pos = out.stats.accepted_per_position
     rounds = out.stats.target_forwards
-    # every round accepts exactly the tokens before the planted error (or all k if error_at == k)
-    assert all(per_pos[j] == per_pos[0] for j in range(min(error_at, k)))
+    # every round accepts exactly the tokens before the planted error (or all k if error_at == k);
+    # only the last, budget-limited round may draft fewer
+    assert all(0 <= per_pos[0] - per_pos[j] <= 1 for j in range(min(error_at, k)))
     assert all(c == 0 for c in per_pos[error_at:])
     if error_at > 0:
-        assert per_pos[0] >= rounds - 2  # all but the last, budget-limited rounds
+        assert per_pos[0] >= rounds - 3  # all but the prefill and the last, budget-limited rounds
     assert out.stats.new_tokens == N
 
 

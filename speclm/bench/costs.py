@@ -10,12 +10,12 @@ from __future__ import annotations
 import statistics
 import time
 
-from speclm.kv import RaggedKV
+from speclm.kv import StaticKV
 from speclm.proposers import lookup
 
 
 def _median_forward_seconds(model, prompt_ids: list[int], k: int, repeats: int) -> float:
-    kv = RaggedKV(model, 1)
+    kv = StaticKV(model, 1, len(prompt_ids) + k + 1)
     kv.forward([prompt_ids], 1)
     base = kv.lengths_list()[0]
     tokens = (prompt_ids * (k // len(prompt_ids) + 1))[:k]

@@ -1,5 +1,6 @@
 """Benchmark methods: `name[:key=value,...]`, e.g. `none`, `draft:k=4`, `pld:k=8,ngram_max=2`,
-`hf`, `hf-assisted:k=4`, `hf-pld:k=10`.
+`hf`, `hf-assisted:k=4`, `hf-pld:k=10`, `none:quantize=none` (that method on other weights
+than bench's --quantize, to compare fp32 and int8 side by side in one run).
 
 speclm methods run through `SpecEngine`; `hf*` methods through transformers' `generate` on
 the very same model objects (so on the same weights, dtype and threads).
@@ -14,10 +15,11 @@ import torch
 
 from speclm.engine import METHODS, SpecEngine
 from speclm.errors import UsageError
+from speclm.quant import QUANTIZE_MODES
 from speclm.stats import RequestStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
-OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int}
+OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str}
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,15 @@ class MethodSpec:
     @property
     def needs_draft(self) -> bool:
         return self.name in ("draft", "hf-assisted")
+
+    @property
+    def quantize(self) -> str | None:
+        """The weights this method runs on; None: bench's --quantize."""
+        return self.options.get("quantize")
+
+    @property
+    def decoding_options(self) -> dict:
+        return {k: v for k, v in self.options.items() if k != "quantize"}
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -50,6 +61,8 @@ def parse_methods(text: str) -> list[MethodSpec]:
                 options[key] = OPTION_TYPES[key](value)
             except ValueError:
                 raise UsageError(f"option {key} of method '{label}' must be an integer") from None
+        if options.get("quantize", "none") not in QUANTIZE_MODES:
+            raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)} in method '{label}'")
         if options.get("k", 1) < 1:
             raise UsageError(f"k must be >= 1 in method '{label}'")
         specs.append(MethodSpec(label, name, options))
@@ -87,7 +100,7 @@ def run_method(spec: MethodSpec, engine: SpecEngine, prompt_ids: list[int], max_
         return _run_hf(spec, engine, prompt_ids, max_new_tokens, temperature, seed)
     start = time.perf_counter()
     out = engine.generate(prompt_ids, method=spec.name, max_new_tokens=max_new_tokens,
-                          temperature=temperature, seed=seed, **spec.options)
+                          temperature=temperature, seed=seed, **spec.decoding_options)
     return RunResult(out.token_ids, time.perf_counter() - start, out.stats)
 
 

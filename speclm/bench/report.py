@@ -60,6 +60,8 @@ def _cell(rs: list[dict]) -> dict:
             drafted_tokens=drafted,
             draft_share=sum(s["draft_seconds"] for s in stats) / wall if wall else None,
             verify_share=sum(s["verify_seconds"] for s in stats) / wall if wall else None,
+            outside_forwards_share=(1 - sum(s.get("forward_seconds", 0.0) for s in stats) / wall
+                                    if wall and all("forward_seconds" in s for s in stats) else None),
         )
     checked = [r["lossless"] for r in rs if r["lossless"] is not None]
     cell["lossless"] = f"{sum(checked)}/{len(checked)}" if checked else None
@@ -103,7 +105,8 @@ def markdown(results: dict, summary: dict) -> str:
     if results.get("command"):
         lines += [f"Command: `{results['command']}`", ""]
     lines += [
-        f"Created {results['created']}. Target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, "
+        f"Created {results['created']}. Target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']} activations, "
+        f"weights {cfg.get('quantize', 'none') if cfg.get('quantize', 'none') != 'none' else 'as loaded (no quantization)'}, "
         f"temperature {cfg['temperature']}, {cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeat(s), "
         f"dataset {cfg['dataset']}{', chat template' if cfg['chat'] else ''}.",
         "",
@@ -113,8 +116,9 @@ def markdown(results: dict, summary: dict) -> str:
         "",
         "## Overall (all categories)",
         "",
-        "| method | tokens/s | speedup vs none | speedup vs hf | mean accepted tokens | acceptance rate | target forwards / token | lossless vs none |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | tokens/s | speedup vs none | speedup vs hf | mean accepted tokens | acceptance rate | target forwards / token "
+        "| time outside model forwards | lossless vs none |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     methods = summary["methods"]
     for m, cells in methods.items():
@@ -122,8 +126,12 @@ def markdown(results: dict, summary: dict) -> str:
         lines.append(
             f"| {m} | {_fmt(c['tokens_per_second'])} | {_fmt(c.get('speedup_vs_none'))} | {_fmt(c.get('speedup_vs_hf'))} | "
             f"{_fmt(c.get('mean_accepted_tokens'))} | {_fmt(c.get('acceptance_rate'))} | "
-            f"{_fmt(c.get('target_forwards_per_token'))} | {c['lossless'] or '–'} |"
+            f"{_fmt(c.get('target_forwards_per_token'))} | {_fmt(c.get('outside_forwards_share'), '.2%')} | {c['lossless'] or '–'} |"
         )
+    lines += ["", "Time outside model forwards: share of each request's wall time spent outside target and draft "
+              "forwards (drafting logic, verification, bookkeeping); it is what a faster engine loop could remove. "
+              "`none` in a row's label means plain decoding on that row's weights; lossless compares each method "
+              "with `none` on the same weights."]
     cats = [x for x in summary["categories"] if x != ALL]
     lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " |",
               "|---" * (len(cats) + 1) + "|"]

@@ -51,10 +51,22 @@ class BenchConfig:
     chat: bool
     dtype: str = "float32"
     cost_repeats: int = 5
+    quantize: str = "none"  # the weights of methods without their own quantize= option
 
 
 def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPrompt], config: BenchConfig,
-              out_dir: Path, progress: bool = True, measure_cost_model: bool = True) -> dict:
+              out_dir: Path, progress: bool = True, measure_cost_model: bool = True,
+              engines: dict[str, SpecEngine] | None = None) -> dict:
+    """`engine` runs on config.quantize weights; `engines` maps other quantize modes that
+    methods ask for (`none:quantize=none`) to engines over those weights."""
+    engines = {**(engines or {}), config.quantize: engine}
+    missing = {s.quantize for s in specs if s.quantize} - set(engines)
+    if missing:
+        raise ValueError(f"no engine for quantize={', '.join(sorted(missing))}")
+
+    def engine_of(spec: MethodSpec) -> SpecEngine:
+        return engines[spec.quantize or config.quantize]
+
     out_dir.mkdir(parents=True, exist_ok=True)
     encoded = engine.encode([p.text for p in prompts], config.chat)
     results = {
@@ -81,16 +93,19 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
             )
         bar.set_postfix_str("warm-up")
         for spec in specs:
-            run_method(spec, engine, encoded[0], 8, config.temperature, config.seed)
+            run_method(spec, engine_of(spec), encoded[0], 8, config.temperature, config.seed)
+        # `none` runs first on each set of weights: it is the reference of the others there
+        order = sorted(specs, key=lambda s: s.name != "none")
         for prompt, ids in zip(prompts, encoded):
             for repeat in range(config.repeats):
-                reference = None
-                for spec in specs:
+                reference: dict[str, list[int]] = {}  # quantize mode -> `none`'s output
+                for spec in order:
                     bar.set_postfix_str(f"{prompt.category}/{prompt.prompt_id} {spec.label}")
-                    r = run_method(spec, engine, ids, config.max_new_tokens, config.temperature, config.seed + repeat)
+                    mode = spec.quantize or config.quantize
+                    r = run_method(spec, engine_of(spec), ids, config.max_new_tokens, config.temperature, config.seed + repeat)
                     if spec.name == "none":
-                        reference = r.token_ids
-                    results["runs"].append(_record(engine, prompt, spec, repeat, r, ids, reference, config))
+                        reference[mode] = r.token_ids
+                    results["runs"].append(_record(engine_of(spec), prompt, spec, repeat, r, ids, reference.get(mode), config))
                     bar.update(1)
             report.write_all(results, out_dir)
         results["complete"] = True

@@ -17,10 +17,12 @@ class LoadedModel:
     model: object  # a transformers PreTrainedModel (causal LM), in eval mode
     tokenizer: object  # its transformers tokenizer
     eos_token_ids: tuple[int, ...]  # every id that ends generation
+    quantize: str = "none"  # none | int8 (speclm.quant)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
     @property
     def max_context(self) -> int | None:
@@ -73,9 +75,16 @@ def _converted_gguf(path: Path, progress: bool) -> Path:
     return store.publish_model_folder(final, f"gguf-{key}", build, {"name": path.name, "source": str(path.resolve())})
 
 
-def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", progress: bool = True) -> LoadedModel:
-    """Load model and tokenizer; `name` as in `resolve_model`."""
+def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quantize: str = "none",
+               progress: bool = True) -> LoadedModel:
+    """Load model and tokenizer; `name` as in `resolve_model`. quantize="int8" gives every
+    linear layer, output head included, int8 weights (speclm.quant; done here, in seconds)."""
     import torch
+
+    from speclm.quant import QUANTIZE_MODES, quantize_model
+
+    if quantize not in QUANTIZE_MODES:
+        raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not '{quantize}'")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -91,6 +100,7 @@ def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", progre
     finally:
         hf_logging.enable_progress_bar()
     model.to(device).eval()
+    quantize_model(model, quantize)
     eos: set[int] = set()
     try:
         gen = GenerationConfig.from_pretrained(source)
@@ -99,4 +109,4 @@ def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", progre
         pass
     eos.update(store._as_list(model.generation_config.eos_token_id))
     eos.update(store._as_list(tokenizer.eos_token_id))
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)))
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)), quantize=quantize)

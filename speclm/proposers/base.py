@@ -43,8 +43,13 @@ class Proposer:
 
     name = "proposer"
 
-    def start(self, batch_size: int) -> None:
-        """A new batch of requests begins."""
+    def start(self, batch_size: int, capacity: int) -> None:
+        """A new batch of requests begins; no row will hold more than `capacity` tokens."""
+
+    @property
+    def forward_seconds(self) -> float:
+        """Time spent inside model forwards since `start` (0 for model-free proposers)."""
+        return 0.0
 
     def propose(
         self,

@@ -1,6 +1,6 @@
 """Drafting with a smaller model that shares the target's tokenizer.
 
-The draft keeps its own ragged KV cache. Each proposal first feeds the committed tokens
+The draft keeps its own preallocated KV cache (speclm.kv.StaticKV). Each proposal first feeds the committed tokens
 the draft has not seen (the whole prompt at the start; afterwards the target's
 recovered or bonus token, plus the last draft token when every draft was accepted), then
 drafts autoregressively. Its last drafted token is never fed, so a fully accepted round
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from speclm.proposers.base import Draft, Proposer
-from speclm.kv import RaggedKV
+from speclm.kv import StaticKV
 from speclm.sampling import SamplingParams, processed_probs, sample
 
 
@@ -21,10 +21,14 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, model, k: int = 4):
         self.model, self.k = model, k
-        self.kv: RaggedKV | None = None
+        self.kv: StaticKV | None = None
 
-    def start(self, batch_size: int) -> None:
-        self.kv = RaggedKV(self.model, batch_size)
+    def start(self, batch_size: int, capacity: int) -> None:
+        self.kv = StaticKV(self.model, batch_size, capacity, exact=False)  # only the target's logits must be exact
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.kv.forward_seconds if self.kv is not None else 0.0
 
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
         batch = len(contexts)

@@ -1,0 +1,106 @@
+"""Measure the CPU int8 linear-layer options for one Qwen2.5-1.5B MLP layer (8960 x 1536).
+
+For each path: median time at k = 1, 4, 8, 16 rows, whether row 0 computed alone is
+bit-identical to row 0 inside a batch of 16 (batch invariance, which speculative exactness
+needs), and the relative error against fp32. Run: .venv/bin/python benchmarks/int8_kernels.py
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
+torch.manual_seed(0)
+OUT, IN = 8960, 1536
+ROWS = (1, 4, 8, 16)
+
+
+def timed(fn, x, reps=20):
+    for _ in range(3):
+        fn(x)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(x)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def int8pack(weight: torch.Tensor):
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scale_bf16 = scale.to(torch.bfloat16)
+
+    def fn(x):
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scale_bf16).to(x.dtype)
+    return fn
+
+
+def int_mm_per_row(weight: torch.Tensor):
+    w_scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    w_q_t = torch.round(weight / w_scale[:, None]).clamp(-127, 127).to(torch.int8).t().contiguous()
+
+    def fn(x):
+        x_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+        x_q = torch.round(x / x_scale).clamp(-127, 127).to(torch.int8)
+        return torch._int_mm(x_q, w_q_t).to(torch.float32) * x_scale * w_scale
+    return fn
+
+
+def torchao_path(layer: torch.nn.Linear, config, dtype):
+    from torchao.quantization import quantize_
+    m = torch.nn.Sequential(copy.deepcopy(layer).to(dtype))
+    quantize_(m, config)
+
+    def fn(x):
+        return m(x.to(dtype)).to(torch.float32)
+    return fn
+
+
+def main() -> None:
+    torch.set_num_threads(torch.get_num_threads())
+    layer = torch.nn.Linear(IN, OUT, bias=False)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.02)
+    w = layer.weight.detach()
+    paths = {
+        "fp32 F.linear": lambda x: F.linear(x, w),
+        "aten._weight_int8pack_mm, bf16 activations": int8pack(w),
+        "torch._int_mm, per-row int8 activations": int_mm_per_row(w),
+    }
+    dyn = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(copy.deepcopy(layer)), {torch.nn.Linear}, dtype=torch.qint8)
+    paths["torch quantize_dynamic (fbgemm, per-tensor act.)"] = lambda x: dyn(x)
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+        paths["torchao Int8WeightOnly, bf16"] = torchao_path(layer, Int8WeightOnlyConfig(), torch.bfloat16)
+        paths["torchao Int8WeightOnly, fp32"] = torchao_path(layer, Int8WeightOnlyConfig(), torch.float32)
+        paths["torchao Int8DynActInt8Weight, fp32"] = torchao_path(layer, Int8DynamicActivationInt8WeightConfig(), torch.float32)
+    except Exception as exc:  # torchao missing or its CPU path unavailable
+        print(f"torchao: {type(exc).__name__}: {exc}")
+
+    x16 = torch.randn(16, IN)
+    ref = F.linear(x16.double(), w.double()).float()
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    print("| path | " + " | ".join(f"k={k} ms" for k in ROWS) + " | batch-invariant | rel. error vs fp64 |")
+    print("|---|" + "---|" * len(ROWS) + "---|---|")
+    with torch.inference_mode():
+        for name, fn in paths.items():
+            try:
+                times = [timed(fn, x16[:k].contiguous()) for k in ROWS]
+                alone = fn(x16[:1].contiguous())[0]
+                inside = fn(x16)[0]
+                invariant = torch.equal(alone, inside)
+                err = ((fn(x16).float() - ref).norm() / ref.norm()).item()
+            except Exception as exc:
+                print(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:80]} |")
+                continue
+            print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in times) + f" | {'yes' if invariant else 'no'} | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

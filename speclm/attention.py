@@ -1,0 +1,73 @@
+"""Attention whose result for a token does not depend on the other tokens of the forward.
+
+Speculative greedy output equals plain greedy output only if a target forward over k+1
+tokens gives every token the logits a 1-token forward would. With int8 activations that is
+strict: each row is quantized on its own max, so a last-bit difference upstream can move a
+rounding step and change logits by far more than fp32 noise. SDPA over a block of queries
+is not bit-identical to SDPA over each query alone (other blocking, GQA packing only at one
+query), so during speclm's decode forwards each query attends on its own, over exactly
+the slots before it; a plain step does the very same call. Long prefills (more than
+PER_QUERY_MAX tokens) run batched, which is identical for plain and speculative decoding
+because the engine prefills the prompt alone. Outside speclm's forwards (e.g. transformers'
+`generate` on the same model), this is transformers' SDPA attention, unchanged.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "speclm"
+PER_QUERY_MAX = 64  # forwards wider than this (prompts) attend batched
+
+# per forward: each row's slots before its first new token, and its number of new tokens
+_PLAN: ContextVar[tuple[list[int], list[int]] | None] = ContextVar("speclm_attention_plan", default=None)
+
+
+@contextmanager
+def per_query(starts: list[int], counts: list[int]):
+    token = _PLAN.set((starts, counts))
+    try:
+        yield
+    finally:
+        _PLAN.reset(token)
+
+
+def exact_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs):
+    """query (B, H, M, D); key, value (B, H_kv, W, D) -> (B, M, H, D), as transformers expects."""
+    plan = _PLAN.get()
+    batch, heads, width, dim = query.shape
+    if plan is None or width > PER_QUERY_MAX:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    starts, counts = plan
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads  # query head h reads kv head h // groups, as repeat_kv lays them out
+    out = query.new_zeros(batch, width, heads, dim)
+    for b in range(batch):
+        for i in range(counts[b]):
+            seen = starts[b] + i + 1
+            q = query[b, :, i].reshape(1, kv_heads, groups, dim)  # a kv head's query heads as its "queries"
+            o = F.scaled_dot_product_attention(q, key[b : b + 1, :, :seen], value[b : b + 1, :, :seen], scale=scaling)
+            out[b, i] = o.reshape(heads, dim)
+    return out, None
+
+
+AttentionInterface.register(NAME, exact_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def use_exact_attention(model) -> None:
+    """Switch a transformers model to this attention (SDPA whenever speclm is not decoding)."""
+    if getattr(model.config, "_attn_implementation", None) == NAME:
+        return
+    try:
+        model.set_attn_implementation(NAME)
+    except (AttributeError, ValueError):
+        model.config._attn_implementation = NAME

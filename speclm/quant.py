@@ -1,0 +1,117 @@
+"""int8 weights for every linear layer of a transformers model, output head included.
+
+Speculative output equals plain output only if the target's forward is batch-invariant: a
+token's logits must not depend on how many other tokens share the forward. The kernel kept
+here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
+activation row quantized to int8 with its own scale, products accumulated in int32 by
+`torch._int_mm` (exact integer arithmetic), then rescaled elementwise. Nothing couples the
+rows, so the result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
+activation scale for the whole batch and is *not* batch-invariant; the weight-only
+`_weight_int8pack_mm` path is invariant but its cost grows with the rows. The measurements
+behind the choice are in benchmarks/int8_kernels.py and benchmarks/int8_model.py.
+
+Quantizing happens at load (a few seconds for 1.5B parameters), so nothing extra is cached.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZE_MODES = ("none", "int8")
+
+
+def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (out, in) -> int8 (out, in) and fp32 scale (out,), symmetric, max-abs."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class _LastInput:
+    """q/k/v (and gate/up) projections read the very same tensor object: quantize it once.
+    Keyed by identity (inference tensors carry no version counter); the transformers
+    decoders speclm runs never modify a projection's input in place between projections,
+    which tests/test_quant.py checks against an uncached computation."""
+
+    x: torch.Tensor | None = None
+    out: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _quantized_rows(x: torch.Tensor, features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., in) -> u8 rows (R, in) with zero point 128, and each row's max |x| (R, 1)."""
+    last = _LastInput
+    if x is last.x:
+        return last.out
+    rows = x.reshape(-1, features).float()  # (R, in)
+    amax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (R, 1)
+    xq = torch.round(rows * (127.0 / amax)).add_(128.0).to(torch.uint8)  # integers 1..255
+    last.x, last.out = x, (xq, amax)
+    return last.out
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with int8 W (per output channel) and x quantized per row on the fly.
+
+    Kernel: oneDNN's int8 GEMM on weights packed once (`onednn.qlinear_pointwise`, what
+    torch's x86 int8 path uses), u8 activations with zero point 128; the per-row activation
+    scale is applied to its output. Without oneDNN: `torch._int_mm`, same integers.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = _int8_per_channel(linear.weight)
+        self.register_buffer("wscale", scale, persistent=False)  # (out,) fp32
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.register_buffer("bias", bias, persistent=False)
+        self.onednn = _onednn_available()
+        if self.onednn:
+            self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # opaque blocked layout
+            self.wzero = torch.zeros(self.out_features, dtype=torch.long)
+        else:
+            self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in)
+        xq, amax = _quantized_rows(x, self.in_features)
+        if self.onednn:
+            acc = torch.ops.onednn.qlinear_pointwise(
+                xq, 1.0, 128, self.packed, self.wscale, self.wzero, None, 1.0, 0, torch.float32, "none", [], "",
+            )  # (R, out) = integer dot products * wscale
+        else:
+            acc = torch._int_mm((xq.to(torch.int16) - 128).to(torch.int8), self.qweight_t).float() * self.wscale
+        y = acc.mul_(amax / 127.0)  # the row's own activation scale
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kernel = "onednn" if self.onednn else "_int_mm"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 per-row ({kernel})"
+
+
+def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+    """Replace every nn.Linear (output head included) in place; returns the model."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not {mode!r}")
+    if mode == "none":
+        return model
+    if getattr(model, "speclm_quantize", "none") == mode:
+        return model
+    # A tied output head shares its weight with the embedding table; quantizing it must
+    # leave the (fp32) embedding untouched, so the head gets its own int8 copy.
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.no_grad():
+            setattr(parent, child, Int8Linear(linear))
+    if hasattr(model, "config"):
+        model.config.tie_word_embeddings = False
+    model.speclm_quantize = mode
+    return model

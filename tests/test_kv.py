@@ -1,0 +1,55 @@
+"""The preallocated KV cache: rollback is a length, ragged rows equal rows alone."""
+
+import torch
+
+from speclm.kv import StaticKV
+
+
+def test_ragged_rows_equal_rows_alone(target, tok):
+    rows = [tok("hello world").input_ids, tok("ab").input_ids, tok("a longer prompt here").input_ids]
+    kv = StaticKV(target.model, 3, 64)
+    batched = kv.forward(rows, 2)  # (3, 2, V): each row's last 2 tokens
+    follow = kv.forward([[5, 6, 7], [8], [9, 10]], 1)
+    for b, row in enumerate(rows):
+        alone = StaticKV(target.model, 1, 64)
+        assert torch.allclose(alone.forward([row], 2), batched[b : b + 1], atol=1e-5)
+        nxt = [[5, 6, 7], [8], [9, 10]][b]
+        assert torch.allclose(alone.forward([nxt], 1), follow[b : b + 1], atol=1e-5)
+    assert kv.lengths_list() == [len(r) + len(n) for r, n in zip(rows, [[5, 6, 7], [8], [9, 10]])]
+
+
+def test_rollback_moves_a_length_and_copies_nothing(target, tok):
+    ids = tok("rollback test").input_ids
+    kv = StaticKV(target.model, 1, 64)
+    kv.forward([ids], 1)
+    buffers = [t.data_ptr() for t in kv.keys + kv.values]
+    first = kv.forward([[1, 2, 3, 4]], 4)
+    kv.truncate([len(ids)])  # reject all four
+    assert kv.lengths_list() == [len(ids)]
+    again = kv.forward([[1, 2, 3, 4]], 4)
+    assert torch.allclose(first, again, atol=1e-6)
+    kv.truncate([len(ids) + 2])  # accept two of the four
+    after = kv.forward([[9]], 1)
+    fresh = StaticKV(target.model, 1, 64)
+    assert torch.allclose(fresh.forward([ids + [1, 2, 9]], 1), after, atol=1e-5)
+    assert [t.data_ptr() for t in kv.keys + kv.values] == buffers  # written in place, never reallocated
+
+
+def test_capacity_grows_when_underestimated(target, tok):
+    ids = tok("grow").input_ids
+    kv = StaticKV(target.model, 1, len(ids))
+    kv.forward([ids], 1)
+    out = kv.forward([[1, 2, 3]], 1)
+    assert kv.capacity >= len(ids) + 3
+    fresh = StaticKV(target.model, 1, 64)
+    assert torch.allclose(fresh.forward([ids + [1, 2, 3]], 1), out, atol=1e-5)
+
+
+def test_select_keeps_rows(target, tok):
+    rows = [tok("one").input_ids, tok("two two").input_ids]
+    kv = StaticKV(target.model, 2, 32)
+    kv.forward(rows, 1)
+    kv.select([1])
+    out = kv.forward([[3]], 1)
+    alone = StaticKV(target.model, 1, 32)
+    assert torch.allclose(alone.forward([rows[1] + [3]], 1), out, atol=1e-5)

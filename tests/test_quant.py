@@ -1,0 +1,121 @@
+"""int8 weights (speclm.quant): batch invariance, accuracy, and speculative == plain on int8."""
+
+import copy
+
+import pytest
+import torch
+
+import speclm.quant as quant
+from speclm import SpecEngine
+from speclm.quant import Int8Linear, quantize_model
+from tiny import loaded, tiny_model
+
+N = 40
+PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
+
+
+@pytest.fixture(params=["onednn", "int_mm"])
+def kernel(request, monkeypatch):
+    if request.param == "onednn" and not quant._onednn_available():
+        pytest.skip("torch built without oneDNN")
+    if request.param == "int_mm":
+        monkeypatch.setattr(quant, "_onednn_available", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_batch_invariant_and_close_to_fp32(kernel, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200, bias=bias)
+    q = Int8Linear(linear)
+    assert q.onednn == (kernel == "onednn")
+    x = torch.randn(3, 7, 96)  # (batch, tokens, features)
+    with torch.inference_mode():
+        full = q(x)
+        ref = linear(x)
+        # every row alone, and every slice of rows, is bit-identical to the same rows in the batch
+        for b in range(3):
+            for lo, hi in ((0, 1), (2, 5), (6, 7), (0, 7)):
+                assert torch.equal(q(x[b : b + 1, lo:hi].clone()), full[b : b + 1, lo:hi])
+    rel = ((full - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 0.02  # int8 is not fp32, but close
+
+
+def test_kernels_agree_in_integers():
+    """oneDNN and _int_mm compute the same integer dot products; only float rounding differs."""
+    if not quant._onednn_available():
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(64, 48)
+    a = Int8Linear(linear)
+    quant_onednn = quant._onednn_available
+    try:
+        quant._onednn_available = lambda: False
+        b = Int8Linear(linear)
+    finally:
+        quant._onednn_available = quant_onednn
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        assert torch.allclose(a(x), b(x), rtol=1e-5, atol=1e-6)
+
+
+def test_quantize_model_covers_every_linear_and_leaves_a_tied_embedding(tok):
+    model = tiny_model(len(tok), seed=5)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    emb = model.get_input_embeddings().weight.detach().clone()
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    quantize_model(model, "int8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == linears
+    assert isinstance(model.get_output_embeddings(), Int8Linear)
+    assert torch.equal(model.get_input_embeddings().weight, emb)
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    with pytest.raises(ValueError):
+        quantize_model(model, "int4")
+
+
+def test_shared_input_quantization_matches_uncached(tok, monkeypatch):
+    """q/k/v reuse one quantized input; the logits equal those computed without reuse."""
+    model = quantize_model(tiny_model(len(tok), seed=6), "int8")
+    ids = torch.tensor([tok("shared inputs, shared inputs").input_ids])
+    with torch.inference_mode():
+        cached = model(ids).logits
+        original = quant._quantized_rows
+
+        def uncached(x, features):
+            quant._LastInput.x = None
+            return original(x, features)
+
+        monkeypatch.setattr(quant, "_quantized_rows", uncached)
+        assert torch.equal(model(ids).logits, cached)
+
+
+@pytest.fixture(scope="module")
+def int8_pair(tok):
+    target = loaded(quantize_model(tiny_model(len(tok), seed=0), "int8"), tok, name="tiny-target-int8")
+    draft = loaded(quantize_model(tiny_model(len(tok), seed=1, layers=1), "int8"), tok, name="tiny-draft-int8")
+    return target, draft
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_int8_speculative_equals_int8_plain(int8_pair, k):
+    target, draft = int8_pair
+    plain = SpecEngine(target).generate(PROMPTS, method="none", max_new_tokens=N)
+    for method, d in (("draft", draft), ("draft", target), ("pld", None)):
+        outs = SpecEngine(target, draft=d).generate(PROMPTS, method=method, k=k, max_new_tokens=N)
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain], (method, d.name if d else None)
+    # a draft identical to the target is accepted in full: int8 verification is batch-invariant
+    same = SpecEngine(target, draft=target).generate(PROMPTS[0], method="draft", k=k, max_new_tokens=N)
+    assert same.stats.acceptance_rate == 1.0
+
+
+def test_int8_logits_stay_close_to_fp32(tok):
+    """Sanity of the quantized weights: teacher-forced logits within a few percent of fp32."""
+    model = tiny_model(len(tok), seed=0)
+    ids = torch.tensor([tok(PROMPTS[2]).input_ids])
+    with torch.inference_mode():
+        ref = model(ids).logits
+        got = quantize_model(copy.deepcopy(model), "int8")(ids).logits
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 0.05
