@@ -20,7 +20,9 @@ import time
 
 import torch
 
+from speclm import lean
 from speclm.attention import per_query, use_exact_attention
+from speclm.lean import LeanForward
 
 
 class _SlotWriter:
@@ -50,7 +52,8 @@ class StaticKV:
         on the other tokens of a forward; the target needs it, a draft model does not."""
         self.model = model
         self.exact = exact
-        if exact:
+        self.lean = LeanForward(model) if lean.supports(model) else None
+        if exact and self.lean is None:
             use_exact_attention(model)
         self.device = model.device
         cfg = model.config
@@ -106,13 +109,20 @@ class StaticKV:
         self._write_rows, self._write_slots, self._window = self._rows[:, None], positions, window
         # which columns hold each row's last `logits_to_keep` tokens; all rows agree when the
         # feed is not ragged, the usual case after prefill
-        if min(counts) == width:
-            keep, gather = logits_to_keep, None
-        else:
-            cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep])  # (B, K)
-            keep, inverse = torch.unique(cols, return_inverse=True)  # keep (U,), inverse (B, K)
-            gather = inverse
+        ragged = min(counts) < width
+        cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep]) if ragged else None  # (B, K)
         t0 = time.perf_counter()
+        if self.lean is not None:
+            starts = self.lengths.tolist()
+            keep_cols = cols if ragged else slice(width - logits_to_keep, width)
+            logits = self.lean(ids, positions, self, starts, counts, mask, window, self.exact, keep_cols)
+            self.forward_seconds += time.perf_counter() - t0
+            self.lengths = self.lengths + n
+            return logits
+        if ragged:
+            keep, gather = torch.unique(cols, return_inverse=True)  # keep (U,), gather (B, K) into it
+        else:
+            keep, gather = logits_to_keep, None
         starts = self.lengths.tolist() if self.exact else None
         with per_query(starts, counts) if self.exact else contextlib.nullcontext():
             out = self.model(

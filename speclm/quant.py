@@ -29,26 +29,12 @@ def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
-class _LastInput:
-    """q/k/v (and gate/up) projections read the very same tensor object: quantize it once.
-    Keyed by identity (inference tensors carry no version counter); the transformers
-    decoders speclm runs never modify a projection's input in place between projections,
-    which tests/test_quant.py checks against an uncached computation."""
-
-    x: torch.Tensor | None = None
-    out: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
 def _quantized_rows(x: torch.Tensor, features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., in) -> u8 rows (R, in) with zero point 128, and each row's max |x| (R, 1)."""
-    last = _LastInput
-    if x is last.x:
-        return last.out
     rows = x.reshape(-1, features).float()  # (R, in)
     amax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (R, 1)
     xq = torch.round(rows * (127.0 / amax)).add_(128.0).to(torch.uint8)  # integers 1..255
-    last.x, last.out = x, (xq, amax)
-    return last.out
+    return xq, amax
 
 
 def _onednn_available() -> bool:
@@ -63,12 +49,17 @@ class Int8Linear(nn.Module):
     scale is applied to its output. Without oneDNN: `torch._int_mm`, same integers.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, *linears: nn.Linear):
+        """One linear, or several that read the same input (fused: their outputs side by side)."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = _int8_per_channel(linear.weight)
+        self.in_features = linears[0].in_features
+        self.out_features = sum(lin.out_features for lin in linears)
+        q, scale = _int8_per_channel(torch.cat([lin.weight.detach() for lin in linears]))
         self.register_buffer("wscale", scale, persistent=False)  # (out,) fp32
-        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        bias = None
+        if any(lin.bias is not None for lin in linears):
+            bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
+                              for lin in linears])
         self.register_buffer("bias", bias, persistent=False)
         self.onednn = _onednn_available()
         if self.onednn:
@@ -95,6 +86,40 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 per-row ({kernel})"
 
 
+class Int8Slice(nn.Module):
+    """One of several sibling projections fused into one Int8Linear (q/k/v, gate/up): the
+    first sibling called with an input computes all outputs, the others read their columns."""
+
+    def __init__(self, fused: "_Fused", start: int, stop: int):
+        super().__init__()
+        self.fused, self.start, self.stop = fused, start, stop
+        self.in_features, self.out_features = fused.kernel.in_features, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.stop} of a fused int8 projection"
+
+
+class _Fused:
+    """Not a module: siblings share it without registering its buffers twice."""
+
+    def __init__(self, kernel: Int8Linear):
+        self.kernel = kernel
+        self._x: torch.Tensor | None = None  # the last input, by identity; kept alive so no other tensor can take its id
+        self._y: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._x:
+            self._x, self._y = x, self.kernel(x)
+        return self._y
+
+
+# projections that read one input in the Llama-family decoders (Llama, Qwen2, Mistral, ...)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     """Replace every nn.Linear (output head included) in place; returns the model."""
     if mode not in QUANTIZE_MODES:
@@ -105,6 +130,15 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         return model
     # A tied output head shares its weight with the embedding table; quantizing it must
     # leave the (fp32) embedding untouched, so the head gets its own int8 copy.
+    with torch.no_grad():
+        for parent in list(model.modules()):
+            for names in SIBLINGS:
+                mods = [getattr(parent, n, None) for n in names]
+                if all(isinstance(m, nn.Linear) for m in mods) and len({m.in_features for m in mods}) == 1:
+                    fused, start = _Fused(Int8Linear(*mods)), 0
+                    for n, m in zip(names, mods):
+                        setattr(parent, n, Int8Slice(fused, start, start + m.out_features))
+                        start += m.out_features
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")

@@ -53,3 +53,30 @@ def test_select_keeps_rows(target, tok):
     out = kv.forward([[3]], 1)
     alone = StaticKV(target.model, 1, 32)
     assert torch.allclose(alone.forward([rows[1] + [3]], 1), out, atol=1e-5)
+
+
+def test_lean_forward_matches_transformers(target, tok):
+    """The lean Llama/Qwen2 forward computes what the transformers forward computes."""
+    import speclm.lean as lean
+
+    assert lean.supports(target.model)
+    ids = tok("a lean forward, a lean forward").input_ids
+    kv = StaticKV(target.model, 1, 64)
+    assert kv.lean is not None
+    got = torch.cat([kv.forward([ids[:5]], 5), kv.forward([ids[5:9]], 4), kv.forward([ids[9:]], len(ids) - 9)], dim=1)
+    with torch.inference_mode():
+        ref = target.model(torch.tensor([ids])).logits.float()
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_transformers_path_when_lean_unsupported(target, tok, monkeypatch):
+    import speclm.kv as kv_mod
+
+    monkeypatch.setattr(kv_mod.lean, "supports", lambda model: False)
+    ids = tok("fallback path").input_ids
+    kv = StaticKV(target.model, 1, 64)
+    assert kv.lean is None and target.model.config._attn_implementation == "speclm"
+    got = torch.cat([kv.forward([ids[:4]], 4), kv.forward([ids[4:]], len(ids) - 4)], dim=1)
+    with torch.inference_mode():
+        ref = target.model(torch.tensor([ids])).logits.float()
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)

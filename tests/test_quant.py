@@ -7,7 +7,7 @@ import torch
 
 import speclm.quant as quant
 from speclm import SpecEngine
-from speclm.quant import Int8Linear, quantize_model
+from speclm.quant import Int8Linear, Int8Slice, quantize_model
 from tiny import loaded, tiny_model
 
 N = 40
@@ -64,10 +64,11 @@ def test_quantize_model_covers_every_linear_and_leaves_a_tied_embedding(tok):
     model.config.tie_word_embeddings = True
     model.tie_weights()
     emb = model.get_input_embeddings().weight.detach().clone()
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     quantize_model(model, "int8")
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == linears
+    assert all(isinstance(model.get_submodule(n), (Int8Linear, Int8Slice)) for n in names)
+    assert isinstance(model.get_submodule("model.layers.0.self_attn.k_proj"), Int8Slice)  # q/k/v fused
     assert isinstance(model.get_output_embeddings(), Int8Linear)
     assert torch.equal(model.get_input_embeddings().weight, emb)
     assert model.get_input_embeddings().weight.dtype == torch.float32
@@ -75,20 +76,19 @@ def test_quantize_model_covers_every_linear_and_leaves_a_tied_embedding(tok):
         quantize_model(model, "int4")
 
 
-def test_shared_input_quantization_matches_uncached(tok, monkeypatch):
-    """q/k/v reuse one quantized input; the logits equal those computed without reuse."""
-    model = quantize_model(tiny_model(len(tok), seed=6), "int8")
-    ids = torch.tensor([tok("shared inputs, shared inputs").input_ids])
+def test_fused_projections_equal_separate_ones(kernel):
+    """q/k/v share one int8 GEMM; each slice equals that projection quantized alone, bit for bit."""
+    torch.manual_seed(2)
+    parent = torch.nn.Module()
+    for name, out in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        setattr(parent, name, torch.nn.Linear(64, out, bias=True))
+    alone = {n: Int8Linear(getattr(parent, n)) for n in ("q_proj", "k_proj", "v_proj")}
+    quantize_model(parent, "int8")
+    x = torch.randn(2, 5, 64)
     with torch.inference_mode():
-        cached = model(ids).logits
-        original = quant._quantized_rows
-
-        def uncached(x, features):
-            quant._LastInput.x = None
-            return original(x, features)
-
-        monkeypatch.setattr(quant, "_quantized_rows", uncached)
-        assert torch.equal(model(ids).logits, cached)
+        for n in ("q_proj", "k_proj", "v_proj"):
+            assert isinstance(getattr(parent, n), Int8Slice)
+            assert torch.equal(getattr(parent, n)(x), alone[n](x))
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,16 @@ def test_int8_logits_stay_close_to_fp32(tok):
         got = quantize_model(copy.deepcopy(model), "int8")(ids).logits
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 0 < rel < 0.05
+
+
+def test_int8_exact_through_the_transformers_forward_too(int8_pair, monkeypatch):
+    """Models the lean forward does not cover run transformers' forward with speclm's
+    per-query attention; speculative output still equals plain output on int8 weights."""
+    import speclm.kv as kv_mod
+
+    monkeypatch.setattr(kv_mod.lean, "supports", lambda model: False)
+    target, draft = int8_pair
+    plain = SpecEngine(target).generate(PROMPTS, method="none", max_new_tokens=N)
+    for method, d in (("draft", draft), ("pld", None)):
+        outs = SpecEngine(target, draft=d).generate(PROMPTS, method=method, k=4, max_new_tokens=N)
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain], method
