@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_decoding_options(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--k", type=int, default=None, help="draft tokens per round (default 2, measured best on CPU)")
+    g.add_argument("--k", type=int, default=None, help="draft tokens per round (default: 2; pld on int8 weights 6; measured best on CPU)")
     g.add_argument("--ngram-max", type=int, default=3, help="pld: longest n-gram matched (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="pld: shortest n-gram matched (default 1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -276,7 +276,7 @@ def _demo(args) -> int:
     engine = SpecEngine(load_model(args.target, quantize=args.quantize), draft=load_model(args.draft, quantize=args.quantize))
     common = dict(max_new_tokens=args.max_new_tokens, chat=True)
     engine.generate("Hi", max_new_tokens=2, chat=True)  # warm-up: first-call allocations
-    k = args.k or GenerationOptions(method="draft").draft_length
+    k = args.k or GenerationOptions(method="draft").draft_length(args.quantize)
     print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={k}), streamed")
     stream = engine.stream(args.prompt, method="draft", k=k, **common)
     for delta in stream:

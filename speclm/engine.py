@@ -38,10 +38,18 @@ from speclm.text import IncrementalText, final_text, stop_cut
 from speclm.verify import verify
 
 METHODS = ("none", "draft", "pld")
-# Measured on a 2-core CPU in fp32 (benchmarks/cpu-fp32-qwen1.5b-1x6*): a target forward over
-# 3 new tokens costs 1.0-1.2x one token (v(3) = 1.02, 1.23) but 5 cost 1.9-2.1x, so k = 2 beat k = 4
-# for both methods (1.17x / 1.21x vs 0.92x / 0.97x over none). Pass k for other hardware.
-DEFAULT_K = {"draft": 2, "pld": 2}
+# Default draft length per target weights, from measurements on a 2-core CPU:
+# - fp32 (benchmarks/cpu-fp32-qwen1.5b-1x6*): a forward over 3 new tokens costs 1.0-1.2x one
+#   token but 5 cost 1.9-2.1x, so k = 2 beat k = 4 for both methods (1.17x / 1.21x vs 0.92x / 0.97x).
+# - int8 (benchmarks/int8-model-cpu.txt): v(k) stays within 1.1-1.2 up to k = 8, so prompt
+#   lookup, whose acceptance decays slowly with position (0.18, 0.13, 0.11, 0.10 for j = 1..4),
+#   drafts 6; a draft model step costs c = 0.5 target steps, so k = 2 is its best trade.
+# Pass k for other hardware.
+DEFAULT_K = {"none": {"draft": 2, "pld": 2}, "int8": {"draft": 2, "pld": 6}}
+
+
+def default_k(method: str, quantize: str = "none") -> int:
+    return DEFAULT_K.get(quantize, DEFAULT_K["none"]).get(method, 0)
 
 
 @dataclass(frozen=True)
@@ -75,9 +83,9 @@ class GenerationOptions:
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
 
-    @property
-    def draft_length(self) -> int:
-        return self.k if self.k is not None else DEFAULT_K.get(self.method, 0)
+    def draft_length(self, quantize: str = "none") -> int:
+        """k, or the method's default for target weights `quantize`."""
+        return self.k if self.k is not None else default_k(self.method, quantize)
 
 
 @dataclass
@@ -179,8 +187,8 @@ class SpecEngine:
         if opts.method == "draft":
             if self.draft is None:
                 raise UsageError("method 'draft' needs a draft model (--draft MODEL)")
-            return DraftModelProposer(self.draft.model, k=opts.draft_length)
-        return PromptLookupProposer(k=opts.draft_length, max_ngram=opts.ngram_max, min_ngram=opts.ngram_min)
+            return DraftModelProposer(self.draft.model, k=opts.draft_length(self.target.quantize))
+        return PromptLookupProposer(k=opts.draft_length(self.target.quantize), max_ngram=opts.ngram_max, min_ngram=opts.ngram_min)
 
     # ---------------------------------------------------------------- the loop
     def _rows(self, indexed: list[tuple[int, list[int]]], opts: GenerationOptions) -> list[_Row]:
@@ -197,7 +205,7 @@ class SpecEngine:
         params = opts.sampling
         eos = set(self.target.eos_token_ids)
         proposer = self.make_proposer(opts)
-        k = opts.draft_length
+        k = opts.draft_length(self.target.quantize)
         # one round past the last token: a row's final round may feed k draft tokens beyond it
         capacity = max(r.prompt_len + r.max_new for r in rows) + k + 1
         target_kv = StaticKV(self.target.model, len(rows), capacity)

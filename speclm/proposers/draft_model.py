@@ -24,7 +24,7 @@ class DraftModelProposer(Proposer):
         self.kv: StaticKV | None = None
 
     def start(self, batch_size: int, capacity: int) -> None:
-        self.kv = StaticKV(self.model, batch_size, capacity, exact=False)  # only the target's logits must be exact
+        self.kv = StaticKV(self.model, batch_size, capacity)
 
     @property
     def forward_seconds(self) -> float:
