@@ -2,7 +2,9 @@
 
 For each path: median time at k = 1, 4, 8, 16 rows, whether row 0 computed alone is
 bit-identical to row 0 inside a batch of 16 (batch invariance, which speculative exactness
-needs), and the relative error against fp32. Run: .venv/bin/python benchmarks/int8_kernels.py
+needs), and the relative error against fp64. torchao's CPU int8 configurations are
+included when torchao is installed (speclm does not depend on it).
+Run: .venv/bin/python benchmarks/int8_kernels.py > benchmarks/int8-kernels-cpu.txt
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def int8pack(weight: torch.Tensor):
 
 def int_mm_per_row(weight: torch.Tensor):
     w_scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    w_q_t = torch.round(weight / w_scale[:, None]).clamp(-127, 127).to(torch.int8).t().contiguous()
+    w_q_t = torch.round(weight / w_scale[:, None]).clamp(-127, 127).to(torch.int8).t()  # column-major: the fast layout
 
     def fn(x):
         x_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
@@ -75,6 +77,9 @@ def main() -> None:
     }
     dyn = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(copy.deepcopy(layer)), {torch.nn.Linear}, dtype=torch.qint8)
     paths["torch quantize_dynamic (fbgemm, per-tensor act.)"] = lambda x: dyn(x)
+    from speclm.quant import Int8Linear
+    speclm_layer = Int8Linear(layer)
+    paths["speclm Int8Linear: onednn.qlinear_pointwise, per-row act."] = lambda x: speclm_layer(x)
     try:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
         paths["torchao Int8WeightOnly, bf16"] = torchao_path(layer, Int8WeightOnlyConfig(), torch.bfloat16)

@@ -1,5 +1,6 @@
-"""Whole-model comparison of the CPU int8 paths on a real target: cost of a forward over k
-new tokens (v(k)), and agreement of the next-token argmax with fp32 (teacher-forced on
+"""Whole-model comparison of the CPU int8 paths on a real target, all through transformers'
+forward and DynamicCache (the kernels compare on equal terms; speclm's own forward is
+leaner): cost of a forward over k new tokens (v(k)), and agreement of the next-token argmax with fp32 (teacher-forced on
 Spec-Bench prompts). The per-layer picture is in int8_kernels.py; a single layer fits in
 the L3 cache and flatters the kernels, so the choice is made on whole-model numbers.
 

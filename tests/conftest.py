@@ -7,7 +7,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-from tiny import byte_tokenizer, loaded, tiny_model  # noqa: E402
+from tiny import byte_tokenizer, loaded, tiny_model, word_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +24,22 @@ def target(tok):
 def unrelated_draft(tok):
     """A draft with other random weights: almost none of its tokens are accepted."""
     return loaded(tiny_model(len(tok), seed=1, layers=1), tok, name="tiny-draft")
+
+
+def save(model, tokenizer, folder):
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory):
+    """Tiny models saved as model folders, for the command line."""
+    root = tmp_path_factory.mktemp("models")
+    tok = byte_tokenizer()
+    return {
+        "target": save(tiny_model(len(tok), seed=0), tok, root / "target"),
+        "draft": save(tiny_model(len(tok), seed=1, layers=1), tok, root / "draft"),
+        "other_vocab": save(tiny_model(40, seed=2), word_tokenizer(40), root / "other"),
+    }

@@ -170,3 +170,21 @@ def test_bench_cli_errors(capsys):
     assert "need --draft" in capsys.readouterr().err
     assert main(["bench", "--methods", "none"]) == 2
     assert main(["bench", "--compare", "nope.json", "nope2.json"]) == 2
+
+
+def test_bench_int8_beside_fp32_in_one_run(folders, tmp_path, dataset, capsys):
+    """`none:quantize=none` runs on fp32 weights beside int8 methods; lossless is per weights."""
+    target, draft = folders["target"], folders["draft"]
+    out = tmp_path / "mixed"
+    code = main(["bench", "--target", target, "--draft", draft, "--quantize", "int8",
+                 "--methods", "none,none:quantize=none,draft:k=3,pld:k=4,hf", "--dataset", dataset,
+                 "--categories", "qa", "--per-category", "1", "--max-new-tokens", "10", "--cost-repeats", "1",
+                 "--out", str(out)])
+    assert code == 0
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["quantize"] == "int8"
+    runs = {r["method"]: r for r in saved["runs"]}
+    assert runs["draft:k=3"]["lossless"] and runs["pld:k=4"]["lossless"]  # vs int8 none
+    assert runs["none:quantize=none"]["lossless"] is None  # it is the reference on fp32 weights
+    assert 0 <= runs["draft:k=3"]["stats"]["overhead_share"] < 1
+    assert "time outside model forwards" in (out / "report.md").read_text()

@@ -8,31 +8,12 @@ import sys
 import pytest
 
 from speclm.cli import main
-from tiny import byte_tokenizer, tiny_model, word_tokenizer
 
 STAT_KEYS = {
     "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
     "mean_accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds",
     "wall_seconds", "new_tokens", "tokens_per_second", "forward_seconds", "overhead_share",
 }
-
-
-def save(model, tokenizer, folder):
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tok = byte_tokenizer()
-    return {
-        "target": save(tiny_model(len(tok), seed=0), tok, root / "target"),
-        "draft": save(tiny_model(len(tok), seed=1, layers=1), tok, root / "draft"),
-        "other_vocab": save(tiny_model(40, seed=2), word_tokenizer(40), root / "other"),
-    }
 
 
 def run(argv, capsys):
@@ -140,3 +121,24 @@ def test_demo_runs_both_methods_and_reports_speedup(folders, capsys):
     assert "== statistics (speculative)" in out and "mean_accepted_tokens:" in out
     assert re.search(r"speedup: +[0-9.]+x", out)
     assert "identical output: yes" in out
+
+
+def test_generate_int8(folders, capsys):
+    """--quantize int8: speculative ids equal plain ids of the same int8 model."""
+    base = ["generate", "--target", folders["target"], "--prompt", "int8 int8 int8", "--max-new-tokens", "12",
+            "--json", "--quantize", "int8"]
+    code, plain, _ = run(base + ["--method", "none"], capsys)
+    assert code == 0
+    for extra in (["--method", "pld", "--k", "5"], ["--method", "draft", "--draft", folders["draft"], "--k", "3"]):
+        code, out, _ = run(base + extra, capsys)
+        assert code == 0
+        assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
+
+
+def test_quantize_and_threads_errors(folders, capsys):
+    code, _, err = run(["generate", "--target", folders["target"], "--prompt", "x", "--quantize", "int4"], capsys)
+    assert code == 2 and "invalid choice" in err and "Traceback" not in err
+    code, _, err = run(["generate", "--target", folders["target"], "--prompt", "x", "--threads", "0"], capsys)
+    assert code == 2 and "threads must be >= 1" in err
+    code, _, err = run(["bench", "--target", folders["target"], "--methods", "none:quantize=int4", "--out", "o"], capsys)
+    assert code == 2 and "quantize must be one of" in err

@@ -85,6 +85,8 @@ def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quanti
 
     if quantize not in QUANTIZE_MODES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not '{quantize}'")
+    if quantize == "int8" and device != "cpu":
+        raise UsageError("quantize=int8 is a CPU path (oneDNN int8 GEMM); on a GPU use quantize=none")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
