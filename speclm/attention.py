@@ -6,9 +6,9 @@ strict: each row is quantized on its own max, so a last-bit difference upstream 
 rounding step and change logits by far more than fp32 noise. SDPA over a block of queries
 is not bit-identical to SDPA over each query alone (other blocking, GQA packing only at one
 query), so during speclm's decode forwards each query attends on its own, over exactly
-the slots before it; a plain step does the very same call. Long prefills (more than
-PER_QUERY_MAX tokens) run batched, which is identical for plain and speculative decoding
-because the engine prefills the prompt alone. Outside speclm's forwards (e.g. transformers'
+the slots before it; a plain step does the very same call. A prefill (every row starting
+from an empty cache) runs batched: the engine prefills the prompt alone, so it is the same
+forward with and without speculation. Outside speclm's forwards (e.g. transformers'
 `generate` on the same model), this is transformers' SDPA attention, unchanged.
 """
 
@@ -24,10 +24,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "speclm"
-PER_QUERY_MAX = 64  # forwards wider than this (prompts) attend batched
-
 # per forward: each row's slots before its first new token, and its number of new tokens
 _PLAN: ContextVar[tuple[list[int], list[int]] | None] = ContextVar("speclm_attention_plan", default=None)
+
+
+def is_prefill(starts: list[int]) -> bool:
+    """Every row starts from an empty cache: attend batched (see the module docstring)."""
+    return not any(starts)
 
 
 @contextmanager
@@ -44,7 +47,7 @@ def exact_attention(module, query, key, value, attention_mask, dropout: float = 
     """query (B, H, M, D); key, value (B, H_kv, W, D) -> (B, M, H, D), as transformers expects."""
     plan = _PLAN.get()
     batch, heads, width, dim = query.shape
-    if plan is None or width > PER_QUERY_MAX:
+    if plan is None or is_prefill(plan[0]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     starts, counts = plan
     kv_heads = key.shape[1]

@@ -3,8 +3,9 @@
 Contract:
 - Every method runs through the same loop and the same verifier; `none` proposes nothing, so
   each target forward commits exactly one token (plain autoregressive decoding).
-- Greedy output equals plain greedy decoding of the target, token for token, up to
-  floating-point near-ties (a forward over k tokens is not bit-identical to k forwards of 1).
+- Greedy output equals plain greedy decoding of the target, token for token. With int8
+  weights (speclm.quant) the target's forward is batch-invariant, so this holds exactly; in
+  fp32 the CPU's matmuls round by shape, so a floating-point near-tie can still flip a token.
 - Sampled output follows the target's processed distribution exactly; each row draws from
   its own `torch.Generator` (seeded `seed + prompt_index`), never from global state.
 - A row stops at any EOS id (which is returned), at exactly `max_new_tokens`, or when a stop

@@ -7,8 +7,8 @@ layers are the model's own modules (nn.Linear or speclm.quant's int8 ones), so t
 object stays what transformers' `generate` uses too.
 
 Attention is per query over exactly the slots before it whenever `exact` is set (see
-speclm.attention for why); otherwise, and for prompts longer than PER_QUERY_MAX, one SDPA
-call over the batch with a mask.
+speclm.attention for why), except in a prefill; otherwise one SDPA call over the batch
+with a mask.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from speclm.attention import PER_QUERY_MAX
+from speclm.attention import is_prefill
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -67,7 +67,7 @@ class LeanForward:
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, :, None, :]  # (B, M, 1, D)
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None, :]
         half = self.head_dim // 2
-        per_query = exact and width <= PER_QUERY_MAX
+        per_query = exact and not is_prefill(starts)
         groups = self.heads // self.kv_heads
         rows = kv._rows[:, None]
         for i, layer in enumerate(self.layers):
