@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from speclm.cli import main
+from speclm.errors import UsageError
 
 STAT_KEYS = {
     "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
@@ -142,3 +143,18 @@ def test_quantize_and_threads_errors(folders, capsys):
     assert code == 2 and "threads must be >= 1" in err
     code, _, err = run(["bench", "--target", folders["target"], "--methods", "none:quantize=int4", "--out", "o"], capsys)
     assert code == 2 and "quantize must be one of" in err
+
+
+def test_threads_default_to_usable_cores(monkeypatch):
+    import torch
+
+    from speclm.runtime import set_threads, usable_cores
+
+    before = torch.get_num_threads()
+    try:
+        assert set_threads() == usable_cores() == torch.get_num_threads()
+        assert set_threads(1) == 1 == torch.get_num_threads()
+        with pytest.raises(UsageError):
+            set_threads(0)
+    finally:
+        torch.set_num_threads(before)
