@@ -33,8 +33,14 @@ def _quantized_rows(x: torch.Tensor, features: int) -> tuple[torch.Tensor, torch
     """x (..., in) -> u8 rows (R, in) with zero point 128, and each row's max |x| (R, 1)."""
     rows = x.reshape(-1, features).float()  # (R, in)
     amax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (R, 1)
-    xq = torch.round(rows * (127.0 / amax)).add_(128.0).to(torch.uint8)  # integers 1..255
+    # round half to even, as torch.round, by the float32 "magic number" 1.5 * 2**23: adding it
+    # leaves no fraction bits, and it is vectorised where torch.round is not (60 us a call here)
+    scaled = rows * (127.0 / amax)  # (R, in) in [-127, 127]; a new tensor, the input stays untouched
+    xq = scaled.add_(_MAGIC).sub_(_MAGIC - 128.0).to(torch.uint8)  # round(scaled) + 128: 1..255
     return xq, amax
+
+
+_MAGIC = 12582912.0  # 1.5 * 2**23
 
 
 def _onednn_available() -> bool:

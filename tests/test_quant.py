@@ -132,3 +132,14 @@ def test_int8_exact_through_the_transformers_forward_too(int8_pair, monkeypatch)
     for method, d in (("draft", draft), ("pld", None)):
         outs = SpecEngine(target, draft=d).generate(PROMPTS, method=method, k=4, max_new_tokens=N)
         assert [o.token_ids for o in outs] == [p.token_ids for p in plain], method
+
+
+def test_row_quantizer_rounds_half_to_even_and_leaves_its_input():
+    x = torch.randn(6, 96) * 4
+    x[0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5, 127.0])  # ties, and the row max
+    before = x.clone()
+    xq, amax = quant._quantized_rows(x, 96)
+    assert torch.equal(x, before)
+    expected = torch.round(x * (127.0 / x.abs().amax(dim=1, keepdim=True))) + 128
+    assert torch.equal(xq, expected.to(torch.uint8))
+    assert xq[0, :8].int().sub(128).tolist() == [0, 2, 2, 0, -2, 126, -126, 127]
