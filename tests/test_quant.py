@@ -143,3 +143,13 @@ def test_row_quantizer_rounds_half_to_even_and_leaves_its_input():
     expected = torch.round(x * (127.0 / x.abs().amax(dim=1, keepdim=True))) + 128
     assert torch.equal(xq, expected.to(torch.uint8))
     assert xq[0, :8].int().sub(128).tolist() == [0, 2, 2, 0, -2, 126, -126, 127]
+
+
+def test_weight_rounding_equals_torch_round():
+    torch.manual_seed(3)
+    w = torch.randn(64, 96) * 0.05
+    w[0, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0]) * (0.05 / 127)  # ties at the scale of row 0's max
+    w[0, 4:] = 0
+    q, scale = quant._int8_per_channel(w)
+    ref = torch.round(w / (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0)[:, None]).clamp(-127, 127)
+    assert torch.equal(q, ref.to(torch.int8))
