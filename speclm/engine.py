@@ -219,8 +219,8 @@ class SpecEngine:
             contexts = [r.context for r in active]
             # the first round prefills the prompt alone, as plain decoding does, so that the
             # prompt's keys and values are bit-identical with and without speculation
-            budgets = [0 if first_round else min(k, r.max_new - len(r.generated) - 1) for r in active]
-            first_round = False
+            prefill, first_round = first_round, False
+            budgets = [0 if prefill else min(k, r.max_new - len(r.generated) - 1) for r in active]
             gens = [r.generator for r in active]
 
             t0 = time.perf_counter()
@@ -250,6 +250,8 @@ class SpecEngine:
                 self._commit(row, verdict.committed(b), eos, opts.stop)
                 s.new_tokens = len(row.generated)
                 s.wall_seconds = time.perf_counter() - t_start
+                if prefill:
+                    s.prefill_seconds = s.wall_seconds
             yield active
 
             still = [b for b, r in enumerate(active) if r.finish_reason is None]

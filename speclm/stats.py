@@ -16,6 +16,7 @@ class RequestStats:
     verify_seconds: float = 0.0  # time in target forwards and verification, prefill included
     wall_seconds: float = 0.0  # from the start of the request to its last token
     forward_seconds: float = 0.0  # inside target and draft model forwards (shared batch time)
+    prefill_seconds: float = 0.0  # the first round: the prompt's forward, which commits the first token
     new_tokens: int = 0  # generated tokens returned (EOS included when generated)
 
     @property
@@ -32,6 +33,12 @@ class RequestStats:
         return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, over the time after the prefill: what speculation speeds up."""
+        decode = self.wall_seconds - self.prefill_seconds
+        return (self.new_tokens - 1) / decode if self.new_tokens > 1 and decode > 0 else 0.0
+
+    @property
     def overhead_share(self) -> float:
         """Share of wall time spent outside model forwards: the engine's own cost."""
         return max(0.0, 1.0 - self.forward_seconds / self.wall_seconds) if self.wall_seconds > 0 else 0.0
@@ -42,6 +49,7 @@ class RequestStats:
         d["mean_accepted_tokens"] = self.mean_accepted_tokens
         d["tokens_per_second"] = self.tokens_per_second
         d["overhead_share"] = self.overhead_share
+        d["decode_tokens_per_second"] = self.decode_tokens_per_second
         return d
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:

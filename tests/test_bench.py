@@ -187,4 +187,9 @@ def test_bench_int8_beside_fp32_in_one_run(folders, tmp_path, dataset, capsys):
     assert runs["draft:k=3"]["lossless"] and runs["pld:k=4"]["lossless"]  # vs int8 none
     assert runs["none:quantize=none"]["lossless"] is None  # it is the reference on fp32 weights
     assert 0 <= runs["draft:k=3"]["stats"]["overhead_share"] < 1
+    stats = runs["draft:k=3"]["stats"]
+    assert 0 < stats["prefill_seconds"] < stats["wall_seconds"]
+    cell = saved["summary"]["methods"]["draft:k=3"][saved["summary"]["categories"][-1]]
+    expected = (stats["new_tokens"] - 1) / (stats["wall_seconds"] - stats["prefill_seconds"])
+    assert cell["decode_tokens_per_second"] == pytest.approx(expected)
     assert "time outside model forwards" in (out / "report.md").read_text()

@@ -14,6 +14,7 @@ STAT_KEYS = {
     "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
     "mean_accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds",
     "wall_seconds", "new_tokens", "tokens_per_second", "forward_seconds", "overhead_share",
+    "prefill_seconds", "decode_tokens_per_second",
 }
 
 

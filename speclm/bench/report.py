@@ -34,6 +34,9 @@ def summarize(results: dict) -> dict:
             for base in ("none", "hf"):
                 ref = table.get(base, {}).get(cat)
                 cell[f"speedup_vs_{base}"] = cell["tokens_per_second"] / ref["tokens_per_second"] if ref and ref["tokens_per_second"] else None
+            ref = table.get("none", {}).get(cat, {}).get("decode_tokens_per_second")
+            mine = cell.get("decode_tokens_per_second")
+            cell["decode_speedup_vs_none"] = mine / ref if mine and ref else None
     return {"methods": table, "categories": categories, "predicted": _predicted(results, table)}
 
 
@@ -62,10 +65,21 @@ def _cell(rs: list[dict]) -> dict:
             verify_share=sum(s["verify_seconds"] for s in stats) / wall if wall else None,
             outside_forwards_share=(1 - sum(s.get("forward_seconds", 0.0) for s in stats) / wall
                                     if wall and all("forward_seconds" in s for s in stats) else None),
+            decode_tokens_per_second=_decode_rate(stats),
         )
     checked = [r["lossless"] for r in rs if r["lossless"] is not None]
     cell["lossless"] = f"{sum(checked)}/{len(checked)}" if checked else None
     return cell
+
+
+def _decode_rate(stats: list[dict]) -> float | None:
+    """Tokens after each request's first over the time after its prefill (None for results
+    written before the prefill was timed)."""
+    if not all("prefill_seconds" in s for s in stats):
+        return None
+    seconds = sum(s["wall_seconds"] - s["prefill_seconds"] for s in stats)
+    tokens = sum(max(0, s["new_tokens"] - 1) for s in stats)
+    return tokens / seconds if seconds > 0 else None
 
 
 def _predicted(results: dict, table: dict) -> dict:
@@ -116,19 +130,22 @@ def markdown(results: dict, summary: dict) -> str:
         "",
         "## Overall (all categories)",
         "",
-        "| method | tokens/s | speedup vs none | speedup vs hf | mean accepted tokens | acceptance rate | target forwards / token "
-        "| time outside model forwards | lossless vs none |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | tokens/s | speedup vs none | speedup vs hf | decode tokens/s | decode speedup vs none | mean accepted tokens "
+        "| acceptance rate | target forwards / token | time outside model forwards | lossless vs none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     methods = summary["methods"]
     for m, cells in methods.items():
         c = cells.get(ALL)
         lines.append(
             f"| {m} | {_fmt(c['tokens_per_second'])} | {_fmt(c.get('speedup_vs_none'))} | {_fmt(c.get('speedup_vs_hf'))} | "
+            f"{_fmt(c.get('decode_tokens_per_second'))} | {_fmt(c.get('decode_speedup_vs_none'))} | "
             f"{_fmt(c.get('mean_accepted_tokens'))} | {_fmt(c.get('acceptance_rate'))} | "
             f"{_fmt(c.get('target_forwards_per_token'))} | {_fmt(c.get('outside_forwards_share'), '.2%')} | {c['lossless'] or '–'} |"
         )
-    lines += ["", "Time outside model forwards: share of each request's wall time spent outside target and draft "
+    lines += ["", "tokens/s is end to end (prefill included); decode tokens/s counts the tokens after the first "
+              "over the time after the prefill, which is what speculation can speed up (speclm methods only).",
+              "", "Time outside model forwards: share of each request's wall time spent outside target and draft "
               "forwards (drafting logic, verification, bookkeeping); it is what a faster engine loop could remove. "
               "`none` in a row's label means plain decoding on that row's weights; lossless compares each method "
               "with `none` on the same weights."]
