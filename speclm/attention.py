@@ -42,24 +42,30 @@ def per_query(starts: list[int], counts: list[int]):
         _PLAN.reset(token)
 
 
-def exact_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                    **kwargs):
-    """query (B, H, M, D); key, value (B, H_kv, W, D) -> (B, M, H, D), as transformers expects."""
-    plan = _PLAN.get()
-    batch, heads, width, dim = query.shape
-    if plan is None or is_prefill(plan[0]):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    starts, counts = plan
-    kv_heads = key.shape[1]
+def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: list[int],
+                      counts: list[int], scaling: float | None) -> torch.Tensor:
+    """q (B, M, H, D); keys, values (B, H_kv, >= W, D) -> (B, M, H, D): row b's query i attends
+    alone over slots [0, starts[b] + i]; padding columns (i >= counts[b]) stay zero."""
+    batch, width, heads, dim = q.shape
+    kv_heads = keys.shape[1]
     groups = heads // kv_heads  # query head h reads kv head h // groups, as repeat_kv lays them out
-    out = query.new_zeros(batch, width, heads, dim)
+    out = q.new_zeros(batch, width, heads, dim)
     for b in range(batch):
         for i in range(counts[b]):
             seen = starts[b] + i + 1
-            q = query[b, :, i].reshape(1, kv_heads, groups, dim)  # a kv head's query heads as its "queries"
-            o = F.scaled_dot_product_attention(q, key[b : b + 1, :, :seen], value[b : b + 1, :, :seen], scale=scaling)
+            qi = q[b, i].reshape(1, kv_heads, groups, dim)  # a kv head's query heads as its "queries"
+            o = F.scaled_dot_product_attention(qi, keys[b : b + 1, :, :seen], values[b : b + 1, :, :seen], scale=scaling)
             out[b, i] = o.reshape(heads, dim)
-    return out, None
+    return out
+
+
+def exact_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs):
+    """transformers' attention interface: query (B, H, M, D); key, value (B, H_kv, W, D) -> (B, M, H, D)."""
+    plan = _PLAN.get()
+    if plan is None or is_prefill(plan[0]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return attend_each_query(query.transpose(1, 2), key, value, plan[0], plan[1], scaling), None
 
 
 AttentionInterface.register(NAME, exact_attention)

@@ -8,9 +8,7 @@ import os
 import sys
 
 from speclm.errors import PullError, SpeclmError, UsageError
-from speclm.runtime import set_threads
-
-QUANTIZE_MODES = ("none", "int8")  # = speclm.quant.QUANTIZE_MODES, named here so parsing needs no torch
+from speclm.runtime import QUANTIZE_MODES, set_threads
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
 

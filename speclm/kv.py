@@ -15,7 +15,6 @@ needs are gathered from its own last columns.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -47,15 +46,14 @@ class _SlotWriter:
 
 
 class StaticKV:
-    def __init__(self, model, batch_size: int, capacity: int, exact: bool = True):
-        """exact: attend per query (speclm.attention), so that a token's logits do not depend
-        on the other tokens of a forward. The target needs it; a draft model gets it too, at
-        no measurable cost (its forwards are 1-2 tokens), so that a draft identical to the
-        target is accepted in full."""
+    def __init__(self, model, batch_size: int, capacity: int):
+        """Decode forwards attend per query (speclm.attention), so that a token's logits do not
+        depend on the other tokens of a forward. The target needs it; a draft model gets it
+        too, at no measurable cost (its forwards are 1-2 tokens), so that a draft identical
+        to the target is accepted in full."""
         self.model = model
-        self.exact = exact
         self.lean = LeanForward(model) if lean.supports(model) else None
-        if exact and self.lean is None:
+        if self.lean is None:
             use_exact_attention(model)
         self.device = model.device
         cfg = model.config
@@ -108,25 +106,29 @@ class StaticKV:
             self._grow(window)
         # query (b, i) sees slots 0..lengths[b] + i; padding queries see the same, harmlessly
         mask = self._slots[None, None, None, :window] <= positions[:, None, :, None]  # (B, 1, M, W)
-        self._write_rows, self._write_slots, self._window = self._rows[:, None], positions, window
         # which columns hold each row's last `logits_to_keep` tokens; all rows agree when the
         # feed is not ragged, the usual case after prefill
         ragged = min(counts) < width
         cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep]) if ragged else None  # (B, K)
+        starts = self.lengths.tolist()
         t0 = time.perf_counter()
         if self.lean is not None:
-            starts = self.lengths.tolist()
             keep_cols = cols if ragged else slice(width - logits_to_keep, width)
-            logits = self.lean(ids, positions, self, starts, counts, mask, window, self.exact, keep_cols)
-            self.forward_seconds += time.perf_counter() - t0
-            self.lengths = self.lengths + n
-            return logits
-        if ragged:
+            logits = self.lean(ids, positions, self, starts, counts, mask, window, keep_cols)
+        else:
+            logits = self._transformers_forward(ids, positions, mask, window, starts, counts, logits_to_keep, cols)
+        self.forward_seconds += time.perf_counter() - t0
+        self.lengths = self.lengths + n
+        return logits
+
+    def _transformers_forward(self, ids, positions, mask, window, starts, counts, logits_to_keep, cols):
+        """The model's own forward, this cache handed in as `past_key_values` (via _SlotWriter)."""
+        if cols is not None:
             keep, gather = torch.unique(cols, return_inverse=True)  # keep (U,), gather (B, K) into it
         else:
             keep, gather = logits_to_keep, None
-        starts = self.lengths.tolist() if self.exact else None
-        with per_query(starts, counts) if self.exact else contextlib.nullcontext():
+        self._write_rows, self._write_slots, self._window = self._rows[:, None], positions, window
+        with per_query(starts, counts):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -138,10 +140,7 @@ class StaticKV:
         logits = out.logits  # (B, keep or U, V)
         if gather is not None:
             logits = logits[self._rows[:, None], gather]  # (B, K, V)
-        logits = logits.float()
-        self.forward_seconds += time.perf_counter() - t0
-        self.lengths = self.lengths + n
-        return logits
+        return logits.float()
 
     def truncate(self, keep: torch.Tensor | list[int]) -> None:
         """Row b keeps its first keep[b] slots; the rest are rolled back (a length moves)."""

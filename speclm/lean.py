@@ -1,14 +1,12 @@
 """A lean forward for Llama-architecture decoders (Llama, SmolLM, Qwen2), over speclm's KV cache.
 
-transformers' eager forward spends tens of milliseconds per step in Python on a CPU
-(module calls, mask and cache bookkeeping), as much as an int8 draft model's weights take to
-read. This forward runs the same modules' weights with one flat loop per layer; the linear
+transformers' eager forward spends part of every step in Python (module calls, mask and
+cache bookkeeping), which counts on a CPU next to int8 weights. This forward runs the same modules' weights with one flat loop per layer; the linear
 layers are the model's own modules (nn.Linear or speclm.quant's int8 ones), so the model
 object stays what transformers' `generate` uses too.
 
-Attention is per query over exactly the slots before it whenever `exact` is set (see
-speclm.attention for why), except in a prefill; otherwise one SDPA call over the batch
-with a mask.
+Attention is per query over exactly the slots before it (see speclm.attention for why),
+except in a prefill, which is one SDPA call over the batch with a mask.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from speclm.attention import is_prefill
+from speclm.attention import attend_each_query, is_prefill
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -38,7 +36,6 @@ def supports(model) -> bool:
 class LeanForward:
     def __init__(self, model):
         cfg = model.config
-        self.model = model
         inner = model.model
         self.embed = inner.embed_tokens
         self.layers = list(inner.layers)
@@ -56,7 +53,7 @@ class LeanForward:
         return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
 
     @torch.inference_mode()
-    def __call__(self, ids, positions, kv, starts, counts, mask, window, exact: bool, keep_cols):
+    def __call__(self, ids, positions, kv, starts, counts, mask, window, keep_cols):
         """ids, positions (B, M); kv: the StaticKV (its buffers are written at `positions`);
         starts, counts: per row, slots before this forward and new tokens; mask (B, 1, M, W);
         keep_cols: which columns' logits to return (a slice or an index tensor)."""
@@ -67,7 +64,7 @@ class LeanForward:
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, :, None, :]  # (B, M, 1, D)
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None, :]
         half = self.head_dim // 2
-        per_query = exact and not is_prefill(starts)
+        per_query = not is_prefill(starts)
         groups = self.heads // self.kv_heads
         rows = kv._rows[:, None]
         for i, layer in enumerate(self.layers):
@@ -82,14 +79,7 @@ class LeanForward:
             keys[rows, :, positions] = k.to(keys.dtype)
             values[rows, :, positions] = v.to(values.dtype)
             if per_query:
-                out = q.new_zeros(batch, width, self.heads, self.head_dim)
-                for b in range(batch):
-                    for j in range(counts[b]):
-                        seen = starts[b] + j + 1
-                        qj = q[b, j].view(1, self.kv_heads, groups, self.head_dim)
-                        o = F.scaled_dot_product_attention(qj, keys[b : b + 1, :, :seen], values[b : b + 1, :, :seen],
-                                                           scale=self.scaling)
-                        out[b, j] = o.view(self.heads, self.head_dim)
+                out = attend_each_query(q, keys, values, starts, counts, self.scaling)
             else:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :window], values[:, :, :window],
                                                    attn_mask=mask, scale=self.scaling, enable_gqa=groups > 1)

@@ -4,13 +4,15 @@ Speculative output equals plain output only if the target's forward is batch-inv
 token's logits must not depend on how many other tokens share the forward. The kernel kept
 here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
 activation row quantized to int8 with its own scale, products accumulated in int32 by
-`torch._int_mm` (exact integer arithmetic), then rescaled elementwise. Nothing couples the
+oneDNN's int8 GEMM (exact integer arithmetic; `torch._int_mm` where oneDNN is missing),
+then rescaled elementwise. Nothing couples the
 rows, so the result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
 activation scale for the whole batch and is *not* batch-invariant; the weight-only
 `_weight_int8pack_mm` path is invariant but its cost grows with the rows. The measurements
 behind the choice are in benchmarks/int8_kernels.py and benchmarks/int8_model.py.
 
-Quantizing happens at load (a few seconds for 1.5B parameters), so nothing extra is cached.
+Quantizing happens at load (about 19 s for the 1.5B on 2 cores); oneDNN's packed layout is
+opaque, so nothing is cached on disk.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZE_MODES = ("none", "int8")
+from speclm.runtime import QUANTIZE_MODES
+
 # Adding 1.5 * 2**23 to a float32 of magnitude < 2**22 leaves no fraction bits, so x + M - M is
-# x rounded half to even, exactly as torch.round, but vectorised (torch.round is not, on CPU).
+# x rounded half to even: the same integers as torch.round, in two vectorised additions.
 _MAGIC = 12582912.0
 
 
@@ -36,12 +39,9 @@ def _quantized_rows(x: torch.Tensor, features: int) -> tuple[torch.Tensor, torch
     """x (..., in) -> u8 rows (R, in) with zero point 128, and each row's max |x| (R, 1)."""
     rows = x.reshape(-1, features).float()  # (R, in)
     amax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (R, 1)
-    # round half to even, as torch.round, by the float32 "magic number" 1.5 * 2**23: adding it
-    # leaves no fraction bits, and it is vectorised where torch.round is not (60 us a call here)
     scaled = rows * (127.0 / amax)  # (R, in) in [-127, 127]; a new tensor, the input stays untouched
     xq = scaled.add_(_MAGIC).sub_(_MAGIC - 128.0).to(torch.uint8)  # round(scaled) + 128: 1..255
     return xq, amax
-
 
 
 def _onednn_available() -> bool:

@@ -6,6 +6,8 @@ import os
 
 from speclm.errors import UsageError
 
+QUANTIZE_MODES = ("none", "int8")  # weights: as published, or speclm.quant's int8
+
 
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity), which a container may limit below os.cpu_count()."""
