@@ -49,14 +49,16 @@ def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     batch, width, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads  # query head h reads kv head h // groups, as repeat_kv lays them out
-    out = q.new_zeros(batch, width, heads, dim)
+    per_row = []
     for b in range(batch):
-        for i in range(counts[b]):
-            seen = starts[b] + i + 1
-            qi = q[b, i].reshape(1, kv_heads, groups, dim)  # a kv head's query heads as its "queries"
-            o = F.scaled_dot_product_attention(qi, keys[b : b + 1, :, :seen], values[b : b + 1, :, :seen], scale=scaling)
-            out[b, i] = o.reshape(heads, dim)
-    return out
+        row_keys, row_values = (keys, values) if batch == 1 else (keys[b : b + 1], values[b : b + 1])
+        outs = [F.scaled_dot_product_attention(qi.reshape(1, kv_heads, groups, dim), row_keys[:, :, : starts[b] + i + 1],
+                                               row_values[:, :, : starts[b] + i + 1], scale=scaling)
+                for i, qi in enumerate(q[b].unbind(0)[: counts[b]])]  # qi (H, D): a kv head's query heads as its "queries"
+        outs += [q.new_zeros(1, kv_heads, groups, dim)] * (width - counts[b])  # padding columns
+        per_row.append(torch.cat(outs) if width > 1 else outs[0])  # (M, H_kv, G, D)
+    out = per_row[0][None] if batch == 1 else torch.stack(per_row)  # (B, M, H_kv, G, D)
+    return out.view(batch, width, heads, dim)
 
 
 def exact_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

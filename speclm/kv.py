@@ -104,8 +104,6 @@ class StaticKV:
         window = int(positions[:, -1].max()) + 1
         if window > self.capacity:
             self._grow(window)
-        # query (b, i) sees slots 0..lengths[b] + i; padding queries see the same, harmlessly
-        mask = self._slots[None, None, None, :window] <= positions[:, None, :, None]  # (B, 1, M, W)
         # which columns hold each row's last `logits_to_keep` tokens; all rows agree when the
         # feed is not ragged, the usual case after prefill
         ragged = min(counts) < width
@@ -114,15 +112,17 @@ class StaticKV:
         t0 = time.perf_counter()
         if self.lean is not None:
             keep_cols = cols if ragged else slice(width - logits_to_keep, width)
-            logits = self.lean(ids, positions, self, starts, counts, mask, window, keep_cols)
+            logits = self.lean(ids, positions, self, starts, counts, window, keep_cols)
         else:
-            logits = self._transformers_forward(ids, positions, mask, window, starts, counts, logits_to_keep, cols)
+            logits = self._transformers_forward(ids, positions, window, starts, counts, logits_to_keep, cols)
         self.forward_seconds += time.perf_counter() - t0
         self.lengths = self.lengths + n
         return logits
 
-    def _transformers_forward(self, ids, positions, mask, window, starts, counts, logits_to_keep, cols):
+    def _transformers_forward(self, ids, positions, window, starts, counts, logits_to_keep, cols):
         """The model's own forward, this cache handed in as `past_key_values` (via _SlotWriter)."""
+        # query (b, i) sees slots 0..lengths[b] + i; padding queries see the same, harmlessly
+        mask = self._slots[None, None, None, :window] <= positions[:, None, :, None]  # (B, 1, M, W)
         if cols is not None:
             keep, gather = torch.unique(cols, return_inverse=True)  # keep (U,), gather (B, K) into it
         else:

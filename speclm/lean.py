@@ -1,22 +1,37 @@
 """A lean forward for Llama-architecture decoders (Llama, SmolLM, Qwen2), over speclm's KV cache.
 
 transformers' eager forward spends part of every step in Python (module calls, mask and
-cache bookkeeping), which counts on a CPU next to int8 weights. This forward runs the same modules' weights with one flat loop per layer; the linear
-layers are the model's own modules (nn.Linear or speclm.quant's int8 ones), so the model
-object stays what transformers' `generate` uses too.
+cache bookkeeping), which counts on a CPU next to int8 weights: there every aten op costs
+microseconds, more right after a GEMM has streamed its weights through the caches. This
+forward runs the model's own weights (nn.Linear or speclm.quant's int8 kernels, so the model
+object stays what transformers' `generate` uses too) in one flat loop per layer, on the
+hidden state as (rows, features), with as few ops between the GEMMs as it can.
 
 Attention is per query over exactly the slots before it (see speclm.attention for why),
-except in a prefill, which is one SDPA call over the batch with a mask.
+except in a prefill, which is one causal SDPA call over the batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from speclm.attention import attend_each_query, is_prefill
+from speclm.quant import Int8Linear, Int8Slice
+
+Rows = Callable[[torch.Tensor], torch.Tensor]  # (R, in) -> (R, out), row by row
 
 SUPPORTED = ("llama", "qwen2")
+# Row-wise work (norms, projections, MLP) of a long feed runs in blocks of this many rows: a
+# block's activations, (rows, intermediate) floats, then stay in the CPU's cache, where the
+# elementwise passes between the GEMMs run several times faster than over a prompt-long tensor
+# (measured in benchmarks/prefill-cpu.txt). Rows are independent, so the bits do not change.
+ROW_BLOCK = 256
 
 
 def supports(model) -> bool:
@@ -33,59 +48,140 @@ def supports(model) -> bool:
     )
 
 
+def _projection(module: nn.Module) -> Rows:
+    """A linear layer of the model as a function of (R, in) rows."""
+    if isinstance(module, Int8Linear):
+        return module.rows
+    if isinstance(module, nn.Linear):
+        return partial(F.linear, weight=module.weight, bias=module.bias)
+    if isinstance(module, Int8Slice):
+        return lambda x: module.fused.kernel.rows(x)[:, module.start : module.stop]
+    return module
+
+
+def _side_by_side(modules: list[nn.Module]) -> Rows:
+    """Projections that read one input, outputs concatenated: one GEMM where speclm.quant fused them."""
+    first = modules[0]
+    if isinstance(first, Int8Slice) and first.start == 0 and all(
+            isinstance(m, Int8Slice) and m.fused is first.fused for m in modules) and modules[-1].stop == (
+            first.fused.kernel.out_features):
+        return first.fused.kernel.rows
+    projections = [_projection(m) for m in modules]
+    return lambda x: torch.cat([p(x) for p in projections], dim=-1)
+
+
+def _rms_norm(norm: nn.Module, dtype: torch.dtype) -> Rows:
+    """transformers' RMSNorm formula (fp32 statistics, weight after); one aten op in fp32."""
+    weight, eps = norm.weight, norm.variance_epsilon
+    if dtype == torch.float32:
+        return partial(F.rms_norm, normalized_shape=weight.shape, weight=weight, eps=eps)
+
+    def rms(x):
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return rms
+
+
+def _by_rows(fn: Rows, x: torch.Tensor) -> torch.Tensor:
+    """fn over x (R, E) in blocks of ROW_BLOCK rows."""
+    if x.shape[0] <= ROW_BLOCK:
+        return fn(x)
+    return torch.cat([fn(block) for block in x.split(ROW_BLOCK)])
+
+
+@dataclass
+class _Layer:
+    attn_in: Rows  # (R, E) -> (R, (H + 2 H_kv) D): input norm, then q | k | v
+    attn_out: Rows  # (R, H D) -> (R, E): o_proj
+    mlp: Rows  # (R, E) -> (R, E): post-attention norm, then the gated MLP
+
+
+def _layer(layer: nn.Module, dtype: torch.dtype) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = _rms_norm(layer.input_layernorm, dtype), _rms_norm(layer.post_attention_layernorm, dtype)
+    qkv = _side_by_side([attn.q_proj, attn.k_proj, attn.v_proj])
+    down = _projection(mlp.down_proj)
+    gate, up = mlp.gate_proj, mlp.up_proj
+    gate_up = _side_by_side([gate, up]) if isinstance(gate, Int8Slice) else None
+
+    def mlp_block(x):
+        x = norm2(x)
+        if gate_up is not None:  # one GEMM, (R, 2 I)
+            both = gate_up(x)
+            inner = both.shape[1] // 2
+            return down(F.silu(both[:, :inner]).mul_(both[:, inner:]))
+        return down(F.silu(_projection(gate)(x)).mul_(_projection(up)(x)))
+
+    return _Layer(attn_in=lambda x: qkv(norm1(x)), attn_out=_projection(attn.o_proj), mlp=mlp_block)
+
+
 class LeanForward:
     def __init__(self, model):
         cfg = model.config
         inner = model.model
         self.embed = inner.embed_tokens
-        self.layers = list(inner.layers)
-        self.norm = inner.norm
-        self.head = model.get_output_embeddings()
+        dtype = self.embed.weight.dtype
+        self.layers = [_layer(layer, dtype) for layer in inner.layers]
+        self.norm = _rms_norm(inner.norm, dtype)
+        self.head = _projection(model.get_output_embeddings())
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.inv_freq = inner.rotary_emb.inv_freq.float()  # (D/2,)
         self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
+        self._cos = self._sin = torch.empty(0, self.head_dim)  # rotary tables by position, grown on demand
 
-    def _rms(self, norm, x):  # the transformers formula: fp32 statistics, weight after
-        x32 = x.float()
-        return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
+    def _rotary(self, positions, window, dtype):
+        """cos and sign-folded sin (R, 1, D) at these positions (R,), looked up in tables computed
+        once per length: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin], one roll instead of
+        two slices, a negation and a cat (the same products, so the same bits)."""
+        if window > self._cos.shape[0]:
+            freqs = torch.arange(max(window, 2 * self._cos.shape[0]), dtype=torch.float32)[:, None] * self.inv_freq
+            self._cos = torch.cat((freqs, freqs), dim=-1).cos() * self.rope_scale  # (P, D)
+            sin = freqs.sin() * self.rope_scale
+            self._sin = torch.cat((-sin, sin), dim=-1)
+        return self._cos[positions].to(dtype)[:, None, :], self._sin[positions].to(dtype)[:, None, :]
 
     @torch.inference_mode()
-    def __call__(self, ids, positions, kv, starts, counts, mask, window, keep_cols):
+    def __call__(self, ids, positions, kv, starts, counts, window, keep_cols):
         """ids, positions (B, M); kv: the StaticKV (its buffers are written at `positions`);
-        starts, counts: per row, slots before this forward and new tokens; mask (B, 1, M, W);
-        keep_cols: which columns' logits to return (a slice or an index tensor)."""
+        starts, counts: per row, slots before this forward and new tokens; window: slots a
+        prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor)."""
         batch, width = ids.shape
-        h = self.embed(ids)  # (B, M, E)
-        freqs = positions[..., None].float() * self.inv_freq  # (B, M, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, :, None, :]  # (B, M, 1, D)
-        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None, :]
-        half = self.head_dim // 2
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
+        cos, sin = self._rotary(positions.view(-1), window, h.dtype)  # (R, 1, D)
+        half, split = dim // 2, (heads + kv_heads) * dim
         per_query = not is_prefill(starts)
-        groups = self.heads // self.kv_heads
         rows = kv._rows[:, None]
+        one_row = batch == 1
+        start = starts[0]
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = self._rms(layer.input_layernorm, h)
-            q = attn.q_proj(x).view(batch, width, self.heads, self.head_dim)
-            k = attn.k_proj(x).view(batch, width, self.kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(batch, width, self.kv_heads, self.head_dim)
-            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
+            qk = qkv[:, :split].view(-1, heads + kv_heads, dim)
+            qk = qk * cos + qk.roll(half, dims=-1) * sin  # rotary on q and k at once
+            q = qk[:, :heads].view(batch, width, heads, dim)
+            k = qk[:, heads:].view(batch, width, kv_heads, dim)
+            v = qkv[:, split:].view(batch, width, kv_heads, dim)
             keys, values = kv.keys[i], kv.values[i]  # (B, H_kv, capacity, D)
-            keys[rows, :, positions] = k.to(keys.dtype)
-            values[rows, :, positions] = v.to(values.dtype)
-            if per_query:
-                out = attend_each_query(q, keys, values, starts, counts, self.scaling)
+            if one_row:  # the usual case: a slice copy, no scatter
+                keys[0, :, start : start + width] = k[0].transpose(0, 1)
+                values[0, :, start : start + width] = v[0].transpose(0, 1)
             else:
+                keys[rows, :, positions] = k.to(keys.dtype)
+                values[rows, :, positions] = v.to(values.dtype)
+            if per_query:
+                out = attend_each_query(q, keys, values, starts, counts, self.scaling)  # (B, M, H, D)
+            else:
+                # a prefill's rows all start at slot 0, left-aligned: its mask is the causal one,
+                # which lets SDPA skip the blocks above the diagonal
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :window], values[:, :, :window],
-                                                   attn_mask=mask, scale=self.scaling, enable_gqa=groups > 1)
+                                                   is_causal=True, scale=self.scaling, enable_gqa=heads > kv_heads)
                 out = o.transpose(1, 2)
-            h = h + attn.o_proj(out.reshape(batch, width, -1))
-            x = self._rms(layer.post_attention_layernorm, h)
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-        h = h[:, keep_cols] if isinstance(keep_cols, slice) else h[kv._rows[:, None], keep_cols]
-        return self.head(self._rms(self.norm, h)).float()  # (B, K, V)
+            h = h + _by_rows(layer.attn_out, out.reshape(batch * width, heads * dim))
+            h = h + _by_rows(layer.mlp, h)
+        h = h.view(batch, width, -1)
+        h = h[:, keep_cols] if isinstance(keep_cols, slice) else h[kv._rows[:, None], keep_cols]  # (B, K, E)
+        kept = h.shape[1]
+        return self.head(self.norm(h.reshape(batch * kept, -1))).float().view(batch, kept, -1)  # (B, K, V)

@@ -35,13 +35,17 @@ def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
-def _quantized_rows(x: torch.Tensor, features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., in) -> u8 rows (R, in) with zero point 128, and each row's max |x| (R, 1)."""
-    rows = x.reshape(-1, features).float()  # (R, in)
-    amax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (R, 1)
-    scaled = rows * (127.0 / amax)  # (R, in) in [-127, 127]; a new tensor, the input stays untouched
-    xq = scaled.add_(_MAGIC).sub_(_MAGIC - 128.0).to(torch.uint8)  # round(scaled) + 128: 1..255
-    return xq, amax
+def _quantized_rows(x: torch.Tensor, features: int, signed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., in) -> int8 rows (R, in), or u8 ones with zero point 128, and each row's step (R, 1):
+    max |x| / 127, so that a row's largest entry maps to +-127."""
+    rows = x if x.dim() == 2 else x.reshape(-1, features)
+    if rows.dtype != torch.float32:
+        rows = rows.float()  # (R, in)
+    step = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # (R, 1)
+    scaled = rows / step  # (R, in) in [-127, 127]; a new tensor, the input stays untouched
+    if signed:
+        return scaled.round_().to(torch.int8), step
+    return scaled.add_(_MAGIC).sub_(_MAGIC - 128.0).to(torch.uint8), step  # round(scaled) + 128: 1..255
 
 
 def _onednn_available() -> bool:
@@ -51,9 +55,16 @@ def _onednn_available() -> bool:
 class Int8Linear(nn.Module):
     """y = x W^T + b with int8 W (per output channel) and x quantized per row on the fly.
 
-    Kernel: oneDNN's int8 GEMM on weights packed once (`onednn.qlinear_pointwise`, what
-    torch's x86 int8 path uses), u8 activations with zero point 128; the per-row activation
-    scale is applied to its output. Without oneDNN: `torch._int_mm`, same integers.
+    Two maintained torch kernels compute the same int32 dot products, and the same fp32
+    rescale (int32 -> fp32, times the weight scale) follows them, so they give the same bits
+    (tested) and each call takes the faster one:
+    - one row (every plain decode step, every draft step): `torch._int_mm`, whose one-row path
+      streams the plain int8 weight at the machine's read bandwidth;
+    - several rows (verification, prefill): oneDNN's int8 GEMM on the weight packed once
+      (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with zero
+      point 128. `_int_mm` re-lays the weight out per multi-row call, so it is slow there.
+    Keeping both layouts costs a second copy of the int8 weights (measured in
+    benchmarks/int8-kernels-cpu.txt and benchmarks/int8-model-cpu.txt).
     """
 
     def __init__(self, *linears: nn.Linear):
@@ -62,34 +73,37 @@ class Int8Linear(nn.Module):
         self.in_features = linears[0].in_features
         self.out_features = sum(lin.out_features for lin in linears)
         q, scale = _int8_per_channel(torch.cat([lin.weight.detach() for lin in linears]))
-        self.register_buffer("wscale", scale, persistent=False)  # (out,) fp32
+        self.wscale = scale  # (out,) fp32
         bias = None
         if any(lin.bias is not None for lin in linears):
             bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
                               for lin in linears])
-        self.register_buffer("bias", bias, persistent=False)
+        self.bias = bias  # plain attributes, not buffers: the hot path reads them without nn.Module's lookup
+        self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
         self.onednn = _onednn_available()
         if self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # opaque blocked layout
             self.wzero = torch.zeros(self.out_features, dtype=torch.long)
-        else:
-            self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in)
-        xq, amax = _quantized_rows(x, self.in_features)
-        if self.onednn:
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x (R, in) fp32 -> (R, out) fp32: the forward without reshapes (speclm.lean's hot path)."""
+        onednn = self.onednn and x.shape[0] > 1
+        xq, step = _quantized_rows(x, self.in_features, signed=not onednn)  # (R, in), (R, 1)
+        if onednn:
             acc = torch.ops.onednn.qlinear_pointwise(
                 xq, 1.0, 128, self.packed, self.wscale, self.wzero, None, 1.0, 0, torch.float32, "none", [], "",
-            )  # (R, out) = integer dot products * wscale
+            )  # (R, out) = fp32(integer dot products) * wscale
         else:
-            acc = torch._int_mm((xq.to(torch.int16) - 128).to(torch.int8), self.qweight_t).float() * self.wscale
-        y = acc.mul_(amax / 127.0)  # the row's own activation scale
-        if self.bias is not None:
-            y = y.add_(self.bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            acc = torch._int_mm(xq, self.qweight_t).mul(self.wscale)  # int32 * fp32: fp32(int32) * wscale
+        y = acc.mul_(step)  # the row's own activation scale
+        return y if self.bias is None else y.add_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in)
+        y = self.rows(x.reshape(-1, self.in_features))
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "onednn" if self.onednn else "_int_mm"
+        kernel = "_int_mm for one row, onednn for more" if self.onednn else "_int_mm"
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 per-row ({kernel})"
 
 

@@ -41,8 +41,9 @@ def test_int8_linear_is_batch_invariant_and_close_to_fp32(kernel, bias):
     assert 0 < rel < 0.02  # int8 is not fp32, but close
 
 
-def test_kernels_agree_in_integers():
-    """oneDNN and _int_mm compute the same integer dot products; only float rounding differs."""
+def test_kernels_agree_bit_for_bit():
+    """oneDNN and _int_mm compute the same integer dot products and the same rescale: the
+    one-row path (_int_mm) and the several-row path (oneDNN) must give the same bits."""
     if not quant._onednn_available():
         pytest.skip("torch built without oneDNN")
     torch.manual_seed(1)
@@ -56,7 +57,7 @@ def test_kernels_agree_in_integers():
         quant._onednn_available = quant_onednn
     x = torch.randn(5, 64)
     with torch.inference_mode():
-        assert torch.allclose(a(x), b(x), rtol=1e-5, atol=1e-6)
+        assert torch.equal(a(x), b(x))
 
 
 def test_quantize_model_covers_every_linear_and_leaves_a_tied_embedding(tok):
@@ -138,10 +139,13 @@ def test_row_quantizer_rounds_half_to_even_and_leaves_its_input():
     x = torch.randn(6, 96) * 4
     x[0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5, 127.0])  # ties, and the row max
     before = x.clone()
-    xq, amax = quant._quantized_rows(x, 96)
+    xq, step = quant._quantized_rows(x, 96)
+    xs, step_s = quant._quantized_rows(x[:1], 96, signed=True)  # one row: the other max-|x| path
     assert torch.equal(x, before)
-    expected = torch.round(x * (127.0 / x.abs().amax(dim=1, keepdim=True))) + 128
-    assert torch.equal(xq, expected.to(torch.uint8))
+    assert torch.equal(step, x.abs().amax(dim=1, keepdim=True) / 127.0) and torch.equal(step_s, step[:1])
+    expected = torch.round(x / (x.abs().amax(dim=1, keepdim=True) / 127.0))
+    assert torch.equal(xq, (expected + 128).to(torch.uint8))
+    assert torch.equal(xs, expected[:1].to(torch.int8))
     assert xq[0, :8].int().sub(128).tolist() == [0, 2, 2, 0, -2, 126, -126, 127]
 
 
