@@ -3,13 +3,14 @@
 Speculative output equals plain output only if the target's forward is batch-invariant: a
 token's logits must not depend on how many other tokens share the forward. The kernel kept
 here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
-activation row quantized to int8 with its own scale, products accumulated in int32 by
-oneDNN's int8 GEMM (exact integer arithmetic; `torch._int_mm` where oneDNN is missing),
-then rescaled elementwise. Nothing couples the
-rows, so the result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
+activation row quantized to int8 with its own scale, products accumulated in int32 (exact
+integer arithmetic: `torch._int_mm` for one row, oneDNN's int8 GEMM for more, `_int_mm`
+alone where oneDNN is missing), then rescaled elementwise. Nothing couples the rows, so the
+result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
 activation scale for the whole batch and is *not* batch-invariant; the weight-only
 `_weight_int8pack_mm` path is invariant but its cost grows with the rows. The measurements
-behind the choice are in benchmarks/int8_kernels.py and benchmarks/int8_model.py.
+behind the choice are in benchmarks/int8_kernels.py, benchmarks/int8_model.py and
+benchmarks/int8_gemm_rows.py.
 
 Quantizing happens at load (about 19 s for the 1.5B on 2 cores); oneDNN's packed layout is
 opaque, so nothing is cached on disk.
@@ -64,7 +65,7 @@ class Int8Linear(nn.Module):
       (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with zero
       point 128. `_int_mm` re-lays the weight out per multi-row call, so it is slow there.
     Keeping both layouts costs a second copy of the int8 weights (measured in
-    benchmarks/int8-kernels-cpu.txt and benchmarks/int8-model-cpu.txt).
+    benchmarks/int8-gemm-rows-cpu.txt).
     """
 
     def __init__(self, *linears: nn.Linear):
