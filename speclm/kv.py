@@ -3,8 +3,8 @@
 Every layer's keys and values live in one tensor (B, H_kv, capacity, D) allocated when the
 request starts, sized to its longest row (prompt + max_new_tokens + one round of draft).
 Row b's i-th token is written at slot lengths[b] + i, so a slot's index is its position id.
-Rolling a row back is moving lengths[b]: slots past it are garbage that the attention mask
-hides and the next forward overwrites. Nothing is concatenated or copied per step; the only
+Rolling a row back is moving lengths[b]: slots past it are garbage that attention never
+reads (a query sees only the slots before it) and the next forward overwrites. Nothing is concatenated or copied per step; the only
 copy is when finished rows leave the batch.
 
 A forward feeds each row its own number of new tokens, left-aligned: row b's n_b tokens

@@ -103,6 +103,7 @@ def _layer(layer: nn.Module, dtype: torch.dtype) -> _Layer:
     down = _projection(mlp.down_proj)
     gate, up = mlp.gate_proj, mlp.up_proj
     gate_up = _side_by_side([gate, up]) if isinstance(gate, Int8Slice) else None
+    gate_fn, up_fn = _projection(gate), _projection(up)
 
     def mlp_block(x):
         x = norm2(x)
@@ -110,7 +111,7 @@ def _layer(layer: nn.Module, dtype: torch.dtype) -> _Layer:
             both = gate_up(x)
             inner = both.shape[1] // 2
             return down(F.silu(both[:, :inner]).mul_(both[:, inner:]))
-        return down(F.silu(_projection(gate)(x)).mul_(_projection(up)(x)))
+        return down(F.silu(gate_fn(x)).mul_(up_fn(x)))
 
     return _Layer(attn_in=lambda x: qkv(norm1(x)), attn_out=_projection(attn.o_proj), mlp=mlp_block)
 
@@ -130,14 +131,16 @@ class LeanForward:
         self.scaling = self.head_dim**-0.5
         self.inv_freq = inner.rotary_emb.inv_freq.float()  # (D/2,)
         self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
-        self._cos = self._sin = torch.empty(0, self.head_dim)  # rotary tables by position, grown on demand
+        # rotary tables by position, grown on demand, on the model's device
+        self._cos = self._sin = torch.empty(0, self.head_dim, device=self.inv_freq.device)
 
     def _rotary(self, positions, window, dtype):
         """cos and sign-folded sin (R, 1, D) at these positions (R,), looked up in tables computed
         once per length: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin], one roll instead of
         two slices, a negation and a cat (the same products, so the same bits)."""
         if window > self._cos.shape[0]:
-            freqs = torch.arange(max(window, 2 * self._cos.shape[0]), dtype=torch.float32)[:, None] * self.inv_freq
+            length = max(window, 2 * self._cos.shape[0])
+            freqs = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq
             self._cos = torch.cat((freqs, freqs), dim=-1).cos() * self.rope_scale  # (P, D)
             sin = freqs.sin() * self.rope_scale
             self._sin = torch.cat((-sin, sin), dim=-1)
