@@ -4,15 +4,16 @@ Speculative output equals plain output only if the target's forward is batch-inv
 token's logits must not depend on how many other tokens share the forward. The kernel kept
 here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
 activation row quantized to int8 with its own scale, products accumulated in int32 (exact
-integer arithmetic: `torch._int_mm` for one row, oneDNN's int8 GEMM for more, `_int_mm`
-alone where oneDNN is missing), then rescaled elementwise. Nothing couples the rows, so the
+integer arithmetic: speclm's AVX-512 VNNI kernel for the few rows of a decode step or a
+verification, oneDNN's int8 GEMM for a prefill's many, `torch._int_mm` where neither runs),
+then rescaled elementwise. Nothing couples the rows, so the
 result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
 activation scale for the whole batch and is *not* batch-invariant; the weight-only
 `_weight_int8pack_mm` path is invariant but its cost grows with the rows. The measurements
 behind the choice are in benchmarks/int8_kernels.py, benchmarks/int8_model.py and
 benchmarks/int8_gemm_rows.py.
 
-Quantizing happens at load (about 19 s for the 1.5B on 2 cores); oneDNN's packed layout is
+Quantizing happens at load (about 20 s for the 1.5B on 2 cores); oneDNN's packed layout is
 opaque, so nothing is cached on disk.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from speclm import kernels
 from speclm.runtime import QUANTIZE_MODES
 
 # Adding 1.5 * 2**23 to a float32 of magnitude < 2**22 leaves no fraction bits, so x + M - M is
@@ -55,19 +57,42 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+def _vnni_kernel():
+    """speclm's compiled kernel (speclm.kernels), or None where it does not run."""
+    return kernels.compiled()
+
+
+# Up to this many rows speclm's kernel is faster than oneDNN's; a prefill's blocks of rows are
+# compute-bound, where oneDNN's blocking wins (benchmarks/int8-gemm-rows-cpu.txt).
+VNNI_MAX_ROWS = 32
+_GROUP = 64  # output columns the kernel packs side by side (speclm/csrc/cpu_kernels.cpp)
+
+
+def _vnni_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 (out, in) -> the kernel's layout (out/64, in/4, 64, 4), zero-padded, and each output
+    column's sum of weights (int32, padded), which undoes the u8 zero point of 128."""
+    out_f, in_f = q.shape
+    padded = torch.zeros(-(-out_f // _GROUP) * _GROUP, -(-in_f // 4) * 4, dtype=torch.int8)
+    padded[:out_f, :in_f] = q
+    colsum = padded.sum(dim=1, dtype=torch.int32)
+    layout = padded.view(padded.shape[0] // _GROUP, _GROUP, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return layout, colsum
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with int8 W (per output channel) and x quantized per row on the fly.
 
-    Two maintained torch kernels compute the same int32 dot products, and the same fp32
-    rescale (int32 -> fp32, times the weight scale) follows them, so they give the same bits
-    (tested) and each call takes the faster one:
-    - one row (every plain decode step, every draft step): `torch._int_mm`, whose one-row path
-      streams the plain int8 weight at the machine's read bandwidth;
-    - several rows (verification, prefill): oneDNN's int8 GEMM on the weight packed once
-      (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with zero
-      point 128. `_int_mm` re-lays the weight out per multi-row call, so it is slow there.
-    Keeping both layouts costs a second copy of the int8 weights (measured in
-    benchmarks/int8-gemm-rows-cpu.txt).
+    Three kernels compute the same int32 dot products and the same fp32 rescale (int32 ->
+    fp32, times the weight scale, times the row's step), so they give the same bits (tested)
+    and each call takes the fastest here:
+    - up to VNNI_MAX_ROWS rows (decode steps, draft steps, verification): speclm's AVX-512
+      VNNI kernel (speclm.kernels), which reads each weight once for all the rows;
+    - more rows (prefill): oneDNN's int8 GEMM on the weight packed once
+      (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with
+      zero point 128;
+    - where the VNNI kernel cannot run: `torch._int_mm` for one row (its one-row path streams
+      the weight at read bandwidth) and oneDNN for more.
+    Each kernel has its own copy of the int8 weights (measured in benchmarks/int8-gemm-rows-cpu.txt).
     """
 
     def __init__(self, *linears: nn.Linear):
@@ -82,31 +107,48 @@ class Int8Linear(nn.Module):
             bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
                               for lin in linears])
         self.bias = bias  # plain attributes, not buffers: the hot path reads them without nn.Module's lookup
-        self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
+        self.vnni = _vnni_kernel()
+        if self.vnni is not None:
+            self.vnni_weight, self.colsum = _vnni_layout(q)
+        else:
+            self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
         self.onednn = _onednn_available()
         if self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # opaque blocked layout
             self.wzero = torch.zeros(self.out_features, dtype=torch.long)
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x (R, in) fp32 -> (R, out) fp32: the forward without reshapes (speclm.lean's hot path)."""
-        onednn = self.onednn and x.shape[0] > 1
-        xq, step = _quantized_rows(x, self.in_features, signed=not onednn)  # (R, in), (R, 1)
-        if onednn:
+    def kernel_for(self, rows: int) -> str:
+        if self.vnni is not None and (rows <= VNNI_MAX_ROWS or not self.onednn):
+            return "vnni"
+        return "onednn" if self.onednn and rows > 1 else "int_mm"
+
+    def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x (R, in) fp32 -> (R, out) fp32, plus `residual` (R, out) if given: the forward without
+        reshapes (speclm.lean's hot path; the residual is a decoder's h + f(h), added last)."""
+        kernel = self.kernel_for(x.shape[0])
+        if kernel == "vnni":  # quantizes, multiplies, rescales and adds in one call
+            return self.vnni.linear_rows(x, self.vnni_weight, self.colsum, self.wscale, self.bias, residual)
+        xq, step = _quantized_rows(x, self.in_features, signed=kernel == "int_mm")  # (R, in), (R, 1)
+        if kernel == "onednn":
             acc = torch.ops.onednn.qlinear_pointwise(
                 xq, 1.0, 128, self.packed, self.wscale, self.wzero, None, 1.0, 0, torch.float32, "none", [], "",
             )  # (R, out) = fp32(integer dot products) * wscale
         else:
             acc = torch._int_mm(xq, self.qweight_t).mul(self.wscale)  # int32 * fp32: fp32(int32) * wscale
         y = acc.mul_(step)  # the row's own activation scale
-        return y if self.bias is None else y.add_(self.bias)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y if residual is None else y.add_(residual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in)
         y = self.rows(x.reshape(-1, self.in_features))
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "_int_mm for one row, onednn for more" if self.onednn else "_int_mm"
+        if self.vnni is not None:
+            kernel = f"speclm VNNI up to {VNNI_MAX_ROWS} rows, onednn for more" if self.onednn else "speclm VNNI"
+        else:
+            kernel = "_int_mm for one row, onednn for more" if self.onednn else "_int_mm"
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 per-row ({kernel})"
 
 

@@ -80,3 +80,39 @@ def test_transformers_path_when_lean_unsupported(target, tok, monkeypatch):
     with torch.inference_mode():
         ref = target.model(torch.tensor([ids])).logits.float()
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_decode_attention_matches_torch_ops(tok):
+    """speclm's compiled decode attention (rotary, cache write, per-query softmax) computes what
+    the lean forward's torch ops compute, at head sizes 32 and 128, GQA included; and a token's
+    logits do not depend on how many tokens share its forward."""
+    import pytest
+
+    from speclm import kernels
+    from speclm.quant import quantize_model
+    from tiny import tiny_model
+
+    if kernels.compiled() is None:
+        pytest.skip("speclm's CPU kernels do not run here")
+    prompt, feeds = tok("attention check, attention check").input_ids, [[5], [6, 7], [8, 9, 10, 11]]
+    for hidden, heads, kv_heads in ((64, 2, 1), (256, 2, 1), (256, 4, 2)):
+        model = tiny_model(len(tok), seed=3, hidden=hidden, heads=heads, kv_heads=kv_heads)
+        runs = {}
+        for compiled in (True, False):
+            kv = StaticKV(model, 1, 64)
+            assert kv.lean.compiled is not None
+            if not compiled:
+                kv.lean.compiled = None  # the torch ops instead
+            out = [kv.forward([prompt], 1)] + [kv.forward([f], len(f)) for f in feeds]
+            runs[compiled] = torch.cat(out, dim=1)
+            kv.lean.compiled = kernels.compiled()
+        assert torch.allclose(runs[True], runs[False], atol=1e-4, rtol=1e-4), (hidden, heads)
+        # on int8 weights (batch-invariant GEMMs) one token at a time gives the very same bits
+        quantize_model(model, "int8")
+        logits = {}
+        for split in (False, True):
+            kv = StaticKV(model, 1, 64)
+            kv.forward([prompt], 1)
+            logits[split] = torch.cat([kv.forward([[t]], 1) for f in feeds for t in f] if split else
+                                      [kv.forward([f], len(f)) for f in feeds], dim=1)
+        assert torch.equal(logits[True], logits[False])

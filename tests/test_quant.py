@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import speclm.quant as quant
-from speclm import SpecEngine
+from speclm import SpecEngine, kernels
 from speclm.quant import Int8Linear, Int8Slice, quantize_model
 from tiny import loaded, tiny_model
 
@@ -14,12 +14,31 @@ N = 40
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
 
 
-@pytest.fixture(params=["onednn", "int_mm"])
-def kernel(request, monkeypatch):
-    if request.param == "onednn" and not quant._onednn_available():
-        pytest.skip("torch built without oneDNN")
-    if request.param == "int_mm":
+def _require_vnni():
+    """The compiled kernel must load wherever the CPU has VNNI: a failed build is a failure here,
+    not a silent fallback."""
+    if not kernels.enabled():
+        pytest.skip("CPU without AVX-512 VNNI (or SPECLM_KERNELS=torch)")
+    assert kernels.compiled() is not None, "speclm's CPU kernels did not build"
+
+
+def _only(monkeypatch, kernel):
+    """Make Int8Linear built from here on use only `kernel` (and, for int_mm, oneDNN for >1 row as
+    where the VNNI kernel cannot run)."""
+    if kernel == "vnni":
+        _require_vnni()
         monkeypatch.setattr(quant, "_onednn_available", lambda: False)
+        return
+    monkeypatch.setattr(quant, "_vnni_kernel", lambda: None)
+    if kernel == "onednn" and not quant._onednn_available():
+        pytest.skip("torch built without oneDNN")
+    if kernel == "int_mm":
+        monkeypatch.setattr(quant, "_onednn_available", lambda: False)
+
+
+@pytest.fixture(params=["vnni", "onednn", "int_mm"])
+def kernel(request, monkeypatch):
+    _only(monkeypatch, request.param)
     return request.param
 
 
@@ -28,7 +47,7 @@ def test_int8_linear_is_batch_invariant_and_close_to_fp32(kernel, bias):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 200, bias=bias)
     q = Int8Linear(linear)
-    assert q.onednn == (kernel == "onednn")
+    assert q.kernel_for(5) == kernel if kernel != "int_mm" else q.kernel_for(1) == "int_mm"
     x = torch.randn(3, 7, 96)  # (batch, tokens, features)
     with torch.inference_mode():
         full = q(x)
@@ -41,23 +60,32 @@ def test_int8_linear_is_batch_invariant_and_close_to_fp32(kernel, bias):
     assert 0 < rel < 0.02  # int8 is not fp32, but close
 
 
-def test_kernels_agree_bit_for_bit():
-    """oneDNN and _int_mm compute the same integer dot products and the same rescale: the
-    one-row path (_int_mm) and the several-row path (oneDNN) must give the same bits."""
-    if not quant._onednn_available():
-        pytest.skip("torch built without oneDNN")
+@pytest.mark.parametrize("shape", [(64, 48), (1536, 256), (90, 13), (37, 200)])  # (in, out): ragged sizes pad
+def test_kernels_agree_bit_for_bit(shape, monkeypatch):
+    """speclm's VNNI kernel, oneDNN and _int_mm compute the same integer dot products and the same
+    rescale, so they must give the same bits at any number of rows (the VNNI kernel's row
+    chunks, its padded columns and features included)."""
     torch.manual_seed(1)
-    linear = torch.nn.Linear(64, 48)
-    a = Int8Linear(linear)
-    quant_onednn = quant._onednn_available
-    try:
-        quant._onednn_available = lambda: False
-        b = Int8Linear(linear)
-    finally:
-        quant._onednn_available = quant_onednn
-    x = torch.randn(5, 64)
+    linear = torch.nn.Linear(*shape)
+    built = {}
+    for kernel in ("vnni", "onednn", "int_mm"):
+        with monkeypatch.context() as m:
+            try:
+                _only(m, kernel)
+            except pytest.skip.Exception:
+                continue
+            built[kernel] = Int8Linear(linear)
+    if len(built) < 2:
+        pytest.skip("only torch._int_mm runs here: nothing to compare")
     with torch.inference_mode():
-        assert torch.equal(a(x), b(x))
+        for rows in (1, 2, 5, 7, 8, 15, 40):
+            x = torch.randn(rows, shape[0]) * 3
+            h = torch.randn(rows, shape[1])  # a residual, added last
+            ref, ref_h = built["int_mm"].rows(x), built["int_mm"].rows(x, h)
+            assert torch.equal(ref_h, h + ref)
+            for kernel, layer in built.items():
+                assert torch.equal(layer.rows(x), ref), (kernel, rows)
+                assert torch.equal(layer.rows(x, h), ref_h), (kernel, rows)
 
 
 def test_quantize_model_covers_every_linear_and_leaves_a_tied_embedding(tok):
@@ -157,3 +185,30 @@ def test_weight_rounding_equals_torch_round():
     q, scale = quant._int8_per_channel(w)
     ref = torch.round(w / (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0)[:, None]).clamp(-127, 127)
     assert torch.equal(q, ref.to(torch.int8))
+
+
+def test_compiled_rms_norm_matches_the_formula_and_is_row_invariant():
+    _require_vnni()
+    compiled = kernels.compiled()
+    torch.manual_seed(4)
+    for features in (96, 1536, 37):  # 37: a masked tail
+        x, w = torch.randn(80, features) * 3, torch.randn(features)
+        got = compiled.rms_norm(x, w, 1e-6)
+        ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+        # 80 rows take the threaded path, 1 and 5 rows the serial one: the same bits per row
+        assert torch.equal(compiled.rms_norm(x[3:4].clone(), w, 1e-6), got[3:4])
+        assert torch.equal(compiled.rms_norm(x[10:15].clone(), w, 1e-6), got[10:15])
+
+
+def test_compiled_silu_mul_matches_torch_and_is_row_invariant():
+    _require_vnni()
+    compiled = kernels.compiled()
+    torch.manual_seed(5)
+    for inner in (8960, 37):
+        both = torch.randn(40, 2 * inner) * 6
+        both[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # past exp's range, and zero
+        got = compiled.silu_mul(both)
+        ref = torch.nn.functional.silu(both[:, :inner]) * both[:, inner:]
+        assert torch.allclose(got, ref, rtol=2e-6, atol=1e-6) and torch.isfinite(got).all()
+        assert torch.equal(compiled.silu_mul(both[7:9].clone()), got[7:9])  # 40 rows threaded, 2 serial

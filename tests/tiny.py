@@ -34,11 +34,14 @@ def word_tokenizer(size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
 
 
-def tiny_model(vocab_size: int, seed: int, layers: int = 2, hidden: int = 64, init: float = 0.2) -> Qwen2ForCausalLM:
+def tiny_model(vocab_size: int, seed: int, layers: int = 2, hidden: int = 64, init: float = 0.2,
+               heads: int = 2, kv_heads: int = 1) -> Qwen2ForCausalLM:
+    """Head size hidden / heads = 32 by default: the smallest the compiled decode attention
+    (speclm/csrc) takes, so the tests run it; 2 query heads per kv head keep GQA covered."""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
         tie_word_embeddings=False, initializer_range=init,
     )
     config._attn_implementation = "sdpa"

@@ -1,0 +1,339 @@
+// int8 W8A8 linear for a few rows (decode steps, verification, draft steps) with AVX-512 VNNI.
+//
+// Decoding at batch 1 is bound by reading the weights, and torch's int8 kernels read them
+// slower than the machine can at more than one row (benchmarks/int8-gemm-rows-cpu.txt). Here
+// every 64-byte block of weights is loaded once and multiplied into all the rows (up to
+// CHUNK at a time), so a few rows cost about what one does.
+//
+// The arithmetic is the one speclm.quant's torch kernels do, step for step, so the bits are
+// theirs (tested): each row quantized with its own step max|x| / 127 (round half to even),
+// exact int32 dot products, then fp32(int32) * weight scale, * step, + bias. Built with
+// -ffp-contract=off so the compiler cannot fuse those into FMAs, which would round once less.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// acc += dot products of 4 u8 in x with 4 s8 in w per 32-bit lane. GCC 12 wraps the
+// _mm512_dpbusd_epi32 intrinsic in two register copies per call in a loop, which costs more
+// than the instruction; the instruction itself, in place, does not need them.
+// The weights are a memory operand: no register holds them, which leaves room for 28 accumulators.
+inline void dpbusd(__m512i& acc, const __m512i x, const int8_t* w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "m"(*reinterpret_cast<const __m512i*>(w)));
+}
+
+constexpr int64_t BLOCK = 16;   // output columns per 512-bit accumulator
+constexpr int64_t GROUP = 64;   // columns packed together: 4 blocks side by side per k-quad
+
+// acc[r * CB + c] = sum over k of xu[r, k] * w[block c, k] for CB of a group's 4 blocks, from
+// `w` (this group's weights, offset to the first of those blocks); xu is u8 (x + 128). Several
+// blocks per k-quad give each loaded activation several uses and the adds independent chains.
+template <int ROWS, int CB, size_t... I>
+inline void dot_group_impl(const uint8_t* xu, int64_t kp, const int8_t* w, int64_t quads, __m512i* acc,
+                           std::index_sequence<I...>) {
+  // accumulator I is row I / CB, block I % CB; constant indices let GCC keep them in registers
+  __m512i a[ROWS * CB] = {((void)I, _mm512_setzero_si512())...};
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xu);
+  const int64_t stride = kp / 4;
+  for (int64_t q = 0; q < quads; ++q) {
+    const int8_t* wq = w + q * GROUP * 4;
+    (dpbusd(a[I], _mm512_set1_epi32(x32[(I / CB) * stride + q]), wq + (I % CB) * 64), ...);  // 16 columns x 4 k
+  }
+  ((acc[I] = a[I]), ...);
+}
+
+template <int ROWS, int CB>
+void dot_group(const uint8_t* xu, int64_t kp, const int8_t* w, int64_t quads, __m512i* acc) {
+  dot_group_impl<ROWS, CB>(xu, kp, w, quads, acc, std::make_index_sequence<ROWS * CB>{});
+}
+
+using DotFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, __m512i*);
+// Up to 7 rows at a time, all 4 blocks of a group: 28 accumulators and a broadcast fit the 32
+// vector registers. More rows go in near-equal chunks, the group in cache after the first.
+constexpr int CHUNK = 7;
+constexpr DotFn DOTS[CHUNK + 1] = {nullptr,         dot_group<1, 4>, dot_group<2, 4>, dot_group<3, 4>,
+                                   dot_group<4, 4>, dot_group<5, 4>, dot_group<6, 4>, dot_group<7, 4>};
+
+}  // namespace
+
+// x (R, K) fp32; packed (N_pad / 64, K_pad / 4, 64, 4) int8; colsum (N_pad,) int32: each
+// column's sum of weights (the u8 zero point's correction); wscale (N,) fp32; bias (N,) or None;
+// residual (R, N) fp32 or None, added last (a decoder's h + f(h) in the same call).
+// Returns (R, N) fp32.
+at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& colsum,
+                       const at::Tensor& wscale, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && colsum.scalar_type() == at::kInt && wscale.scalar_type() == at::kFloat,
+              "packed int8, colsum int32, wscale fp32");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();  // no copy when it already is
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 4, "packed must be (N/64, K/4, 64, 4)");
+  const int64_t rows = x.size(0), k = x.size(1), quads = packed.size(1);
+  const int64_t kp = quads * 4, n = wscale.size(0);
+  TORCH_CHECK(k <= kp && kp < k + 4 && n <= packed.size(0) * GROUP && colsum.numel() == packed.size(0) * GROUP, "packed weight does not match x or wscale");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == n), "bias must be fp32 (N,)");
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(!has_residual || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                                residual->size(0) == x.size(0) && residual->size(1) == n), "residual must be fp32 (R, N)");
+  if (rows == 0) return at::empty({0, n}, x.options());
+
+  // Quantize each row: step = max|x| / 127, xu = round(x / step) + 128 (half to even), zero-padded.
+  std::vector<uint8_t> xu(rows * kp, 0);
+  std::vector<float> step(rows);
+  const float* xp = x.data_ptr<float>();
+  const int64_t whole = k - k % 16;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xp + r * k;
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < whole; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    float amax = _mm512_reduce_max_ps(vmax);
+    for (int64_t i = whole; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const float s = std::max(amax, 1e-12f) / 127.0f;
+    step[r] = s;
+    const __m512 vs = _mm512_set1_ps(s);
+    const __m512i shift = _mm512_set1_epi32(128);
+    uint8_t* out = xu.data() + r * kp;
+    for (int64_t i = 0; i < whole; i += 16) {
+      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), shift)));
+    }
+    for (int64_t i = whole; i < k; ++i) out[i] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(row[i] / s)) + 128);
+  }
+
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* cs = colsum.data_ptr<int32_t>();
+  const float* ws = wscale.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  const float* rp = has_residual ? residual->data_ptr<float>() : nullptr;
+
+  // More rows than a chunk: the rows in near-equal chunks, each group of columns read from
+  // memory for the first chunk and from cache for the others.
+  const int64_t chunks = (rows + CHUNK - 1) / CHUNK;
+  const int64_t groups = packed.size(0);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    __m512i acc[CHUNK * 4];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* wg = wp + g * quads * GROUP * 4;
+      for (int64_t chunk = 0, r0 = 0; chunk < chunks; ++chunk) {
+        const int64_t rc = (rows - r0) / (chunks - chunk);  // near-equal chunks, at most CHUNK rows
+        DOTS[rc](xu.data() + r0 * kp, kp, wg, quads, acc);
+        for (int c = 0; c < 4; ++c) {
+          const int64_t col = g * GROUP + c * BLOCK;
+          if (col >= n) break;
+          const __mmask16 mask = col + BLOCK <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - col)) - 1);
+          const __m512i zero_point = _mm512_slli_epi32(_mm512_loadu_si512(cs + col), 7);  // 128 * colsum
+          const __m512 scale = _mm512_maskz_loadu_ps(mask, ws + col);
+          const __m512 add = has_bias ? _mm512_maskz_loadu_ps(mask, bp + col) : _mm512_setzero_ps();
+          for (int64_t r = 0; r < rc; ++r) {
+            __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r * 4 + c], zero_point));  // int32 -> fp32
+            v = _mm512_mul_ps(v, scale);
+            v = _mm512_mul_ps(v, _mm512_set1_ps(step[r0 + r]));
+            if (has_bias) v = _mm512_add_ps(v, add);
+            if (has_residual) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, rp + (r0 + r) * n + col), v);  // h + f(h)
+            _mm512_mask_storeu_ps(yp + (r0 + r) * n + col, mask, v);
+          }
+        }
+        r0 += rc;
+      }
+    }
+  });
+  return y;
+}
+
+// RMSNorm of each row of x (R, E) fp32, transformers' formula: w * (x * 1 / sqrt(mean(x^2) + eps)).
+// One call instead of the several aten ops of F.rms_norm, which cost more than the arithmetic
+// on a decode step's few rows. The sum of squares runs in 16 lanes in a fixed order, so a row's
+// result does not depend on the other rows.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && weight.scalar_type() == at::kFloat && weight.numel() == x_in.size(1),
+              "x (R, E), weight fp32 (E,)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const int64_t rows = x.size(0), e = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float epsf = static_cast<float>(eps);
+  auto one_row = [&](int64_t r) {
+    const float* row = xp + r * e;
+    float* out = yp + r * e;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < e; i += 16) {
+      const __mmask16 m = i + 16 <= e ? __mmask16(0xFFFF) : __mmask16((1u << (e - i)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(m, row + i);
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(e) + epsf);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < e; i += 16) {
+      const __mmask16 m = i + 16 <= e ? __mmask16(0xFFFF) : __mmask16((1u << (e - i)) - 1);
+      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + i), vinv);
+      _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, wp + i), v));
+    }
+  };
+  if (rows < 64) {  // a decode step: threads would cost more than they save
+    for (int64_t r = 0; r < rows; ++r) one_row(r);
+  } else {
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) one_row(r); });
+  }
+  return y;
+}
+
+namespace {
+
+// exp: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in two parts, p Cephes' degree-6
+// polynomial; about 1 ulp. Inputs clamped to [-87, 88], where float exp neither under- nor overflows.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace
+
+// The gated MLP's middle: gate_up (R, 2 I) -> silu(gate) * up (R, I), silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const at::Tensor gu = gate_up_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate_up must be (R, 2 I)");
+  const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
+  at::Tensor y = at::empty({rows, inner}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  auto span = [&](int64_t r, int64_t i0, int64_t i1) {
+    const float* g = gp + r * 2 * inner;
+    const float* u = g + inner;
+    float* out = yp + r * inner;
+    for (int64_t i = i0; i < i1; i += 16) {
+      const __mmask16 m = i + 16 <= i1 ? __mmask16(0xFFFF) : __mmask16((1u << (i1 - i)) - 1);
+      const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+  };
+  if (rows * inner < 65536) {  // a decode step's rows: threads would cost more than they save
+    for (int64_t r = 0; r < rows; ++r) span(r, 0, inner);
+  } else {
+    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) span(r, 0, inner); });
+  }
+  return y;
+}
+
+// One decode forward's attention for one sequence (batch 1), after the q/k/v projection:
+// rotary on q and k, k and v written to the cache at slots start .. start + R - 1, and each
+// query attending on its own over exactly the slots before it (speclm.attention explains why:
+// a token's result must not depend on the other tokens of the forward). Replaces some forty
+// aten ops per layer (slices, rolls, copies, one SDPA call per query).
+// qkv (R, (H + 2 H_kv) D); cos, sin (P, D) rotary tables by position (sin sign-folded, as
+// speclm.lean's: x * cos + roll(x, D/2) * sin, the same three roundings); keys, values
+// (1, H_kv, capacity, D) this layer's cache. Returns (R, H D).
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
+                            at::Tensor values, int64_t start, int64_t heads, int64_t kv_heads, double scale) {
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1, "cache of one sequence (1, H_kv, capacity, D)");
+  const int64_t rows = qkv.size(0), dim = keys.size(3), capacity = keys.size(2), half = dim / 2;
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "qkv must be contiguous fp32 (R, (H + 2 H_kv) D)");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.is_contiguous() &&
+              values.sizes() == keys.sizes() && keys.size(1) == kv_heads && dim % 32 == 0, "cache (H_kv, capacity, D)");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == dim && cos.size(0) >= start + rows &&
+              start + rows <= capacity, "rotary tables or cache too short");
+  const int64_t width = qkv.size(1), groups = heads / kv_heads, chunks = dim / 16;
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  std::vector<float> q(rows * heads * dim);
+
+  auto rotate = [&](const float* x, const float* c, const float* sn, float* out) {
+    for (int64_t d = 0; d < dim; d += 16) {  // roll by D/2: the other half, at the same offset
+      const int64_t o = d < half ? d + half : d - half;
+      const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_loadu_ps(c + d));
+      const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + o), _mm512_loadu_ps(sn + d));
+      _mm512_storeu_ps(out + d, _mm512_add_ps(a, b));
+    }
+  };
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = src + i * width;
+    const float* c = cp + (start + i) * dim;
+    const float* sn = sp + (start + i) * dim;
+    for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, sn, q.data() + (i * heads + h) * dim);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      rotate(row + (heads + g) * dim, c, sn, kp + (g * capacity + start + i) * dim);
+      std::copy_n(row + (heads + kv_heads + g) * dim, dim, vp + (g * capacity + start + i) * dim);
+    }
+  }
+
+  at::Tensor out = at::empty({rows, heads * dim}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, rows * heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(start + rows);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / heads, h = t % heads, g = h / groups, slots = start + i + 1;
+      const float* qh = q.data() + t * dim;
+      const float* kg = kp + g * capacity * dim;
+      const float* vg = vp + g * capacity * dim;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < slots; ++j) {  // q . k_j in 16 lanes, then across them
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kg + j * dim));
+        for (int64_t c = 1; c < chunks; ++c)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), _mm512_loadu_ps(kg + j * dim + c * 16), acc);
+        scores[j] = _mm512_reduce_add_ps(acc) * sc;
+        top = std::max(top, scores[j]);
+      }
+      const __m512 vtop = _mm512_set1_ps(top);
+      __m512 vsum = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= slots; j += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), vtop));
+        _mm512_storeu_ps(scores.data() + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      if (j < slots) {
+        const __mmask16 m = __mmask16((1u << (slots - j)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + j), vtop));
+        _mm512_mask_storeu_ps(scores.data() + j, m, e);
+        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+      float* oh = op + i * heads * dim + h * dim;
+      for (int64_t c = 0; c < chunks; ++c) {  // out = sum_j p_j v_j / sum_j p_j, 16 features at a time
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t s = 0; s < slots; ++s) a = _mm512_fmadd_ps(_mm512_set1_ps(scores[s]), _mm512_loadu_ps(vg + s * dim + c * 16), a);
+        _mm512_storeu_ps(oh + c * 16, _mm512_mul_ps(a, inv));
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_rows", &linear_rows, "int8 W8A8 linear over a few rows (AVX-512 VNNI)", py::arg("x"),
+        py::arg("packed"), py::arg("colsum"), py::arg("wscale"), py::arg("bias"), py::arg("residual") = py::none());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over rows of gate | up, fp32");
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32", py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward");
+}
