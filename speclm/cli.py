@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_decoding_options(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--k", type=int, default=None, help="draft tokens per round (default: 2; pld on int8 weights 6; measured best on CPU)")
+    g.add_argument("--k", type=int, default=None, help="draft tokens per round (default: 2; pld on int8 weights 4; measured best on CPU)")
     g.add_argument("--ngram-max", type=int, default=3, help="pld: longest n-gram matched (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="pld: shortest n-gram matched (default 1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")

@@ -51,6 +51,12 @@ def compiled():
         return None
     from torch.utils import cpp_extension
 
+    try:  # the ninja package's binary, for a virtual environment that is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except (ImportError, AttributeError):
+        pass  # a system ninja, if any
     build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False))
     built = [so.stat().st_mtime for so in build_dir.glob(NAME + "*.so")]
     if not built or max(built) < SOURCE.stat().st_mtime:

@@ -178,13 +178,13 @@ class LeanForward:
         rows = kv._rows[:, None]
         one_row = batch == 1
         start = starts[0]
-        # a decode forward of one sequence: rotary, cache writes and attention in one compiled call
-        compiled = self.compiled if (per_query and one_row and h.dtype == torch.float32 and dim % 32 == 0
+        # a decode forward: rotary, cache writes and attention in one compiled call per layer
+        compiled = self.compiled if (per_query and h.dtype == torch.float32 and dim % 32 == 0
                                      and h.device.type == "cpu" and kv.keys[0].dtype == torch.float32) else None
         for i, layer in enumerate(self.layers):
             if compiled is not None:
                 qkv = layer.attn_in(h)  # (R, (H + 2 H_kv) D)
-                out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], start,
+                out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
                                                 heads, kv_heads, self.scaling)  # (R, H D)
                 h = layer.mlp(layer.attn_out(out, h))
                 continue

@@ -116,3 +116,13 @@ def test_compiled_decode_attention_matches_torch_ops(tok):
             logits[split] = torch.cat([kv.forward([[t]], 1) for f in feeds for t in f] if split else
                                       [kv.forward([f], len(f)) for f in feeds], dim=1)
         assert torch.equal(logits[True], logits[False])
+        # and a ragged batch gives each row the bits it gets alone
+        rows = [prompt, prompt[:5], prompt[3:]]
+        feeds_b = [[5, 6, 7], [8], [9, 10]]
+        kv = StaticKV(model, 3, 64)
+        kv.forward(rows, 1)
+        batched = kv.forward(feeds_b, 1)  # (3, 1, V): each row's last token
+        for b, row in enumerate(rows):
+            alone = StaticKV(model, 1, 64)
+            alone.forward([row], 1)
+            assert torch.equal(alone.forward([feeds_b[b]], 1), batched[b : b + 1]), b

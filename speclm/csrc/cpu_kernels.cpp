@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -241,25 +242,34 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return y;
 }
 
-// One decode forward's attention for one sequence (batch 1), after the q/k/v projection:
-// rotary on q and k, k and v written to the cache at slots start .. start + R - 1, and each
-// query attending on its own over exactly the slots before it (speclm.attention explains why:
-// a token's result must not depend on the other tokens of the forward). Replaces some forty
-// aten ops per layer (slices, rolls, copies, one SDPA call per query).
-// qkv (R, (H + 2 H_kv) D); cos, sin (P, D) rotary tables by position (sin sign-folded, as
+// One decode forward's attention, after the q/k/v projection: rotary on q and k, k and v
+// written to the cache at each row's slots start_b .. start_b + M - 1, and each query
+// attending on its own over exactly the slots before it (speclm.attention explains why: a
+// token's result must not depend on the other tokens of the forward, nor on other rows).
+// Replaces some forty aten ops per layer (slices, rolls, copies, one SDPA call per query).
+// qkv (B M, (H + 2 H_kv) D); cos, sin (P, D) rotary tables by position (sin sign-folded, as
 // speclm.lean's: x * cos + roll(x, D/2) * sin, the same three roundings); keys, values
-// (1, H_kv, capacity, D) this layer's cache. Returns (R, H D).
+// (B, H_kv, capacity, D) this layer's cache; starts, counts (B,): slots before this forward and
+// real tokens per row (the rest of a ragged row's M columns are padding: written, not attended
+// from, output zero). Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
-                            at::Tensor values, int64_t start, int64_t heads, int64_t kv_heads, double scale) {
-  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1, "cache of one sequence (1, H_kv, capacity, D)");
-  const int64_t rows = qkv.size(0), dim = keys.size(3), capacity = keys.size(2), half = dim / 2;
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * dim,
-              "qkv must be contiguous fp32 (R, (H + 2 H_kv) D)");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.is_contiguous() &&
-              values.sizes() == keys.sizes() && keys.size(1) == kv_heads && dim % 32 == 0, "cache (H_kv, capacity, D)");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == dim && cos.size(0) >= start + rows &&
-              start + rows <= capacity, "rotary tables or cache too short");
-  const int64_t width = qkv.size(1), groups = heads / kv_heads, chunks = dim / 16;
+                            at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                            int64_t heads, int64_t kv_heads, double scale) {
+  const int64_t batch = static_cast<int64_t>(starts.size());
+  TORCH_CHECK(batch >= 1 && counts.size() == starts.size() && keys.dim() == 4 && keys.size(0) == batch,
+              "one start and count per cache row");
+  const int64_t rows = qkv.size(0), width = rows / batch, dim = keys.size(3), capacity = keys.size(2), half = dim / 2;
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && rows == batch * width &&
+              qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv must be contiguous fp32 (B M, (H + 2 H_kv) D)");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.is_contiguous() &&
+              values.is_contiguous() && values.sizes() == keys.sizes() && keys.size(1) == kv_heads &&
+              heads % kv_heads == 0 && dim % 32 == 0, "cache (B, H_kv, capacity, D) fp32, D a multiple of 32");
+  const int64_t last = *std::max_element(starts.begin(), starts.end()) + width;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == dim && cos.size(0) >= last && sin.size(0) >= last &&
+              last <= capacity, "rotary tables or cache too short");
+  for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(starts[b] >= 0 && counts[b] >= 0 && counts[b] <= width, "bad count");
+  const int64_t stride = qkv.size(1), groups = heads / kv_heads, chunks = dim / 16;
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -275,14 +285,19 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       _mm512_storeu_ps(out + d, _mm512_add_ps(a, b));
     }
   };
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* row = src + i * width;
-    const float* c = cp + (start + i) * dim;
-    const float* sn = sp + (start + i) * dim;
-    for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, sn, q.data() + (i * heads + h) * dim);
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      rotate(row + (heads + g) * dim, c, sn, kp + (g * capacity + start + i) * dim);
-      std::copy_n(row + (heads + kv_heads + g) * dim, dim, vp + (g * capacity + start + i) * dim);
+  for (int64_t b = 0; b < batch; ++b) {
+    float* kb = kp + b * kv_heads * capacity * dim;
+    float* vb = vp + b * kv_heads * capacity * dim;
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t r = b * width + i, slot = starts[b] + i;
+      const float* row = src + r * stride;
+      const float* c = cp + slot * dim;
+      const float* sn = sp + slot * dim;
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, sn, q.data() + (r * heads + h) * dim);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        rotate(row + (heads + g) * dim, c, sn, kb + (g * capacity + slot) * dim);
+        std::copy_n(row + (heads + kv_heads + g) * dim, dim, vb + (g * capacity + slot) * dim);
+      }
     }
   }
 
@@ -290,12 +305,18 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, rows * heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(start + rows);
+    std::vector<float> scores(last);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / heads, h = t % heads, g = h / groups, slots = start + i + 1;
+      const int64_t r = t / heads, h = t % heads, b = r / width, i = r % width, g = h / groups;
+      float* oh = op + r * heads * dim + h * dim;
+      if (i >= counts[b]) {  // a padding column
+        std::fill_n(oh, dim, 0.0f);
+        continue;
+      }
+      const int64_t slots = starts[b] + i + 1;
       const float* qh = q.data() + t * dim;
-      const float* kg = kp + g * capacity * dim;
-      const float* vg = vp + g * capacity * dim;
+      const float* kg = kp + (b * kv_heads + g) * capacity * dim;
+      const float* vg = vp + (b * kv_heads + g) * capacity * dim;
       float top = -INFINITY;
       for (int64_t j = 0; j < slots; ++j) {  // q . k_j in 16 lanes, then across them
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kg + j * dim));
@@ -319,7 +340,6 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
       }
       const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-      float* oh = op + i * heads * dim + h * dim;
       for (int64_t c = 0; c < chunks; ++c) {  // out = sum_j p_j v_j / sum_j p_j, 16 features at a time
         __m512 a = _mm512_setzero_ps();
         for (int64_t s = 0; s < slots; ++s) a = _mm512_fmadd_ps(_mm512_set1_ps(scores[s]), _mm512_loadu_ps(vg + s * dim + c * 16), a);
