@@ -31,6 +31,10 @@ inline void dpbusd(__m512i& acc, const __m512i x, const int8_t* w) {
 }
 
 constexpr int64_t BLOCK = 16;   // output columns per 512-bit accumulator
+// Software prefetch this many bytes ahead in the weight stream: the hardware prefetchers alone
+// left a step's GEMMs ~15% slower at one row and ~30% at five (benchmarks/int8-gemm-rows-cpu.txt
+// has the kernel as committed; 1 to 8 KB ahead measured alike).
+constexpr int64_t PREFETCH = 2048;
 constexpr int64_t GROUP = 64;   // columns packed together: 4 blocks side by side per k-quad
 
 // acc[r * CB + c] = sum over k of xu[r, k] * w[block c, k] for CB of a group's 4 blocks, from
@@ -45,6 +49,7 @@ inline void dot_group_impl(const uint8_t* xu, int64_t kp, const int8_t* w, int64
   const int64_t stride = kp / 4;
   for (int64_t q = 0; q < quads; ++q) {
     const int8_t* wq = w + q * GROUP * 4;
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + l * 64), _MM_HINT_T0);
     (dpbusd(a[I], _mm512_set1_epi32(x32[(I / CB) * stride + q]), wq + (I % CB) * 64), ...);  // 16 columns x 4 k
   }
   ((acc[I] = a[I]), ...);
