@@ -42,7 +42,7 @@ METHODS = ("none", "draft", "pld")
 # Default draft length per target weights, from measurements on a 2-core CPU:
 # - fp32 (benchmarks/cpu-fp32-qwen1.5b-1x6*): a forward over 3 new tokens costs 1.0-1.2x one
 #   token but 5 cost 1.9-2.1x, so k = 2 beat k = 4 for both methods (1.17x / 1.21x vs 0.92x / 0.97x).
-# - int8 (benchmarks/reference-cpu-int8-qwen1.5b): v(k) = 1.03, 1.07, 1.19, 1.25 for k = 2..5
+# - int8 (benchmarks/reference-cpu-int8-qwen1.5b-d6f1c9f): v(k) = 1.03, 1.07, 1.19, 1.25 for k = 2..5
 #   new tokens and 1.37-1.6 beyond 6; prompt lookup with k = 4 beat k = 6 (1.28x vs 1.22x over
 #   the six task kinds); a draft-model step costs c = 0.35 target steps, so k = 2 is its trade.
 # Pass k for other hardware.

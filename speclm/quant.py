@@ -62,9 +62,9 @@ def _vnni_kernel():
     return kernels.compiled()
 
 
-# Up to this many rows speclm's kernel is faster than oneDNN's; a prefill's blocks of rows are
-# compute-bound, where oneDNN's blocking wins (benchmarks/int8-gemm-rows-cpu.txt).
-VNNI_MAX_ROWS = 32
+# Up to this many rows speclm's kernel is faster than oneDNN's (about even at 16); beyond, the
+# GEMM is compute-bound and oneDNN's blocking wins (benchmarks/int8-gemm-rows-cpu.txt).
+VNNI_MAX_ROWS = 16
 _GROUP = 64  # output columns the kernel packs side by side (speclm/csrc/cpu_kernels.cpp)
 
 
