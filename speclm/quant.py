@@ -13,8 +13,9 @@ activation scale for the whole batch and is *not* batch-invariant; the weight-on
 behind the choice are in benchmarks/int8_kernels.py, benchmarks/int8_model.py and
 benchmarks/int8_gemm_rows.py.
 
-Quantizing happens at load (about 20 s for the 1.5B on 2 cores); oneDNN's packed layout is
-opaque, so nothing is cached on disk.
+Quantizing happens at load (19 s for the 1.5B on 2 cores, measured before the VNNI layout
+was added; that layout is one more permuted copy); oneDNN's packed layout is opaque, so
+nothing is cached on disk.
 """
 
 from __future__ import annotations

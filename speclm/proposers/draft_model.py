@@ -1,7 +1,8 @@
 """Drafting with a smaller model that shares the target's tokenizer.
 
 The draft keeps its own preallocated KV cache (speclm.kv.StaticKV). Each proposal first feeds the committed tokens
-the draft has not seen (the whole prompt at the start; afterwards the target's
+the draft has not seen (at the start the prompt, then the target's first token, split as the
+target fed them; afterwards the target's
 recovered or bonus token, plus the last draft token when every draft was accepted), then
 drafts autoregressively. Its last drafted token is never fed, so a fully accepted round
 costs k draft forwards, not k+1.
@@ -36,6 +37,12 @@ class DraftModelProposer(Proposer):
         if width <= 0:
             return Draft.empty(batch)
         have = self.kv.lengths_list()
+        if not any(have) and all(len(c) > 1 for c in contexts):
+            # The target prefilled the prompt alone and fed its first token in a decode forward;
+            # mirror that split (a prefill attends batched, a decode forward per query, which
+            # round differently), so that a draft equal to the target computes the same bits.
+            self.kv.forward([c[:-1] for c in contexts], 1)
+            have = self.kv.lengths_list()
         logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1)[:, -1]  # (B, V)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         probs = [] if not params.greedy else None
