@@ -46,7 +46,8 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def compiled():
-    """The compiled module (`linear_rows`, `rms_norm`), or None where it cannot run here."""
+    """The compiled module (`linear_rows`, `rms_norm`, `silu_mul`, `decode_attention`), or None
+    where it cannot run here."""
     if not enabled():
         return None
     from torch.utils import cpp_extension
@@ -54,11 +55,15 @@ def compiled():
     try:  # the ninja package's binary, for a virtual environment that is not on PATH
         import ninja
 
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except (ImportError, AttributeError):
         pass  # a system ninja, if any
-    build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False))
-    built = [so.stat().st_mtime for so in build_dir.glob(NAME + "*.so")]
+    try:  # only to say that a build is coming (a private torch helper: best effort)
+        build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False))
+        built = [so.stat().st_mtime for so in build_dir.glob(NAME + "*.so")]
+    except Exception:
+        built = [0.0]
     if not built or max(built) < SOURCE.stat().st_mtime:
         print("speclm: building its CPU kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
     try:

@@ -1,6 +1,8 @@
-// int8 W8A8 linear for a few rows (decode steps, verification, draft steps) with AVX-512 VNNI.
+// speclm's CPU kernels (built by speclm/kernels.py; docs/design.md, "Compiled CPU kernels"):
+// linear_rows, the int8 GEMM for a few rows; rms_norm; silu_mul; decode_attention.
 //
-// Decoding at batch 1 is bound by reading the weights, and torch's int8 kernels read them
+// linear_rows: int8 W8A8 linear for a few rows (decode steps, verification, draft steps) with
+// AVX-512 VNNI. Decoding at batch 1 is bound by reading the weights, and torch's int8 kernels read them
 // slower than the machine can at more than one row (benchmarks/int8-gemm-rows-cpu.txt). Here
 // every 64-byte block of weights is loaded once and multiplied into all the rows (up to
 // CHUNK at a time), so a few rows cost about what one does.
