@@ -75,7 +75,7 @@ def _rms_norm(norm: nn.Module, dtype: torch.dtype, compiled=None) -> Rows:
     """transformers' RMSNorm formula (fp32 statistics, weight after): speclm's compiled kernel
     where it runs (one call, about 40x cheaper than F.rms_norm's ops on one row), else one aten op."""
     weight, eps = norm.weight, norm.variance_epsilon
-    if dtype == torch.float32 and compiled is not None and weight.device.type == "cpu":
+    if dtype == torch.float32 and compiled is not None:
         return partial(compiled.rms_norm, weight=weight.detach(), eps=eps)
     if dtype == torch.float32:
         return partial(F.rms_norm, normalized_shape=weight.shape, weight=weight, eps=eps)
@@ -138,7 +138,8 @@ class LeanForward:
         inner = model.model
         self.embed = inner.embed_tokens
         dtype = self.embed.weight.dtype
-        compiled = kernels.compiled()  # None where it does not run: torch's ops instead
+        # None where it does not run, and for a model off the CPU: torch's ops instead
+        compiled = kernels.compiled() if self.embed.weight.device.type == "cpu" else None
         self.compiled = compiled
         self.layers = [_layer(layer, dtype, compiled) for layer in inner.layers]
         self.norm = _rms_norm(inner.norm, dtype, compiled)
@@ -152,17 +153,16 @@ class LeanForward:
         # rotary tables by position, grown on demand, on the model's device
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.inv_freq.device)
 
-    def _rotary(self, positions, window, dtype):
-        """cos and sign-folded sin (R, 1, D) at these positions (R,), looked up in tables computed
-        once per length: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin], one roll instead of
-        two slices, a negation and a cat (the same products, so the same bits)."""
+    def _grow_rotary(self, window):
+        """Rotary tables cos and sign-folded sin (P, D) covering `window` positions, computed once
+        per length: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin], one roll instead of two
+        slices, a negation and a cat (the same products, so the same bits)."""
         if window > self._cos.shape[0]:
             length = max(window, 2 * self._cos.shape[0])
             freqs = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq
             self._cos = torch.cat((freqs, freqs), dim=-1).cos() * self.rope_scale  # (P, D)
             sin = freqs.sin() * self.rope_scale
             self._sin = torch.cat((-sin, sin), dim=-1)
-        return self._cos[positions].to(dtype)[:, None, :], self._sin[positions].to(dtype)[:, None, :]
 
     @torch.inference_mode()
     def __call__(self, ids, positions, kv, starts, counts, window, keep_cols):
@@ -172,7 +172,7 @@ class LeanForward:
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
-        cos, sin = self._rotary(positions.view(-1), window, h.dtype)  # (R, 1, D)
+        self._grow_rotary(window)
         half, split = dim // 2, (heads + kv_heads) * dim
         per_query = not is_prefill(starts)
         rows = kv._rows[:, None]
@@ -180,7 +180,10 @@ class LeanForward:
         start = starts[0]
         # a decode forward: rotary, cache writes and attention in one compiled call per layer
         compiled = self.compiled if (per_query and h.dtype == torch.float32 and dim % 32 == 0
-                                     and h.device.type == "cpu" and kv.keys[0].dtype == torch.float32) else None
+                                     and kv.keys[0].dtype == torch.float32) else None
+        if compiled is None:  # the torch ops' rotary: cos and sin (R, 1, D) at these positions
+            cos = self._cos[positions.view(-1)].to(h.dtype)[:, None, :]
+            sin = self._sin[positions.view(-1)].to(h.dtype)[:, None, :]
         for i, layer in enumerate(self.layers):
             if compiled is not None:
                 qkv = layer.attn_in(h)  # (R, (H + 2 H_kv) D)
