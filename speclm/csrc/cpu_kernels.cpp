@@ -34,8 +34,8 @@ inline void dpbusd(__m512i& acc, const __m512i x, const int8_t* w) {
 
 constexpr int64_t BLOCK = 16;   // output columns per 512-bit accumulator
 // Software prefetch this many bytes ahead in the weight stream: the hardware prefetchers alone
-// left a step's GEMMs ~15% slower at one row and ~30% at five (benchmarks/int8-gemm-rows-cpu.txt
-// has the kernel as committed; 1 to 8 KB ahead measured alike).
+// left the kernel slower, more so at several rows (benchmarks/int8-gemm-rows-cpu.txt has the
+// kernel as committed; the comparison without prefetch was not committed).
 constexpr int64_t PREFETCH = 2048;
 constexpr int64_t GROUP = 64;   // columns packed together: 4 blocks side by side per k-quad
 
