@@ -249,6 +249,86 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return y;
 }
 
+// Slots per block in decode_attention: a block of keys or values (SLOT_BLOCK x D floats, 16 KB at
+// D = 128) stays in the 32 KB L1 cache while every query of the kv head goes through it.
+constexpr int64_t SLOT_BLOCK = 32;
+
+// Lane j of the result: the sum of a[j]'s 16 lanes, by a fixed tree for each j (halves, then
+// quarters, ...; the additions of 16 one-by-one reductions, in a quarter of the instructions).
+inline __m512 sum_lanes16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: slot i's 8 partial sums, then slot i + 8's
+    b[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a[i], a[i + 8]),
+                         _mm512_shuffle_f32x4(a[i], a[i + 8], _MM_SHUFFLE(1, 0, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: slots i, i + 8, i + 4, i + 12
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[i], b[i + 4], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // pairs within quarters
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[i], c[i + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // e holds slots 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15, an order that is its own inverse
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), e);
+}
+
+// out[s0 + u] = (q . k_{s0 + u}) * scale for u < valid (<= 16): 16 slots' dot products side by
+// side, one accumulator each, then summed across lanes together. A slot's bits depend on nothing
+// but its own q and k: other lanes are not stored (a short block re-reads slot s0 for them).
+template <int D>
+inline void score16_fixed(const float* q, const float* k, float scale, float* out) {  // 16 slots from k
+  __m512 a[16];
+  const __m512 q0 = _mm512_loadu_ps(q);
+  for (int u = 0; u < 16; ++u) a[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(k + u * D));
+  for (int c = 16; c < D; c += 16) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+    for (int u = 0; u < 16; ++u) a[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + u * D + c), a[u]);
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+}
+
+inline void score16(const float* q, const float* k, int64_t dim, int64_t s0, int64_t valid, float scale, float* out) {
+  if (valid == 16 && dim == 128) return score16_fixed<128>(q, k + s0 * dim, scale, out + s0);
+  if (valid == 16 && dim == 64) return score16_fixed<64>(q, k + s0 * dim, scale, out + s0);
+  const float* rows[16];
+  for (int u = 0; u < 16; ++u) rows[u] = k + (s0 + (u < valid ? u : 0)) * dim;
+  __m512 a[16];
+  const __m512 q0 = _mm512_loadu_ps(q);
+  for (int u = 0; u < 16; ++u) a[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(rows[u]));
+  for (int64_t c = 16; c < dim; c += 16) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+    for (int u = 0; u < 16; ++u) a[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[u] + c), a[u]);
+  }
+  const __mmask16 m = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  _mm512_mask_storeu_ps(out + s0, m, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+}
+
+// acc (D) += p_j v_j for slots j0 .. j1 - 1, one FMA per feature and slot in slot order: with the
+// features of one query in registers (C chunks of 16), the C chains run side by side.
+template <int C>
+inline void weigh_values_fixed(const float* p, const float* v, int64_t j0, int64_t j1, float* acc) {
+  __m512 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + c * 16);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * C * 16 + c * 16), a[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+}
+
+inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0, int64_t j1, float* acc) {
+  switch (dim) {
+    case 64: return weigh_values_fixed<4>(p, v, j0, j1, acc);
+    case 128: return weigh_values_fixed<8>(p, v, j0, j1, acc);
+    default:
+      for (int64_t c = 0; c < dim; c += 16) {
+        __m512 a = _mm512_loadu_ps(acc + c);
+        for (int64_t j = j0; j < j1; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(v + j * dim + c), a);
+        _mm512_storeu_ps(acc + c, a);
+      }
+  }
+}
+
 // One decode forward's attention, after the q/k/v projection: rotary on q and k, k and v
 // written to the cache at each row's slots start_b .. start_b + M - 1, and each query
 // attending on its own over exactly the slots before it (speclm.attention explains why: a
@@ -308,49 +388,85 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     }
   }
 
+  // Attention per (row, kv head, share of its queries): all the queries that read one kv head's
+  // cache go through it together, a block of slots at a time, so each block of keys and values
+  // is read once from memory for all of them (a per-query pass re-read the whole cache once per
+  // query: at 2000 slots that no longer fits the caches). Each query's arithmetic is still its
+  // own and in slot order (the same operations as one query alone), so the bits do not depend on
+  // the other queries of the forward.
   at::Tensor out = at::empty({rows, heads * dim}, qkv.options());
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, rows * heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(last);
+  const int64_t per_head = width * groups;  // queries that read one kv head of one row
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(per_head, (at::get_num_threads() + batch * kv_heads - 1) /
+                                                                              (batch * kv_heads)));
+  at::parallel_for(0, batch * kv_heads * shares, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> who;       // query index r * heads + h, per query of this task
+    std::vector<int64_t> reach;     // slots each query attends
+    std::vector<float> scores, acc, inverse;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / heads, h = t % heads, b = r / width, i = r % width, g = h / groups;
-      float* oh = op + r * heads * dim + h * dim;
-      if (i >= counts[b]) {  // a padding column
-        std::fill_n(oh, dim, 0.0f);
-        continue;
+      const int64_t share = t % shares, bg = t / shares, b = bg / kv_heads, g = bg % kv_heads;
+      who.clear();
+      reach.clear();
+      for (int64_t n = share; n < per_head; n += shares) {
+        const int64_t i = n / groups, h = g * groups + n % groups, r = b * width + i;
+        if (i >= counts[b]) {  // a padding column
+          std::fill_n(op + r * heads * dim + h * dim, dim, 0.0f);
+          continue;
+        }
+        who.push_back(r * heads + h);
+        reach.push_back(starts[b] + i + 1);
       }
-      const int64_t slots = starts[b] + i + 1;
-      const float* qh = q.data() + t * dim;
+      const int64_t nq = static_cast<int64_t>(who.size());
+      if (nq == 0) continue;
+      const int64_t most = *std::max_element(reach.begin(), reach.end());
+      scores.resize(nq * most);
+      acc.assign(nq * dim, 0.0f);
+      inverse.resize(nq);
       const float* kg = kp + (b * kv_heads + g) * capacity * dim;
       const float* vg = vp + (b * kv_heads + g) * capacity * dim;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < slots; ++j) {  // q . k_j in 16 lanes, then across them
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kg + j * dim));
-        for (int64_t c = 1; c < chunks; ++c)
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), _mm512_loadu_ps(kg + j * dim + c * 16), acc);
-        scores[j] = _mm512_reduce_add_ps(acc) * sc;
-        top = std::max(top, scores[j]);
+      for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // scores q . k_j * scale
+        for (int64_t n = 0; n < nq; ++n) {
+          const int64_t j1 = std::min(j0 + SLOT_BLOCK, reach[n]);
+          for (int64_t s0 = j0; s0 < j1; s0 += 16)
+            score16(q.data() + who[n] * dim, kg, dim, s0, std::min<int64_t>(16, j1 - s0), sc, scores.data() + n * most);
+        }
       }
-      const __m512 vtop = _mm512_set1_ps(top);
-      __m512 vsum = _mm512_setzero_ps();
-      int64_t j = 0;
-      for (; j + 16 <= slots; j += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), vtop));
-        _mm512_storeu_ps(scores.data() + j, e);
-        vsum = _mm512_add_ps(vsum, e);
+      for (int64_t n = 0; n < nq; ++n) {  // softmax numerators in place, and 1 / their sum
+        float* sn = scores.data() + n * most;
+        const int64_t slots = reach[n];
+        __m512 vmax = _mm512_set1_ps(-INFINITY);  // a maximum does not depend on the order
+        int64_t j = 0;
+        for (; j + 16 <= slots; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sn + j));
+        if (j < slots) {
+          const __mmask16 m = __mmask16((1u << (slots - j)) - 1);
+          vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, sn + j));
+        }
+        const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (j = 0; j + 16 <= slots; j += 16) {
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sn + j), vtop));
+          _mm512_storeu_ps(sn + j, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        if (j < slots) {
+          const __mmask16 m = __mmask16((1u << (slots - j)) - 1);
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sn + j), vtop));
+          _mm512_mask_storeu_ps(sn + j, m, e);
+          vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+        }
+        inverse[n] = 1.0f / _mm512_reduce_add_ps(vsum);
       }
-      if (j < slots) {
-        const __mmask16 m = __mmask16((1u << (slots - j)) - 1);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + j), vtop));
-        _mm512_mask_storeu_ps(scores.data() + j, m, e);
-        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+      for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
+        for (int64_t n = 0; n < nq; ++n) {
+          const int64_t j1 = std::min(j0 + SLOT_BLOCK, reach[n]);
+          if (j1 > j0) weigh_values(scores.data() + n * most, vg, dim, j0, j1, acc.data() + n * dim);
+        }
       }
-      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-      for (int64_t c = 0; c < chunks; ++c) {  // out = sum_j p_j v_j / sum_j p_j, 16 features at a time
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t s = 0; s < slots; ++s) a = _mm512_fmadd_ps(_mm512_set1_ps(scores[s]), _mm512_loadu_ps(vg + s * dim + c * 16), a);
-        _mm512_storeu_ps(oh + c * 16, _mm512_mul_ps(a, inv));
+      for (int64_t n = 0; n < nq; ++n) {
+        float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
+        const __m512 inv = _mm512_set1_ps(inverse[n]);
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(oh + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + n * dim + c * 16), inv));
       }
     }
   });
