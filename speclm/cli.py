@@ -18,6 +18,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+DRAFT_QUANTIZE_HELP = ("the draft model's weights, if not --quantize's: int4 halves a draft step's bytes on CPU "
+                       "(what is proposed changes, never the output)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="speclm", description="Lossless speculative decoding for transformers models.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -34,12 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line on stdout")
     g.add_argument("--quantize", choices=QUANTIZE_MODES, default="none", help="int8: int8 weights for every linear layer of target and draft (speclm.quant); default none")
+    g.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
 
     b = sub.add_parser("bench", help="benchmark methods side by side (speclm and transformers) and write a report")
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft and hf-assisted")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N], pld[:k=N,ngram_max=N,ngram_min=N], hf, hf-assisted[:k=N], hf-pld[:k=N]")
+                   help="comma list: none, draft[:k=N,confidence=P], pld[:k=N,ngram_max=N,ngram_min=N], hf, hf-assisted[:k=N], hf-pld[:k=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
     b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
@@ -51,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cost-repeats", type=int, default=5, help="samples per point of the cost model (0: skip it)")
     b.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
                    help="weights of every method without its own quantize= option (default none)")
+    b.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     b.add_argument("--out", help="output folder: results.json, report.md, plots")
     b.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two runs side by side and exit")
@@ -63,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--quantize", choices=QUANTIZE_MODES, default="int8",
                    help="int8 (default): int8 weights, the fast path on CPU; none: the weights as published")
+    d.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
     d.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 
     m = sub.add_parser("models", help="the model catalog and cache")
@@ -76,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_decoding_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, default=None, help="draft tokens per round (default: 2; pld on int8 weights 4; measured best on CPU)")
+    g.add_argument("--confidence", type=float, default=0.0,
+                   help="draft: stop a round's drafting after a token the draft gave less probability than this (default 0: never)")
     g.add_argument("--ngram-max", type=int, default=3, help="pld: longest n-gram matched (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="pld: shortest n-gram matched (default 1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -150,7 +159,7 @@ def _generate(args) -> int:
     opts = GenerationOptions(
         method=args.method, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
-        ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
@@ -161,7 +170,7 @@ def _generate(args) -> int:
     if args.method == "draft":
         check_model_name(args.draft)
     target = load_model(args.target, quantize=args.quantize)
-    draft = load_model(args.draft, quantize=args.quantize) if args.method == "draft" else None
+    draft = load_model(args.draft, quantize=args.draft_quantize or args.quantize) if args.method == "draft" else None
     engine = SpecEngine(target, draft=draft)
     encoded = engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
 
@@ -247,7 +256,7 @@ def _bench(args) -> int:
     for mode in dict.fromkeys([args.quantize] + [s.quantize for s in specs if s.quantize]):
         needs_draft = args.draft and any(s.needs_draft and (s.quantize or args.quantize) == mode for s in specs)
         engines[mode] = SpecEngine(load_model(args.target, quantize=mode),
-                                   draft=load_model(args.draft, quantize=mode) if needs_draft else None)
+                                   draft=load_model(args.draft, quantize=args.draft_quantize or mode) if needs_draft else None)
     engine = engines[args.quantize]
     target, draft = engine.target, engine.draft
     config = BenchConfig(
@@ -255,7 +264,7 @@ def _bench(args) -> int:
         categories=categories, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, repeats=args.repeats, chat=args.chat,
         dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""), cost_repeats=args.cost_repeats,
-        quantize=args.quantize,
+        quantize=args.quantize, draft_quantize=args.draft_quantize,
     )
     results = run_bench(engine, specs, prompts, config, out, measure_cost_model=args.cost_repeats > 0, engines=engines)
     print((out / "report.md").read_text() if (out / "report.md").exists() else "no run finished")
@@ -270,8 +279,10 @@ def _demo(args) -> int:
     from speclm.engine import GenerationOptions, SpecEngine
     from speclm.models.loading import load_model
 
-    print(f"loading {args.target} (target) and {args.draft} (draft), weights {args.quantize}...", file=sys.stderr)
-    engine = SpecEngine(load_model(args.target, quantize=args.quantize), draft=load_model(args.draft, quantize=args.quantize))
+    draft_mode = args.draft_quantize or args.quantize
+    print(f"loading {args.target} (target, weights {args.quantize}) and {args.draft} (draft, weights {draft_mode})...",
+          file=sys.stderr)
+    engine = SpecEngine(load_model(args.target, quantize=args.quantize), draft=load_model(args.draft, quantize=draft_mode))
     common = dict(max_new_tokens=args.max_new_tokens, chat=True)
     engine.generate("Hi", max_new_tokens=2, chat=True)  # warm-up: first-call allocations
     k = args.k or GenerationOptions(method="draft").draft_length(args.quantize)

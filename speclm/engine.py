@@ -68,6 +68,7 @@ class GenerationOptions:
     chat: bool = False  # apply the target's chat template to each prompt as one user message
     ngram_max: int = 3  # pld: longest n-gram to match
     ngram_min: int = 1  # pld: shortest n-gram to match
+    confidence: float = 0.0  # draft: stop a round after a token the draft gave less probability than this (0: never)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,6 +79,8 @@ class GenerationOptions:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise UsageError("need 1 <= ngram-min <= ngram-max")
+        if not 0 <= self.confidence < 1:
+            raise UsageError(f"confidence must be in [0, 1), got {self.confidence}")
         self.sampling  # validates temperature, top-p, top-k
 
     @property
@@ -188,7 +191,8 @@ class SpecEngine:
         if opts.method == "draft":
             if self.draft is None:
                 raise UsageError("method 'draft' needs a draft model (--draft MODEL)")
-            return DraftModelProposer(self.draft.model, k=opts.draft_length(self.target.quantize))
+            return DraftModelProposer(self.draft.model, k=opts.draft_length(self.target.quantize),
+                                      confidence=opts.confidence)
         return PromptLookupProposer(k=opts.draft_length(self.target.quantize), max_ngram=opts.ngram_max, min_ngram=opts.ngram_min)
 
     # ---------------------------------------------------------------- the loop

@@ -23,7 +23,7 @@ from torch import nn
 
 from speclm import kernels
 from speclm.attention import attend_each_query, is_prefill
-from speclm.quant import Int8Linear, Int8Slice
+from speclm.quant import Int8Slice, QuantLinear
 
 Rows = Callable[[torch.Tensor], torch.Tensor]  # (R, in) -> (R, out), row by row
 
@@ -51,7 +51,7 @@ def supports(model) -> bool:
 
 def _projection(module: nn.Module) -> Rows:
     """A linear layer of the model as a function of (R, in) rows."""
-    if isinstance(module, Int8Linear):
+    if isinstance(module, QuantLinear):
         return module.rows
     if isinstance(module, nn.Linear):
         return partial(F.linear, weight=module.weight, bias=module.bias)
@@ -95,7 +95,7 @@ def _by_rows(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor
 
 def _plus_residual(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """(x, h) -> h + projection(x); int8 layers add h inside their kernel call."""
-    if isinstance(module, Int8Linear):
+    if isinstance(module, QuantLinear):
         return lambda x, h: module.rows(x, h)
     projection = _projection(module)
     return lambda x, h: h + projection(x)

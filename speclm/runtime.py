@@ -6,7 +6,7 @@ import os
 
 from speclm.errors import UsageError
 
-QUANTIZE_MODES = ("none", "int8")  # weights: as published, or speclm.quant's int8
+QUANTIZE_MODES = ("none", "int8", "int4")  # weights: as published, or speclm.quant's int8 / int4
 
 
 def usable_cores() -> int:

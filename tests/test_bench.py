@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from speclm import SpecEngine
+from speclm import SpecEngine, kernels
 from speclm.bench import report
 from speclm.bench.costs import predicted_speedup
 from speclm.bench.dataset import SPEC_BENCH_KINDS, load_prompts
@@ -193,3 +193,17 @@ def test_bench_int8_beside_fp32_in_one_run(folders, tmp_path, dataset, capsys):
     expected = (stats["new_tokens"] - 1) / (stats["wall_seconds"] - stats["prefill_seconds"])
     assert cell["decode_tokens_per_second"] == pytest.approx(expected)
     assert "time outside model forwards" in (out / "report.md").read_text()
+
+
+def test_bench_records_the_draft_weights(folders, tmp_path, dataset):
+    if not kernels.enabled():
+        pytest.skip("int4 needs speclm's compiled kernels (AVX-512 VNNI)")
+    out = tmp_path / "int4-draft"
+    code = main(["bench", "--target", folders["target"], "--draft", folders["draft"], "--quantize", "int8",
+                 "--draft-quantize", "int4", "--methods", "none,draft:k=3", "--dataset", dataset, "--categories", "qa",
+                 "--per-category", "1", "--max-new-tokens", "8", "--cost-repeats", "0", "--out", str(out)])
+    assert code == 0
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["draft_quantize"] == "int4"
+    assert all(r["lossless"] is not False for r in saved["runs"])
+    assert "draft weights int4" in (out / "report.md").read_text()

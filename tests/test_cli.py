@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from speclm import kernels
+
 from speclm.cli import main
 from speclm.errors import UsageError
 
@@ -137,12 +139,28 @@ def test_generate_int8(folders, capsys):
         assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
 
 
+def test_generate_with_an_int4_draft(folders, capsys):
+    """--draft-quantize int4: the draft on int4 weights, the target on int8; output unchanged."""
+    if not kernels.enabled():
+        pytest.skip("int4 needs speclm's compiled kernels (AVX-512 VNNI)")
+    base = ["generate", "--target", folders["target"], "--prompt", "int4 int4 int4", "--max-new-tokens", "12",
+            "--json", "--quantize", "int8"]
+    code, plain, _ = run(base + ["--method", "none"], capsys)
+    assert code == 0
+    code, out, _ = run(base + ["--method", "draft", "--draft", folders["draft"], "--k", "3", "--draft-quantize", "int4"],
+                       capsys)
+    assert code == 0
+    assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
+
+
 def test_quantize_and_threads_errors(folders, capsys):
-    code, _, err = run(["generate", "--target", folders["target"], "--prompt", "x", "--quantize", "int4"], capsys)
+    code, _, err = run(["generate", "--target", folders["target"], "--prompt", "x", "--quantize", "int2"], capsys)
+    assert code == 2 and "invalid choice" in err and "Traceback" not in err
+    code, _, err = run(["generate", "--target", folders["target"], "--prompt", "x", "--draft-quantize", "fp8"], capsys)
     assert code == 2 and "invalid choice" in err and "Traceback" not in err
     code, _, err = run(["generate", "--target", folders["target"], "--prompt", "x", "--threads", "0"], capsys)
     assert code == 2 and "threads must be >= 1" in err
-    code, _, err = run(["bench", "--target", folders["target"], "--methods", "none:quantize=int4", "--out", "o"], capsys)
+    code, _, err = run(["bench", "--target", folders["target"], "--methods", "none:quantize=int2", "--out", "o"], capsys)
     assert code == 2 and "quantize must be one of" in err
 
 

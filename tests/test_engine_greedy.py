@@ -75,6 +75,24 @@ def test_planted_first_error_at_each_position(target, tok, error_at, monkeypatch
     assert out.stats.new_tokens == N
 
 
+def test_draft_confidence_shortens_rounds_and_keeps_output(target, unrelated_draft):
+    """confidence > 0: a row stops drafting after a token its draft was unsure of; rows of a
+    batch then draft different lengths. Output is unchanged; a draft equal to the target
+    still has every token accepted."""
+    for prompt in PROMPTS:
+        ref = plain(target, prompt)
+        full = SpecEngine(target, draft=unrelated_draft).generate(prompt, method="draft", k=6, max_new_tokens=N)
+        cut = SpecEngine(target, draft=unrelated_draft).generate(prompt, method="draft", k=6, max_new_tokens=N,
+                                                                 confidence=0.9)
+        assert cut.token_ids == ref.token_ids
+        assert cut.stats.drafted_tokens < full.stats.drafted_tokens
+        same = SpecEngine(target, draft=target).generate(prompt, method="draft", k=6, max_new_tokens=N, confidence=0.5)
+        assert same.token_ids == ref.token_ids and same.stats.acceptance_rate == 1.0
+    batch = SpecEngine(target, draft=unrelated_draft).generate(PROMPTS, method="draft", k=6, max_new_tokens=N,
+                                                               confidence=0.3)
+    assert [b.token_ids for b in batch] == [plain(target, p).token_ids for p in PROMPTS]
+
+
 def test_batch_equals_single(target, unrelated_draft):
     for method, draft in (("none", None), ("draft", unrelated_draft), ("draft", target), ("pld", None)):
         engine = SpecEngine(target, draft=draft)

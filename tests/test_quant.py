@@ -102,7 +102,7 @@ def test_quantize_model_covers_every_linear_and_leaves_a_tied_embedding(tok):
     assert torch.equal(model.get_input_embeddings().weight, emb)
     assert model.get_input_embeddings().weight.dtype == torch.float32
     with pytest.raises(ValueError):
-        quantize_model(model, "int4")
+        quantize_model(model, "int3")
 
 
 def test_fused_projections_equal_separate_ones(kernel):

@@ -1,4 +1,4 @@
-"""Benchmark methods: `name[:key=value,...]`, e.g. `none`, `draft:k=4`, `pld:k=8,ngram_max=2`,
+"""Benchmark methods: `name[:key=value,...]`, e.g. `none`, `draft:k=4`, `draft:k=6,confidence=0.4`, `pld:k=8,ngram_max=2`,
 `hf`, `hf-assisted:k=4`, `hf-pld:k=10`, `none:quantize=none` (that method on other weights
 than bench's --quantize, to compare fp32 and int8 side by side in one run).
 
@@ -19,7 +19,7 @@ from speclm.quant import QUANTIZE_MODES
 from speclm.stats import RequestStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
-OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str}
+OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float}
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ def parse_methods(text: str) -> list[MethodSpec]:
             try:
                 options[key] = OPTION_TYPES[key](value)
             except ValueError:
-                raise UsageError(f"option {key} of method '{label}' must be an integer") from None
+                kind = "a number" if OPTION_TYPES[key] is float else "an integer"
+                raise UsageError(f"option {key} of method '{label}' must be {kind}") from None
         if options.get("quantize", "none") not in QUANTIZE_MODES:
             raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)} in method '{label}'")
         if options.get("k", 1) < 1:

@@ -120,7 +120,8 @@ def markdown(results: dict, summary: dict) -> str:
         lines += [f"Command: `{results['command']}`", ""]
     lines += [
         f"Created {results['created']}. Target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']} activations, "
-        f"weights {cfg.get('quantize', 'none') if cfg.get('quantize', 'none') != 'none' else 'as loaded (no quantization)'}, "
+        f"weights {cfg.get('quantize', 'none') if cfg.get('quantize', 'none') != 'none' else 'as loaded (no quantization)'}"
+        f"{', draft weights ' + cfg['draft_quantize'] if cfg.get('draft_quantize') else ''}, "
         f"temperature {cfg['temperature']}, {cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeat(s), "
         f"dataset {cfg['dataset']}{', chat template' if cfg['chat'] else ''}.",
         "",

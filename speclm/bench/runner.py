@@ -52,6 +52,7 @@ class BenchConfig:
     dtype: str = "float32"
     cost_repeats: int = 5
     quantize: str = "none"  # the weights of methods without their own quantize= option
+    draft_quantize: str | None = None  # the draft's weights in every method, if not the method's
 
 
 def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPrompt], config: BenchConfig,

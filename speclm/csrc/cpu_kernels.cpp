@@ -1,5 +1,6 @@
 // speclm's CPU kernels (built by speclm/kernels.py; docs/design.md, "Compiled CPU kernels"):
-// linear_rows, the int8 GEMM for a few rows; rms_norm; silu_mul; decode_attention.
+// linear_rows, the int8 GEMM for a few rows; linear_rows_w4, its int4-weight twin for draft
+// models; rms_norm; silu_mul; decode_attention.
 //
 // linear_rows: int8 W8A8 linear for a few rows (decode steps, verification, draft steps) with
 // AVX-512 VNNI. Decoding at batch 1 is bound by reading the weights, and torch's int8 kernels read them
@@ -153,6 +154,149 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
           }
         }
         r0 += rc;
+      }
+    }
+  });
+  return y;
+}
+
+// linear_rows_w4: int4 weights (W4A8), for a draft model, whose step is then bound by reading
+// half the bytes. Weights symmetric per output column and group of G input features (G a multiple
+// of 8), stored as u = w + 8 in 0..15, two per byte; activations quantized per row as in
+// linear_rows, but signed. Per group, with x the row's int8 values:
+//   sum x w = sum x u - 8 sum x   (exact in int32: vpdpbusd takes u as its unsigned operand)
+// then fp32(that) * the group's scale, accumulated over groups in order; * the row's step, + bias,
+// + residual. Each row is computed alone, so the result does not depend on the other rows.
+
+// acc += dot products of 4 u8 in u with 4 s8 in x per 32-bit lane, all in registers.
+inline void dpbusd_rr(__m512i& acc, const __m512i u, const __m512i x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(x));
+}
+
+// The 64 columns of one column group for ROWS rows: out[r * 4 + c] = sum over groups of
+// scale * (sum x u - 8 sum x) for block c (16 columns). w: the group's packed weights
+// (K/8, 64, 4): byte (p, col, j) holds u[col][8p + j] in its low nibble and u[col][8p + 4 + j]
+// in its high one; scales: (K/G, 64) fp16; x32: rows' int8 activations as 4-byte quads.
+template <int ROWS>
+inline void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, int64_t groups,
+                       const uint8_t* w, const at::Half* scales, int64_t pairs_per_group, __m512* out) {
+  __m512 f[ROWS * 4];
+  for (int i = 0; i < ROWS * 4; ++i) f[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i a[ROWS * 4];
+    for (int i = 0; i < ROWS * 4; ++i) a[i] = _mm512_setzero_si512();
+    for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; ++p) {
+      const uint8_t* wp = w + p * 256;
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + l * 64), _MM_HINT_T0);
+      __m512i xa[ROWS], xb[ROWS];
+      for (int r = 0; r < ROWS; ++r) {
+        xa[r] = _mm512_set1_epi32(x32[r * quad_stride + 2 * p]);
+        xb[r] = _mm512_set1_epi32(x32[r * quad_stride + 2 * p + 1]);
+      }
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + c * 64);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < ROWS; ++r) {
+          dpbusd_rr(a[r * 4 + c], lo, xa[r]);
+          dpbusd_rr(a[r * 4 + c], hi, xb[r]);
+        }
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 64 + c * 16)));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i exact = _mm512_sub_epi32(a[r * 4 + c], _mm512_set1_epi32(8 * xsum[r * groups + g]));
+        f[r * 4 + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), sc, f[r * 4 + c]);
+      }
+    }
+  }
+  for (int i = 0; i < ROWS * 4; ++i) out[i] = f[i];
+}
+
+// x (R, K) fp32; packed (N_pad / 64, K / 8, 64, 4) uint8; scales (N_pad / 64, K / G, 64) fp16;
+// n: output features (<= N_pad); bias (n,) fp32 or None; residual (R, n) fp32 or None. Returns (R, n).
+at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(1) * 8 == k &&
+              packed.size(2) == GROUP && packed.size(3) == 4 && packed.is_contiguous(),
+              "packed must be uint8 (N/64, K/8, 64, 4)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == packed.size(0) &&
+              scales.size(2) == GROUP && scales.is_contiguous() && k % scales.size(1) == 0 && (k / scales.size(1)) % 8 == 0,
+              "scales must be fp16 (N/64, K/G, 64), G a multiple of 8");
+  TORCH_CHECK(n <= packed.size(0) * GROUP && n > packed.size(0) * GROUP - GROUP, "n does not match packed");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == n), "bias must be fp32 (N,)");
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(!has_residual || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                                residual->size(0) == rows && residual->size(1) == n), "residual must be fp32 (R, N)");
+  if (rows == 0) return at::empty({0, n}, x.options());
+  const int64_t groups = scales.size(1), group = k / groups;
+
+  // Quantize each row: step = max|x| / 127, xq = round(x / step) (half to even); xsum: per group.
+  std::vector<int8_t> xq(rows * k);
+  std::vector<int32_t> xsum(rows * groups, 0);
+  std::vector<float> step(rows);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xp + r * k;
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+      const __mmask16 m = i + 16 <= k ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, row + i)));
+    }
+    const float s = std::max(_mm512_reduce_max_ps(vmax), 1e-12f) / 127.0f;
+    step[r] = s;
+    const __m512 vs = _mm512_set1_ps(s);
+    int8_t* out = xq.data() + r * k;
+    for (int64_t i = 0; i < k; i += 16) {
+      const __mmask16 m = i + 16 <= k ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, row + i), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_mask_storeu_epi8(out + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
+      xsum[r * groups + g] = sum;
+    }
+  }
+
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  const float* rp = has_residual ? residual->data_ptr<float>() : nullptr;
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
+  const int64_t quad_stride = k / 4, pairs_per_group = group / 8, column_groups = packed.size(0);
+  at::parallel_for(0, column_groups, 1, [&](int64_t g0, int64_t g1) {
+    __m512 acc[2 * 4];
+    for (int64_t cg = g0; cg < g1; ++cg) {
+      const uint8_t* wg = wp + cg * (k / 8) * 256;
+      const at::Half* sg = sp + cg * groups * GROUP;
+      for (int64_t r0 = 0; r0 < rows; r0 += 2) {  // two rows a pass: 16 accumulators; the weights stay in cache
+        const int rc = rows - r0 >= 2 ? 2 : 1;
+        const int32_t* xr = x32 + r0 * quad_stride;
+        const int32_t* sr = xsum.data() + r0 * groups;
+        if (rc == 2) w4_columns<2>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
+        else w4_columns<1>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
+        for (int c = 0; c < 4; ++c) {
+          const int64_t col = cg * GROUP + c * BLOCK;
+          if (col >= n) break;
+          const __mmask16 mask = col + BLOCK <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - col)) - 1);
+          const __m512 add = has_bias ? _mm512_maskz_loadu_ps(mask, bp + col) : _mm512_setzero_ps();
+          for (int r = 0; r < rc; ++r) {
+            __m512 v = _mm512_mul_ps(acc[r * 4 + c], _mm512_set1_ps(step[r0 + r]));
+            if (has_bias) v = _mm512_add_ps(v, add);
+            if (has_residual) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, rp + (r0 + r) * n + col), v);
+            _mm512_mask_storeu_ps(yp + (r0 + r) * n + col, mask, v);
+          }
+        }
       }
     }
   });
@@ -476,6 +620,9 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "int8 W8A8 linear over a few rows (AVX-512 VNNI)", py::arg("x"),
         py::arg("packed"), py::arg("colsum"), py::arg("wscale"), py::arg("bias"), py::arg("residual") = py::none());
+  m.def("linear_rows_w4", &linear_rows_w4, "int4-weight (W4A8, grouped scales) linear over rows (AVX-512 VNNI)",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("bias"),
+        py::arg("residual") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over rows of gate | up, fp32");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward");

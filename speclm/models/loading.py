@@ -78,15 +78,16 @@ def _converted_gguf(path: Path, progress: bool) -> Path:
 def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quantize: str = "none",
                progress: bool = True) -> LoadedModel:
     """Load model and tokenizer; `name` as in `resolve_model`. quantize="int8" gives every
-    linear layer, output head included, int8 weights (speclm.quant; done here, in seconds)."""
+    linear layer, output head included, int8 weights (speclm.quant; done here, in seconds);
+    quantize="int4" int4 ones (grouped scales; meant for draft models)."""
     import torch
 
     from speclm.quant import QUANTIZE_MODES, quantize_model
 
     if quantize not in QUANTIZE_MODES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not '{quantize}'")
-    if quantize == "int8" and device != "cpu":
-        raise UsageError("quantize=int8 is a CPU path (oneDNN int8 GEMM); on a GPU use quantize=none")
+    if quantize != "none" and device != "cpu":
+        raise UsageError(f"quantize={quantize} is a CPU path (speclm's and oneDNN's int8 kernels); on a GPU use quantize=none")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 

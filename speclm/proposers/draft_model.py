@@ -20,8 +20,12 @@ from speclm.sampling import SamplingParams, processed_probs, sample
 class DraftModelProposer(Proposer):
     name = "draft"
 
-    def __init__(self, model, k: int = 4):
-        self.model, self.k = model, k
+    def __init__(self, model, k: int = 4, confidence: float = 0.0):
+        """k: most tokens per round; confidence: a row stops drafting after a token the draft gave
+        less than this probability (0: never), so a round where the draft is unsure costs
+        fewer draft steps and a narrower verification. The stop depends on the draft alone, so
+        sampling stays exact."""
+        self.model, self.k, self.confidence = model, k, confidence
         self.kv: StaticKV | None = None
 
     def start(self, batch_size: int, capacity: int) -> None:
@@ -45,20 +49,34 @@ class DraftModelProposer(Proposer):
             have = self.kv.lengths_list()
         logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1)[:, -1]  # (B, V)
         tokens = torch.zeros(batch, width, dtype=torch.long)
+        drafted = [min(width, max(m, 0)) for m in max_tokens]  # per row, cut where it stops
+        going = [d > 0 for d in drafted]
         probs = [] if not params.greedy else None
+        steps = 0
         for j in range(width):
             if params.greedy:
-                step = logits.argmax(-1).cpu()
+                step = logits.argmax(-1)  # (B,)
+                sure = torch.softmax(logits, -1).gather(-1, step[:, None])[:, 0] if self.confidence > 0 else None
+                step = step.cpu()
             else:
                 p = processed_probs(logits, params)  # (B, V)
                 probs.append(p)
                 step = torch.tensor([sample(p[b].cpu(), generators[b]) for b in range(batch)])
+                sure = p.gather(-1, step[:, None].to(p.device))[:, 0] if self.confidence > 0 else None
             tokens[:, j] = step
-            if j + 1 < width:
+            steps = j + 1
+            if sure is not None:
+                for b, below in enumerate((sure < self.confidence).tolist()):
+                    if going[b] and below:
+                        going[b], drafted[b] = False, min(drafted[b], j + 1)
+            going = [g and d > j + 1 for g, d in zip(going, drafted)]
+            if j + 1 < width and any(going):
                 logits = self.kv.forward([[t] for t in step.tolist()], 1)[:, -1]
-        lengths = torch.tensor([min(width, max(m, 0)) for m in max_tokens], dtype=torch.long)
-        draft_probs = torch.stack(probs, dim=1) if probs is not None else None  # (B, K, V)
-        return Draft(tokens, lengths, draft_probs, forwards=width)
+            else:
+                break
+        lengths = torch.tensor(drafted, dtype=torch.long)
+        draft_probs = torch.stack(probs, dim=1) if probs is not None else None  # (B, steps, V)
+        return Draft(tokens[:, :steps], lengths, draft_probs, forwards=steps)
 
     def rollback(self, keep: list[int]) -> None:
         self.kv.truncate(keep)

@@ -1,0 +1,111 @@
+"""int8 against int4 weights for the draft model (speclm.quant.Int4Linear): the GEMMs of one
+0.5B step (random weights of its shapes, one row, interleaved, best of 2 medians of 5; beside
+them torch's own int4 CPU GEMM, `_weight_int4pack_mm_for_cpu`, groups of 64, with bf16
+activations: with fp32 ones it is some 40x slower still), a real
+draft step (qwen2.5-coder-0.5b over a 300-token cache, median of 13), and what the draft's
+weights do to acceptance: tokens per target forward of `draft` (k = 3) with the int8
+qwen2.5-coder-1.5b target over 2 Spec-Bench prompts per task kind (chat, 64 new tokens),
+every output checked against plain decoding.
+
+Run: .venv/bin/python benchmarks/int4_draft.py > benchmarks/int4-draft-cpu.txt
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import speclm
+from speclm import kernels
+from speclm.bench.dataset import load_prompts
+from speclm.kv import StaticKV
+from speclm.quant import _int4_groups, _int4_layout, _vnni_layout
+
+LAYERS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24  # (out, in): q|k|v, o, gate|up, down
+HEAD = [(151936, 896)]
+
+
+def median_ms(fn, reps=5):
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def gemms(shapes):
+    compiled = kernels.compiled()
+    torch.manual_seed(0)
+    int8 = [(_vnni_layout(torch.randint(-127, 128, s, dtype=torch.int8)), torch.ones(s[0])) for s in shapes]
+    int4 = [_int4_layout(*_int4_groups(torch.randn(s), 64)) for s in shapes]
+    x = {k: torch.randn(1, k) for k in {s[1] for s in shapes}}
+
+    def run8():
+        for s, ((packed, colsum), scale) in zip(shapes, int8):
+            compiled.linear_rows(x[s[1]], packed, colsum, scale, None)
+
+    def run4():
+        for s, (packed, scales) in zip(shapes, int4):
+            compiled.linear_rows_w4(x[s[1]], packed, scales, s[0], None)
+
+    torch_int4 = [(torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, s, dtype=torch.int32), 1),
+                   torch.randn(s[1] // 64, s[0], 2, dtype=torch.bfloat16)) for s in shapes]
+    xb = {k: v.to(torch.bfloat16) for k, v in x.items()}
+
+    def run_torch():
+        for s, (packed, scales_zeros) in zip(shapes, torch_int4):
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xb[s[1]], packed, 64, scales_zeros)
+
+    a, b, c = [], [], []
+    for _ in range(2):
+        a.append(median_ms(run8))
+        b.append(median_ms(run4))
+        c.append(median_ms(run_torch))
+    return min(a), min(b), min(c)
+
+
+def draft_step_ms(model):
+    kv = StaticKV(model, 1, 400)
+    kv.forward([list(range(1000, 1300))], 1)
+    base = kv.lengths_list()[0]
+
+    def step():
+        kv.forward([[5]], 1)
+        kv.truncate([base])
+
+    return median_ms(step, reps=13)
+
+
+def main():
+    speclm.set_threads()
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    print("| GEMMs of one 0.5B step, 1 row | speclm int8 ms | speclm int4 ms | torch int4 (bf16 activations) ms |")
+    print("|---|---|---|---|")
+    for label, shapes in (("24 layers", LAYERS), ("output head", HEAD)):
+        a, b, c = gemms(shapes)
+        print(f"| {label} | {a:.1f} | {b:.1f} | {c:.1f} |", flush=True)
+    target = speclm.load_model("qwen2.5-coder-1.5b", quantize="int8", progress=False)
+    prompts = load_prompts("spec-bench", None, 2)
+    plain = speclm.SpecEngine(target)
+    reference = {p.prompt_id: plain.generate(p.text, max_new_tokens=64, chat=True).token_ids for p in prompts}
+    print()
+    print("| draft weights | draft step ms | tokens per target forward (k = 3) | outputs equal to plain |")
+    print("|---|---|---|---|")
+    for mode in ("int8", "int4"):
+        draft = speclm.load_model("qwen2.5-coder-0.5b", quantize=mode, progress=False)
+        step = draft_step_ms(draft.model)
+        engine = speclm.SpecEngine(target, draft=draft)
+        forwards = tokens = same = 0
+        for p in prompts:
+            out = engine.generate(p.text, method="draft", k=3, max_new_tokens=64, chat=True)
+            forwards += out.stats.target_forwards
+            tokens += out.stats.new_tokens
+            same += out.token_ids == reference[p.prompt_id]
+        print(f"| {mode} | {step:.1f} | {tokens / forwards:.3f} | {same}/{len(prompts)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
