@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--quantize", choices=QUANTIZE_MODES, default="int8",
                    help="int8 (default): int8 weights, the fast path on CPU; none: the weights as published")
-    d.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
+    d.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None,
+                   help=DRAFT_QUANTIZE_HELP + "; default int4 with --quantize int8 where speclm's kernels run")
     d.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 
     m = sub.add_parser("models", help="the model catalog and cache")
@@ -83,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_decoding_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, default=None, help="draft tokens per round (default: 2; pld on int8 weights 4; measured best on CPU)")
-    g.add_argument("--confidence", type=float, default=0.0,
-                   help="draft: stop a round's drafting after a token the draft gave less probability than this (default 0: never)")
+    g.add_argument("--confidence", type=float, default=None,
+                   help="draft: stop a round's drafting after a token the draft gave less probability than this "
+                        "(0: never; default 0.5 with an int4 draft, else 0)")
     g.add_argument("--ngram-max", type=int, default=3, help="pld: longest n-gram matched (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="pld: shortest n-gram matched (default 1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -279,13 +281,16 @@ def _demo(args) -> int:
     from speclm.engine import GenerationOptions, SpecEngine
     from speclm.models.loading import load_model
 
-    draft_mode = args.draft_quantize or args.quantize
+    from speclm import kernels
+
+    draft_mode = args.draft_quantize or (
+        "int4" if args.quantize == "int8" and kernels.compiled() is not None else args.quantize)
     print(f"loading {args.target} (target, weights {args.quantize}) and {args.draft} (draft, weights {draft_mode})...",
           file=sys.stderr)
     engine = SpecEngine(load_model(args.target, quantize=args.quantize), draft=load_model(args.draft, quantize=draft_mode))
     common = dict(max_new_tokens=args.max_new_tokens, chat=True)
     engine.generate("Hi", max_new_tokens=2, chat=True)  # warm-up: first-call allocations
-    k = args.k or GenerationOptions(method="draft").draft_length(args.quantize)
+    k = args.k or GenerationOptions(method="draft").draft_length(args.quantize, draft_mode)
     print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={k}), streamed")
     stream = engine.stream(args.prompt, method="draft", k=k, **common)
     for delta in stream:

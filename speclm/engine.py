@@ -45,12 +45,22 @@ METHODS = ("none", "draft", "pld")
 # - int8 (benchmarks/reference-cpu-int8-qwen1.5b-d6f1c9f): v(k) = 1.03, 1.07, 1.19, 1.25 for k = 2..5
 #   new tokens and 1.37-1.6 beyond 6; prompt lookup with k = 4 beat k = 6 (1.28x vs 1.22x over
 #   the six task kinds); a draft-model step costs c = 0.35 target steps, so k = 2 is its trade.
+# - an int4 draft (speclm.quant.Int4Linear) costs about half an int8 one (c = 0.2), so it drafts
+#   further and stops a round where it is unsure (benchmarks/int4-draft-k-cpu: k = 6 with
+#   confidence 0.5 against k = 2, 3, 4 without; see README).
 # Pass k for other hardware.
 DEFAULT_K = {"none": {"draft": 2, "pld": 2}, "int8": {"draft": 2, "pld": 4}}
+INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE = 6, 0.5
 
 
-def default_k(method: str, quantize: str = "none") -> int:
+def default_k(method: str, quantize: str = "none", draft_quantize: str | None = None) -> int:
+    if method == "draft" and draft_quantize == "int4":
+        return INT4_DRAFT_K
     return DEFAULT_K.get(quantize, DEFAULT_K["none"]).get(method, 0)
+
+
+def default_confidence(draft_quantize: str | None) -> float:
+    return INT4_DRAFT_CONFIDENCE if draft_quantize == "int4" else 0.0
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,9 @@ class GenerationOptions:
     chat: bool = False  # apply the target's chat template to each prompt as one user message
     ngram_max: int = 3  # pld: longest n-gram to match
     ngram_min: int = 1  # pld: shortest n-gram to match
-    confidence: float = 0.0  # draft: stop a round after a token the draft gave less probability than this (0: never)
+    # draft: stop a round after a token the draft gave less probability than this (0: never;
+    # None: 0.5 with an int4 draft, else 0)
+    confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -79,7 +91,7 @@ class GenerationOptions:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise UsageError("need 1 <= ngram-min <= ngram-max")
-        if not 0 <= self.confidence < 1:
+        if self.confidence is not None and not 0 <= self.confidence < 1:
             raise UsageError(f"confidence must be in [0, 1), got {self.confidence}")
         self.sampling  # validates temperature, top-p, top-k
 
@@ -87,9 +99,12 @@ class GenerationOptions:
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
 
-    def draft_length(self, quantize: str = "none") -> int:
-        """k, or the method's default for target weights `quantize`."""
-        return self.k if self.k is not None else default_k(self.method, quantize)
+    def draft_length(self, quantize: str = "none", draft_quantize: str | None = None) -> int:
+        """k, or the method's default for target weights `quantize` (and the draft's)."""
+        return self.k if self.k is not None else default_k(self.method, quantize, draft_quantize)
+
+    def draft_confidence(self, draft_quantize: str | None = None) -> float:
+        return self.confidence if self.confidence is not None else default_confidence(draft_quantize)
 
 
 @dataclass
@@ -191,9 +206,12 @@ class SpecEngine:
         if opts.method == "draft":
             if self.draft is None:
                 raise UsageError("method 'draft' needs a draft model (--draft MODEL)")
-            return DraftModelProposer(self.draft.model, k=opts.draft_length(self.target.quantize),
-                                      confidence=opts.confidence)
-        return PromptLookupProposer(k=opts.draft_length(self.target.quantize), max_ngram=opts.ngram_max, min_ngram=opts.ngram_min)
+            return DraftModelProposer(self.draft.model, k=self._k(opts),
+                                      confidence=opts.draft_confidence(self.draft.quantize))
+        return PromptLookupProposer(k=self._k(opts), max_ngram=opts.ngram_max, min_ngram=opts.ngram_min)
+
+    def _k(self, opts: GenerationOptions) -> int:
+        return opts.draft_length(self.target.quantize, self.draft.quantize if self.draft is not None else None)
 
     # ---------------------------------------------------------------- the loop
     def _rows(self, indexed: list[tuple[int, list[int]]], opts: GenerationOptions) -> list[_Row]:
@@ -210,7 +228,7 @@ class SpecEngine:
         params = opts.sampling
         eos = set(self.target.eos_token_ids)
         proposer = self.make_proposer(opts)
-        k = opts.draft_length(self.target.quantize)
+        k = self._k(opts)
         # one round past the last token: a row's final round may feed k draft tokens beyond it
         capacity = max(r.prompt_len + r.max_new for r in rows) + k + 1
         target_kv = StaticKV(self.target.model, len(rows), capacity)

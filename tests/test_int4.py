@@ -118,3 +118,19 @@ def test_int4_logits_follow_fp32(tok):
     assert 0 < rel < 0.75 < rel_other
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.25 > (other.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+
+def test_an_int4_draft_drafts_further_and_stops_when_unsure_by_default(tok):
+    from speclm.engine import INT4_DRAFT_CONFIDENCE, INT4_DRAFT_K, GenerationOptions
+
+    target = loaded(quantize_model(tiny_model(len(tok), seed=0), "int8"), tok, name="t")
+    target.quantize = "int8"
+    draft = loaded(quantize_model(tiny_model(len(tok), seed=1, layers=1), "int4"), tok, name="d")
+    draft.quantize = "int4"
+    engine = SpecEngine(target, draft=draft)
+    proposer = engine.make_proposer(GenerationOptions(method="draft"))
+    assert (proposer.k, proposer.confidence) == (INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE)
+    proposer = engine.make_proposer(GenerationOptions(method="draft", k=3, confidence=0.0))
+    assert (proposer.k, proposer.confidence) == (3, 0.0)
+    draft.quantize = "int8"
+    assert engine.make_proposer(GenerationOptions(method="draft")).confidence == 0.0

@@ -17,7 +17,7 @@ class LoadedModel:
     model: object  # a transformers PreTrainedModel (causal LM), in eval mode
     tokenizer: object  # its transformers tokenizer
     eos_token_ids: tuple[int, ...]  # every id that ends generation
-    quantize: str = "none"  # none | int8 (speclm.quant)
+    quantize: str = "none"  # none | int8 | int4 (speclm.quant)
 
     @property
     def vocab_size(self) -> int:
