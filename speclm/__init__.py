@@ -3,7 +3,7 @@
     import speclm
     speclm.set_threads()  # one torch thread per usable core
     target = speclm.load_model("qwen2.5-coder-1.5b", quantize="int8")
-    draft = speclm.load_model("qwen2.5-coder-0.5b", quantize="int8")
+    draft = speclm.load_model("qwen2.5-coder-0.5b", quantize="int4")  # a draft's weights can be coarser
     engine = speclm.SpecEngine(target, draft=draft)
     out = engine.generate("Write a haiku about caches.", method="draft", chat=True)
     print(out.text, out.stats.mean_accepted_tokens)

@@ -8,7 +8,9 @@ builder (the machine's C++ compiler, ninja) on first use and cached in torch's e
 folder (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions); a changed source
 rebuilds them. They need AVX-512 VNNI; elsewhere, or if the build fails (said once on
 stderr), speclm runs torch's kernels: the same bits for the int8 GEMM, its own RMSNorm (a
-model's forward is then exact with itself either way; it never mixes the two).
+model's forward is then exact with itself either way; it never mixes the two). int4 weights
+(speclm.quant.Int4Linear, for drafts) have no torch fallback: asking for them there is a
+usage error.
 
 SPECLM_KERNELS=torch turns the compiled kernels off.
 """
@@ -46,7 +48,7 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def compiled():
-    """The compiled module (`linear_rows`, `rms_norm`, `silu_mul`, `decode_attention`), or None
+    """The compiled module (`linear_rows`, `linear_rows_w4`, `rms_norm`, `silu_mul`, `decode_attention`), or None
     where it cannot run here."""
     if not enabled():
         return None
