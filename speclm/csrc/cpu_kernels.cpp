@@ -180,7 +180,10 @@ inline void dpbusd_rr(__m512i& acc, const __m512i u, const __m512i x) {
 template <int ROWS>
 inline void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, int64_t groups,
                        const uint8_t* w, const at::Half* scales, int64_t pairs_per_group, __m512* out) {
-  __m512 f[ROWS * 4];
+  // up to 2 rows the fp32 sums stay in registers; 4 rows need all 32 for the int32 ones, and
+  // theirs live in `out` between groups
+  __m512 regs[ROWS <= 2 ? ROWS * 4 : 1];
+  __m512* f = ROWS <= 2 ? regs : out;
   for (int i = 0; i < ROWS * 4; ++i) f[i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
@@ -212,7 +215,8 @@ inline void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* x
       }
     }
   }
-  for (int i = 0; i < ROWS * 4; ++i) out[i] = f[i];
+  if (ROWS <= 2)
+    for (int i = 0; i < ROWS * 4; ++i) out[i] = f[i];
 }
 
 // x (R, K) fp32; packed (N_pad / 64, K / 8, 64, 4) uint8; scales (N_pad / 64, K / G, 64) fp16;
@@ -275,15 +279,16 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
   const int64_t quad_stride = k / 4, pairs_per_group = group / 8, column_groups = packed.size(0);
   at::parallel_for(0, column_groups, 1, [&](int64_t g0, int64_t g1) {
-    __m512 acc[2 * 4];
+    __m512 acc[4 * 4];
     for (int64_t cg = g0; cg < g1; ++cg) {
       const uint8_t* wg = wp + cg * (k / 8) * 256;
       const at::Half* sg = sp + cg * groups * GROUP;
-      for (int64_t r0 = 0; r0 < rows; r0 += 2) {  // two rows a pass: 16 accumulators; the weights stay in cache
-        const int rc = rows - r0 >= 2 ? 2 : 1;
+      for (int64_t r0 = 0; r0 < rows;) {  // up to four rows a pass; the weights stay in cache
+        const int rc = rows - r0 >= 4 ? 4 : (rows - r0 >= 2 ? 2 : 1);
         const int32_t* xr = x32 + r0 * quad_stride;
         const int32_t* sr = xsum.data() + r0 * groups;
-        if (rc == 2) w4_columns<2>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
+        if (rc == 4) w4_columns<4>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
+        else if (rc == 2) w4_columns<2>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
         else w4_columns<1>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
         for (int c = 0; c < 4; ++c) {
           const int64_t col = cg * GROUP + c * BLOCK;
@@ -297,6 +302,7 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
             _mm512_mask_storeu_ps(yp + (r0 + r) * n + col, mask, v);
           }
         }
+        r0 += rc;
       }
     }
   });
