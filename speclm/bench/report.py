@@ -177,8 +177,10 @@ def markdown(results: dict, summary: dict) -> str:
             for label, p in summary["predicted"].items():
                 lines.append(f"| {label} | {_fmt(p['draft_steps_per_forward'])} | {_fmt(p['drafted_per_forward'])} | {_fmt(p['tau'])} | "
                              f"{_fmt(p['c'], '.3f')} | {_fmt(p['predicted_speedup'])} | {_fmt(p['measured_speedup'])} |")
-            lines += ["", "predicted = tau / (d·c + v(g+1)), the issue's tau / (gamma·c + v(gamma+1)) with gamma measured "
-                      "per forward; a measured speedup well below it is engine overhead."]
+            lines += ["", "predicted = tau / (d·c + v(g+1)), the textbook tau / (gamma·c + v(gamma+1)) with gamma measured "
+                      "per forward, from forwards over a short cached prompt. It leaves out the draft model's own prefill of "
+                      "each prompt, attention over longer contexts and the engine's work between forwards "
+                      "(the overhead column): a measured speedup well below it is one of those."]
     bad = [r for r in results["runs"] if r["lossless"] is False]
     lines += ["", "## Lossless check", ""]
     if bad:
