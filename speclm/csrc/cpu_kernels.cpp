@@ -70,6 +70,27 @@ constexpr int CHUNK = 7;
 constexpr DotFn DOTS[CHUNK + 1] = {nullptr,         dot_group<1, 4>, dot_group<2, 4>, dot_group<3, 4>,
                                    dot_group<4, 4>, dot_group<5, 4>, dot_group<6, 4>, dot_group<7, 4>};
 
+// One activation row quantized for the int8 dot products: step = max|x| / 127 (returned) and
+// out[i] = round(x[i] / step) + offset (half to even) as bytes: offset 128 gives linear_rows'
+// u8 values, 0 linear_rows_w4's int8 ones.
+inline float quantize_row(const float* row, int64_t k, int32_t offset, uint8_t* out) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = i + 16 <= k ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, row + i)));
+  }
+  const float s = std::max(_mm512_reduce_max_ps(vmax), 1e-12f) / 127.0f;
+  const __m512 vs = _mm512_set1_ps(s);
+  const __m512i shift = _mm512_set1_epi32(offset);
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = i + 16 <= k ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, row + i), vs),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_mask_storeu_epi8(out + i, m, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), shift)));
+  }
+  return s;
+}
+
 }  // namespace
 
 // x (R, K) fp32; packed (N_pad / 64, K_pad / 4, 64, 4) int8; colsum (N_pad,) int32: each
@@ -98,25 +119,7 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   std::vector<uint8_t> xu(rows * kp, 0);
   std::vector<float> step(rows);
   const float* xp = x.data_ptr<float>();
-  const int64_t whole = k - k % 16;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = xp + r * k;
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < whole; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
-    float amax = _mm512_reduce_max_ps(vmax);
-    for (int64_t i = whole; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-    const float s = std::max(amax, 1e-12f) / 127.0f;
-    step[r] = s;
-    const __m512 vs = _mm512_set1_ps(s);
-    const __m512i shift = _mm512_set1_epi32(128);
-    uint8_t* out = xu.data() + r * kp;
-    for (int64_t i = 0; i < whole; i += 16) {
-      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), vs),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), shift)));
-    }
-    for (int64_t i = whole; i < k; ++i) out[i] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(row[i] / s)) + 128);
-  }
+  for (int64_t r = 0; r < rows; ++r) step[r] = quantize_row(xp + r * k, k, 128, xu.data() + r * kp);
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -247,22 +250,8 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   std::vector<float> step(rows);
   const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = xp + r * k;
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 16) {
-      const __mmask16 m = i + 16 <= k ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
-      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, row + i)));
-    }
-    const float s = std::max(_mm512_reduce_max_ps(vmax), 1e-12f) / 127.0f;
-    step[r] = s;
-    const __m512 vs = _mm512_set1_ps(s);
     int8_t* out = xq.data() + r * k;
-    for (int64_t i = 0; i < k; i += 16) {
-      const __mmask16 m = i + 16 <= k ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
-      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, row + i), vs),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_mask_storeu_epi8(out + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
+    step[r] = quantize_row(xp + r * k, k, 0, reinterpret_cast<uint8_t*>(out));
     for (int64_t g = 0; g < groups; ++g) {
       int32_t sum = 0;
       for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
