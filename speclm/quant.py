@@ -84,8 +84,17 @@ def _vnni_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantLinear(nn.Module):
     """A linear layer with quantized weights: `rows` is its hot path over (R, in) fp32 rows."""
 
-    in_features: int
-    out_features: int
+    def __init__(self, linears: tuple[nn.Linear, ...]):
+        """One linear, or several that read the same input (fused: their outputs side by side);
+        subclasses quantize torch.cat of their weights."""
+        super().__init__()
+        self.in_features = linears[0].in_features
+        self.out_features = sum(lin.out_features for lin in linears)
+        bias = None
+        if any(lin.bias is not None for lin in linears):
+            bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
+                              for lin in linears])
+        self.bias = bias  # plain attributes, not buffers: the hot path reads them without nn.Module's lookup
 
     def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -112,17 +121,9 @@ class Int8Linear(QuantLinear):
     """
 
     def __init__(self, *linears: nn.Linear):
-        """One linear, or several that read the same input (fused: their outputs side by side)."""
-        super().__init__()
-        self.in_features = linears[0].in_features
-        self.out_features = sum(lin.out_features for lin in linears)
+        super().__init__(linears)
         q, scale = _int8_per_channel(torch.cat([lin.weight.detach() for lin in linears]))
         self.wscale = scale  # (out,) fp32
-        bias = None
-        if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
-                              for lin in linears])
-        self.bias = bias  # plain attributes, not buffers: the hot path reads them without nn.Module's lookup
         self.vnni = _vnni_kernel()
         if self.vnni is not None:
             self.vnni_weight, self.colsum = _vnni_layout(q)
@@ -205,22 +206,15 @@ class Int4Linear(QuantLinear):
     batch-invariant too. Needs speclm's compiled kernels."""
 
     def __init__(self, *linears: nn.Linear, group: int = INT4_GROUP):
-        super().__init__()
+        super().__init__(linears)
         self.kernel = kernels.compiled()
         if self.kernel is None:
             raise UsageError("int4 weights need speclm's compiled CPU kernels (AVX-512 VNNI and a C++ compiler)")
-        self.in_features = linears[0].in_features
-        self.out_features = sum(lin.out_features for lin in linears)
         if self.in_features % group:
             raise ValueError(f"in_features {self.in_features} is not a multiple of the int4 group {group}")
         self.group = group
         u, scale = _int4_groups(torch.cat([lin.weight.detach() for lin in linears]), group)
         self.packed, self.scales = _int4_layout(u, scale)
-        bias = None
-        if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
-                              for lin in linears])
-        self.bias = bias
 
     def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.linear_rows_w4(x, self.packed, self.scales, self.out_features, self.bias, residual)
