@@ -49,8 +49,7 @@ class DraftModelProposer(Proposer):
             have = self.kv.lengths_list()
         logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1)[:, -1]  # (B, V)
         tokens = torch.zeros(batch, width, dtype=torch.long)
-        drafted = [min(width, max(m, 0)) for m in max_tokens]  # per row, cut where it stops
-        going = [d > 0 for d in drafted]
+        drafted = [min(width, max(m, 0)) for m in max_tokens]  # per row: its budget, cut where it stops
         probs = [] if not params.greedy else None
         steps = 0
         for j in range(width):
@@ -65,12 +64,10 @@ class DraftModelProposer(Proposer):
                 sure = p.gather(-1, step[:, None].to(p.device))[:, 0] if self.confidence > 0 else None
             tokens[:, j] = step
             steps = j + 1
-            if sure is not None:
-                for b, below in enumerate((sure < self.confidence).tolist()):
-                    if going[b] and below:
-                        going[b], drafted[b] = False, min(drafted[b], j + 1)
-            going = [g and d > j + 1 for g, d in zip(going, drafted)]
-            if j + 1 < width and any(going):
+            if sure is not None:  # a row stops after a token its draft was unsure of
+                unsure = (sure < self.confidence).tolist()
+                drafted = [min(d, j + 1) if below else d for d, below in zip(drafted, unsure)]
+            if any(d > j + 1 for d in drafted):  # some row still drafts: feed this step's tokens
                 logits = self.kv.forward([[t] for t in step.tolist()], 1)[:, -1]
             else:
                 break
