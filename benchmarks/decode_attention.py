@@ -13,25 +13,15 @@ Run: .venv/bin/python benchmarks/decode_attention.py [--source FILE] >> benchmar
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from speclm import kernels
 from speclm.attention import attend_each_query
 
+from timing import median_ms  # benchmarks/timing.py
+
 SHAPES = {"qwen2.5-1.5b": (12, 2, 128, 28), "qwen2.5-0.5b": (14, 2, 64, 24)}  # heads, kv heads, D, layers
-
-
-def median_us(fn, reps=20):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
 
 
 def main():
@@ -64,9 +54,9 @@ def main():
 
                 if module is not installed and not torch.equal(run(module), run(installed)):
                     raise SystemExit("the other kernel's output differs from the installed one's")
-                us = median_us(lambda: run(module))
+                us = median_ms(lambda: run(module), reps=20) * 1e3
                 q = torch.randn(1, rows, heads, dim)
-                torch_us = median_us(lambda: attend_each_query(q, keys, values, [context], [rows], dim**-0.5), reps=5)
+                torch_us = median_ms(lambda: attend_each_query(q, keys, values, [context], [rows], dim**-0.5), reps=5) * 1e3
                 print(f"| {name} | {context} | {rows} | {us:.0f} | {us * layers / 1e3:.1f} | {torch_us * layers / 1e3:.1f} |",
                       flush=True)
 

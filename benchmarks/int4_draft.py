@@ -12,8 +12,6 @@ Run: .venv/bin/python benchmarks/int4_draft.py > benchmarks/int4-draft-cpu.txt
 """
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 
@@ -23,18 +21,10 @@ from speclm.bench.dataset import load_prompts
 from speclm.kv import StaticKV
 from speclm.quant import _int4_groups, _int4_layout, _vnni_layout
 
+from timing import median_ms  # benchmarks/timing.py
+
 LAYERS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24  # (out, in): q|k|v, o, gate|up, down
 HEAD = [(151936, 896)]
-
-
-def median_ms(fn, reps=5):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def gemms(shapes):

@@ -10,25 +10,15 @@ Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/int8-gemm-rows-c
 """
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 
 from speclm import kernels
 from speclm.quant import _vnni_layout
 
+from timing import median_ms  # benchmarks/timing.py
+
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28 + [(151936, 1536)]  # (out, in)
-
-
-def median_ms(fn, reps=5):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main():

@@ -9,12 +9,12 @@ Run: .venv/bin/python benchmarks/int8_kernels.py > benchmarks/int8-kernels-cpu.t
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from timing import median_ms  # benchmarks/timing.py
 
 warnings.filterwarnings("ignore")
 torch.manual_seed(0)
@@ -23,14 +23,7 @@ ROWS = (1, 4, 8, 16)
 
 
 def timed(fn, x, reps=20):
-    for _ in range(3):
-        fn(x)
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn(x)
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    return median_ms(lambda: fn(x), reps=reps, warmup=3)
 
 
 def int8pack(weight: torch.Tensor):
