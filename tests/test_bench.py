@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from speclm import SpecEngine, kernels
+from speclm import SpecEngine
 from speclm.bench import report
 from speclm.bench.costs import predicted_speedup
 from speclm.bench.dataset import SPEC_BENCH_KINDS, load_prompts
@@ -12,6 +12,7 @@ from speclm.bench.methods import RunResult, parse_methods
 from speclm.bench.runner import BenchConfig, run_bench
 from speclm.cli import main
 from speclm.errors import UsageError
+from tiny import require_compiled_kernels
 
 
 def config(**kw):
@@ -196,8 +197,7 @@ def test_bench_int8_beside_fp32_in_one_run(folders, tmp_path, dataset, capsys):
 
 
 def test_bench_records_the_draft_weights(folders, tmp_path, dataset):
-    if not kernels.enabled():
-        pytest.skip("int4 needs speclm's compiled kernels (AVX-512 VNNI)")
+    require_compiled_kernels()  # int4 has no torch fallback
     out = tmp_path / "int4-draft"
     code = main(["bench", "--target", folders["target"], "--draft", folders["draft"], "--quantize", "int8",
                  "--draft-quantize", "int4", "--methods", "none,draft:k=3", "--dataset", dataset, "--categories", "qa",

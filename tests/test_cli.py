@@ -7,10 +7,9 @@ import sys
 
 import pytest
 
-from speclm import kernels
-
 from speclm.cli import main
 from speclm.errors import UsageError
+from tiny import require_compiled_kernels
 
 STAT_KEYS = {
     "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
@@ -141,8 +140,7 @@ def test_generate_int8(folders, capsys):
 
 def test_generate_with_an_int4_draft(folders, capsys):
     """--draft-quantize int4: the draft on int4 weights, the target on int8; output unchanged."""
-    if not kernels.enabled():
-        pytest.skip("int4 needs speclm's compiled kernels (AVX-512 VNNI)")
+    require_compiled_kernels()  # int4 has no torch fallback
     base = ["generate", "--target", folders["target"], "--prompt", "int4 int4 int4", "--max-new-tokens", "12",
             "--json", "--quantize", "int8"]
     code, plain, _ = run(base + ["--method", "none"], capsys)

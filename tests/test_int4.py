@@ -9,17 +9,15 @@ import torch
 import speclm.quant as quant
 from speclm import SpecEngine, UsageError, kernels
 from speclm.quant import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, quantize_model
-from tiny import loaded, tiny_model
+from tiny import loaded, require_compiled_kernels, tiny_model
 
 N = 40
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
 
 
 @pytest.fixture(autouse=True)
-def _require_vnni():
-    if not kernels.enabled():
-        pytest.skip("CPU without AVX-512 VNNI (or SPECLM_KERNELS=torch): int4 needs speclm's kernels")
-    assert kernels.compiled() is not None, "speclm's CPU kernels did not build"
+def _int4_needs_the_compiled_kernels():
+    require_compiled_kernels()
 
 
 def _exact(layer_weight, bias, x):

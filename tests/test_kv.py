@@ -86,14 +86,11 @@ def test_compiled_decode_attention_matches_torch_ops(tok):
     """speclm's compiled decode attention (rotary, cache write, per-query softmax) computes what
     the lean forward's torch ops compute, at head sizes 32 and 128, GQA included; and a token's
     logits do not depend on how many tokens share its forward."""
-    import pytest
-
     from speclm import kernels
     from speclm.quant import quantize_model
-    from tiny import tiny_model
+    from tiny import require_compiled_kernels, tiny_model
 
-    if kernels.compiled() is None:
-        pytest.skip("speclm's CPU kernels do not run here")
+    require_compiled_kernels()
     prompt, feeds = tok("attention check, attention check").input_ids, [[5], [6, 7], [8, 9, 10, 11]]
     for hidden, heads, kv_heads in ((64, 2, 1), (256, 2, 1), (256, 4, 2)):
         model = tiny_model(len(tok), seed=3, hidden=hidden, heads=heads, kv_heads=kv_heads)

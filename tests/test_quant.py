@@ -8,25 +8,17 @@ import torch
 import speclm.quant as quant
 from speclm import SpecEngine, kernels
 from speclm.quant import Int8Linear, Int8Slice, quantize_model
-from tiny import loaded, tiny_model
+from tiny import loaded, require_compiled_kernels, tiny_model
 
 N = 40
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
-
-
-def _require_vnni():
-    """The compiled kernel must load wherever the CPU has VNNI: a failed build is a failure here,
-    not a silent fallback."""
-    if not kernels.enabled():
-        pytest.skip("CPU without AVX-512 VNNI (or SPECLM_KERNELS=torch)")
-    assert kernels.compiled() is not None, "speclm's CPU kernels did not build"
 
 
 def _only(monkeypatch, kernel):
     """Make Int8Linear built from here on use only `kernel` (and, for int_mm, oneDNN for >1 row as
     where the VNNI kernel cannot run)."""
     if kernel == "vnni":
-        _require_vnni()
+        require_compiled_kernels()
         monkeypatch.setattr(quant, "_onednn_available", lambda: False)
         return
     monkeypatch.setattr(quant, "_vnni_kernel", lambda: None)
@@ -188,7 +180,7 @@ def test_weight_rounding_equals_torch_round():
 
 
 def test_compiled_rms_norm_matches_the_formula_and_is_row_invariant():
-    _require_vnni()
+    require_compiled_kernels()
     compiled = kernels.compiled()
     torch.manual_seed(4)
     for features in (96, 1536, 37):  # 37: a masked tail
@@ -202,7 +194,7 @@ def test_compiled_rms_norm_matches_the_formula_and_is_row_invariant():
 
 
 def test_compiled_silu_mul_matches_torch_and_is_row_invariant():
-    _require_vnni()
+    require_compiled_kernels()
     compiled = kernels.compiled()
     torch.manual_seed(5)
     for inner in (8960, 37):

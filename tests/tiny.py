@@ -1,11 +1,14 @@
-"""Tiny randomly initialised models and tokenizers for fast tests (no downloads)."""
+"""Tiny randomly initialised models and tokenizers for fast tests (no downloads), and the
+check the tests of speclm's compiled kernels share."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from speclm import kernels
 from speclm.models.loading import LoadedModel
 
 EOS = "<eos>"
@@ -51,3 +54,11 @@ def tiny_model(vocab_size: int, seed: int, layers: int = 2, hidden: int = 64, in
 def loaded(model, tokenizer, name: str = "tiny", eos: bool = True) -> LoadedModel:
     ids = (tokenizer.convert_tokens_to_ids(EOS),) if eos else ()
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=ids)
+
+
+def require_compiled_kernels() -> None:
+    """Skip where speclm's compiled kernels cannot run (no AVX-512 VNNI, or SPECLM_KERNELS=torch);
+    where they can, a failed build is a failure here, not a silent fallback."""
+    if not kernels.enabled():
+        pytest.skip("CPU without AVX-512 VNNI (or SPECLM_KERNELS=torch): speclm's compiled kernels do not run")
+    assert kernels.compiled() is not None, "speclm's CPU kernels did not build"
