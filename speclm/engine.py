@@ -46,8 +46,10 @@ METHODS = ("none", "draft", "pld")
 #   new tokens and 1.37-1.6 beyond 6; prompt lookup with k = 4 beat k = 6 (1.28x vs 1.22x over
 #   the six task kinds); a draft-model step costs c = 0.35 target steps, so k = 2 is its trade.
 # - an int4 draft (speclm.quant.Int4Linear) costs about half an int8 one (c = 0.2), so it drafts
-#   further and stops a round where it is unsure (benchmarks/int4-draft-k-cpu: k = 6 with
-#   confidence 0.5 against k = 2, 3, 4 without; see README).
+#   further and stops a round where it is unsure: in quick runs (one prompt per task kind,
+#   benchmarks/int4-draft-k234-cpu, int4-draft-k-cpu) k = 2, 3, 4 without a stop gave 1.23-1.33x,
+#   k = 6 at confidence 0.3 / 0.6 and k = 8 at 0.5 gave 1.32-1.39x; k = 6 at 0.5, the default,
+#   then gave 1.37x in benchmarks/reference-cpu-int8-qwen1.5b, as did k = 8 at 0.5.
 # Pass k for other hardware.
 DEFAULT_K = {"none": {"draft": 2, "pld": 2}, "int8": {"draft": 2, "pld": 4}}
 INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE = 6, 0.5

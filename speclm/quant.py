@@ -165,9 +165,9 @@ class Int8Linear(QuantLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 per-row ({kernel})"
 
 
-# int4 weights: symmetric per output channel and group of this many input features; measured
-# on the 0.5B draft of the 1.5B (chat, Spec-Bench, k = 3): 2.78 tokens per target forward
-# against 2.84 with int8 weights (docs/design.md, "int4 drafts").
+# int4 weights: symmetric per output channel and group of this many input features. As the
+# 0.5B draft of the int8 1.5B (chat, Spec-Bench, k = 3): 2.797 tokens per target forward against
+# 2.840 with int8 weights (benchmarks/int4-draft-cpu.txt).
 INT4_GROUP = 64
 
 
