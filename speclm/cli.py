@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft and hf-assisted")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P], pld[:k=N,ngram_max=N,ngram_min=N], hf, hf-assisted[:k=N], hf-pld[:k=N]")
+                   help="comma list: none, draft[:k=N,confidence=P,vocab=N], pld[:k=N,ngram_max=N,ngram_min=N], hf, hf-assisted[:k=N], hf-pld[:k=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
     b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
@@ -87,6 +87,9 @@ def _add_decoding_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--confidence", type=float, default=None,
                    help="draft: stop a round's drafting after a token the draft gave less probability than this "
                         "(0: never; default 0.5 with an int4 draft, else 0)")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
+                        "(0: the whole vocabulary; default 65536)")
     g.add_argument("--ngram-max", type=int, default=3, help="pld: longest n-gram matched (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="pld: shortest n-gram matched (default 1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -162,6 +165,7 @@ def _generate(args) -> int:
         method=args.method, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
+        draft_vocab=args.draft_vocab,
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")

@@ -92,8 +92,9 @@ class StaticKV:
         self._slots = torch.arange(new_cap, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, rows: list[list[int]], logits_to_keep: int) -> torch.Tensor:
-        """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens."""
+    def forward(self, rows: list[list[int]], logits_to_keep: int, head=None) -> torch.Tensor:
+        """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens.
+        head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward."""
         counts = [len(r) for r in rows]
         width = max(counts)
         assert width >= 1 and min(counts) >= logits_to_keep >= 1
@@ -112,8 +113,9 @@ class StaticKV:
         t0 = time.perf_counter()
         if self.lean is not None:
             keep_cols = cols if ragged else slice(width - logits_to_keep, width)
-            logits = self.lean(ids, positions, self, starts, counts, window, keep_cols)
+            logits = self.lean(ids, positions, self, starts, counts, window, keep_cols, head)
         else:
+            assert head is None, "a replaced output head needs speclm's lean forward"
             logits = self._transformers_forward(ids, positions, window, starts, counts, logits_to_keep, cols)
         self.forward_seconds += time.perf_counter() - t0
         self.lengths = self.lengths + n

@@ -165,10 +165,11 @@ class LeanForward:
             self._sin = torch.cat((-sin, sin), dim=-1)
 
     @torch.inference_mode()
-    def __call__(self, ids, positions, kv, starts, counts, window, keep_cols):
+    def __call__(self, ids, positions, kv, starts, counts, window, keep_cols, head=None):
         """ids, positions (B, M); kv: the StaticKV (its buffers are written at `positions`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
-        prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor)."""
+        prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
+        head: (R, E) -> (R, V') in place of the model's output head (a draft's restricted vocabulary)."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
@@ -217,4 +218,5 @@ class LeanForward:
         h = h.view(batch, width, -1)
         h = h[:, keep_cols] if isinstance(keep_cols, slice) else h[kv._rows[:, None], keep_cols]  # (B, K, E)
         kept = h.shape[1]
-        return self.head(self.norm(h.reshape(batch * kept, -1))).float().view(batch, kept, -1)  # (B, K, V)
+        head = head or self.head
+        return head(self.norm(h.reshape(batch * kept, -1))).float().view(batch, kept, -1)  # (B, K, V)

@@ -70,6 +70,15 @@ VNNI_MAX_ROWS = 16
 _GROUP = 64  # output columns the kernel packs side by side (speclm/csrc/cpu_kernels.cpp)
 
 
+def _gather_columns(layout: torch.Tensor, ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """Output columns `ids` of a (N_pad / 64, X, 64, ...) layout, whose column c sits at
+    [c // 64, :, c % 64], in a new layout of the same kind (len(ids) columns, padded with `pad`)."""
+    picked = layout[ids // _GROUP, :, ids % _GROUP]  # (S, X, ...)
+    padded = picked.new_full((-(-len(ids) // _GROUP) * _GROUP, *picked.shape[1:]), pad)
+    padded[: len(ids)] = picked
+    return padded.view(-1, _GROUP, *picked.shape[1:]).transpose(1, 2).contiguous()
+
+
 def _vnni_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 (out, in) -> the kernel's layout (out/64, in/4, 64, 4), zero-padded, and each output
     column's sum of weights (int32, padded), which undoes the u8 zero point of 128."""
@@ -98,6 +107,26 @@ class QuantLinear(nn.Module):
 
     def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def outputs(self, ids: torch.Tensor) -> "QuantLinear":
+        """The same layer restricted to output features `ids` (S,) long, in that order: a copy of
+        their weights, whose results are bit for bit those columns of the full layer's (each
+        column's dot products and rescale are its own)."""
+        raise NotImplementedError
+
+    def first_outputs(self, n: int) -> "QuantLinear":
+        """The layer restricted to its first n output features, n a multiple of 64: views of the
+        weights, no copy; the same bits as those columns of the full layer."""
+        raise NotImplementedError
+
+    def _restricted(self, ids: torch.Tensor | slice) -> "QuantLinear":
+        """A shallow copy with the per-column attributes cut to `ids`; subclasses gather their weights."""
+        sub = object.__new__(type(self))
+        sub.__dict__.update(self.__dict__)
+        sub._parameters, sub._buffers, sub._modules = {}, {}, {}
+        sub.out_features = len(range(self.out_features)[ids]) if isinstance(ids, slice) else len(ids)
+        sub.bias = self.bias[ids] if self.bias is not None else None
+        return sub
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in)
         y = self.rows(x.reshape(-1, self.in_features))
@@ -133,6 +162,35 @@ class Int8Linear(QuantLinear):
         if self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # opaque blocked layout
             self.wzero = torch.zeros(self.out_features, dtype=torch.long)
+
+    def first_outputs(self, n: int) -> "Int8Linear":
+        if n % _GROUP:
+            raise ValueError(f"first_outputs takes a multiple of {_GROUP}, not {n}")
+        sub = self._restricted(slice(0, n))
+        sub.wscale = self.wscale[:n]
+        if self.vnni is not None:
+            sub.vnni_weight, sub.colsum = self.vnni_weight[: n // _GROUP], self.colsum[:n]
+        else:
+            sub.qweight_t = self.qweight_t[:, :n]
+        return sub._without_onednn()
+
+    def _without_onednn(self) -> "Int8Linear":
+        """A restricted head scores a draft step's few rows: no second, oneDNN-packed copy."""
+        self.onednn = False
+        self.__dict__.pop("packed", None)
+        self.__dict__.pop("wzero", None)
+        return self
+
+    def outputs(self, ids: torch.Tensor) -> "Int8Linear":
+        sub = self._restricted(ids)
+        sub.wscale = self.wscale[ids]
+        if self.vnni is not None:
+            sub.vnni_weight = _gather_columns(self.vnni_weight, ids, 0)
+            sub.colsum = torch.zeros(sub.vnni_weight.shape[0] * _GROUP, dtype=torch.int32)
+            sub.colsum[: len(ids)] = self.colsum[ids]
+        else:
+            sub.qweight_t = self.qweight_t[:, ids].t().contiguous().t()  # (in, S) column-major, as _int_mm wants
+        return sub._without_onednn()
 
     def kernel_for(self, rows: int) -> str:
         if self.vnni is not None and (rows <= VNNI_MAX_ROWS or not self.onednn):
@@ -215,6 +273,23 @@ class Int4Linear(QuantLinear):
         self.group = group
         u, scale = _int4_groups(torch.cat([lin.weight.detach() for lin in linears]), group)
         self.packed, self.scales = _int4_layout(u, scale)
+
+    def first_outputs(self, n: int) -> "Int4Linear":
+        if n % _GROUP:
+            raise ValueError(f"first_outputs takes a multiple of {_GROUP}, not {n}")
+        sub = self._restricted(slice(0, n))
+        sub.packed, sub.scales = self.packed[: n // _GROUP], self.scales[: n // _GROUP]
+        return sub
+
+    def outputs(self, ids: torch.Tensor) -> "Int4Linear":
+        sub = self._restricted(ids)
+        sub.packed = _gather_columns(self.packed, ids, 0x88)  # padding: u = 8, weight 0
+        scales = self.scales.transpose(1, 2)  # (N_pad / 64, 64, K / G): column c at [c // 64, c % 64]
+        picked = scales[ids // _GROUP, ids % _GROUP]  # (S, K / G)
+        padded = picked.new_zeros(sub.packed.shape[0] * _GROUP, picked.shape[1])
+        padded[: len(ids)] = picked
+        sub.scales = padded.view(-1, _GROUP, picked.shape[1]).transpose(1, 2).contiguous()
+        return sub
 
     def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.linear_rows_w4(x, self.packed, self.scales, self.out_features, self.bias, residual)

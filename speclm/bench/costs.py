@@ -2,7 +2,7 @@
 and c = cost of one draft step / one target step, per proposer.
 
 Each forward runs over a cached prompt and is rolled back afterwards, so every sample sees
-the same cache length. Medians over `repeats` samples.
+the same cache length. Medians over `repeats` samples, taken in turns across shapes.
 """
 
 from __future__ import annotations
@@ -12,33 +12,65 @@ import time
 
 from speclm.kv import StaticKV
 from speclm.proposers import lookup
+from speclm.proposers.draft_vocab import RestrictedHead, restrictable
 
 
-def _median_forward_seconds(model, prompt_ids: list[int], k: int, repeats: int) -> float:
-    kv = StaticKV(model, 1, len(prompt_ids) + k + 1)
-    kv.forward([prompt_ids], 1)
-    base = kv.lengths_list()[0]
-    tokens = (prompt_ids * (k // len(prompt_ids) + 1))[:k]
-    times = []
-    for _ in range(repeats + 1):  # the first sample warms up allocations for this shape
+class _Forward:
+    """One timed forward shape: `k` new tokens over a cached prompt, rolled back after each sample,
+    so every sample sees the same cache length."""
+
+    def __init__(self, model, prompt_ids: list[int], k: int, head=None):
+        self.kv = StaticKV(model, 1, len(prompt_ids) + k + 1)
+        self.kv.forward([prompt_ids], 1, head)
+        self.base = self.kv.lengths_list()[0]
+        self.tokens = (prompt_ids * (k // len(prompt_ids) + 1))[:k]
+        self.k, self.head = k, head
+        self.times: list[float] = []
+
+    def sample(self) -> None:
         start = time.perf_counter()
-        kv.forward([tokens], k)
-        times.append(time.perf_counter() - start)
-        kv.truncate([base])
-    return statistics.median(times[1:])
+        self.kv.forward([self.tokens], self.k, self.head)
+        self.times.append(time.perf_counter() - start)
+        self.kv.truncate([self.base])
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times[1:])  # the first sample warms up allocations for this shape
+
+
+def _round_robin(forwards: list[_Forward], repeats: int) -> None:
+    """repeats + 1 samples of each shape, taken in turns (1, 2, ..., 16, 1, 2, ...): this VM's speed
+    drifts by tens of percent within a minute, and in turns a slow spell slows every shape alike
+    instead of one k's samples."""
+    for _ in range(repeats + 1):
+        for f in forwards:
+            f.sample()
 
 
 def measure_costs(target_model, draft_model, prompt_ids: list[int], ks: range = range(1, 17), repeats: int = 5,
-                  pld_labels: list[str] = (), draft_labels: list[str] = ()) -> dict:
-    """Returns {"target_step_seconds", "v": {k: ratio}, "c": {method label: ratio}, "draft_step_seconds"}."""
-    one = _median_forward_seconds(target_model, prompt_ids, 1, repeats)
-    v = {k: (_median_forward_seconds(target_model, prompt_ids, k, repeats) / one if k > 1 else 1.0) for k in ks}
+                  pld_labels: list[str] = (), draft_vocabs: dict[str, int] | None = None,
+                  always: tuple[int, ...] = ()) -> dict:
+    """Returns {"target_step_seconds", "v": {k: ratio}, "c": {method label: ratio}, "draft_step_seconds"}.
+    draft_vocabs: each draft method's label -> its draft vocabulary (0: whole; speclm.proposers.draft_vocab),
+    measured with this prompt's tokens and `always` (EOS ids) added, as the method would;
+    draft_step_seconds is the first draft method's step. Target and draft forwards are sampled
+    in turns, so v and c are ratios of samples taken side by side."""
+    target = {k: _Forward(target_model, prompt_ids, k) for k in sorted(set(ks) | {1})}
+    drafts: dict[int, _Forward] = {}
+    if draft_model is not None and draft_vocabs:
+        head = draft_model.get_output_embeddings()
+        for vocab in dict.fromkeys(draft_vocabs.values()):
+            restricted = (RestrictedHead(head, vocab, list(prompt_ids) + list(always))
+                          if vocab and restrictable(head) and vocab < head.out_features else None)
+            drafts[vocab] = _Forward(draft_model, prompt_ids, 1, restricted)
+    _round_robin([*target.values(), *drafts.values()], repeats)
+    one = target[1].median
+    v = {k: target[k].median / one if k > 1 else 1.0 for k in ks}
     c: dict[str, float] = {}
     out = {"target_step_seconds": one, "v": v, "c": c, "draft_step_seconds": None}
-    if draft_model is not None and draft_labels:
-        step = _median_forward_seconds(draft_model, prompt_ids, 1, repeats)
-        out["draft_step_seconds"] = step
-        c.update({label: step / one for label in draft_labels})
+    if drafts:
+        c.update({label: drafts[vocab].median / one for label, vocab in draft_vocabs.items()})
+        out["draft_step_seconds"] = next(iter(drafts.values())).median
     if pld_labels:
         seq = (prompt_ids * 8)[:1024]
         start = time.perf_counter()

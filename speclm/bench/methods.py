@@ -19,7 +19,7 @@ from speclm.quant import QUANTIZE_MODES
 from speclm.stats import RequestStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
-OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float}
+OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float, "vocab": int}
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class MethodSpec:
 
     @property
     def decoding_options(self) -> dict:
-        return {k: v for k, v in self.options.items() if k != "quantize"}
+        names = {"vocab": "draft_vocab"}  # the method option's short name -> GenerationOptions'
+        return {names.get(k, k): v for k, v in self.options.items() if k != "quantize"}
 
 
 def parse_methods(text: str) -> list[MethodSpec]:

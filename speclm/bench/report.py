@@ -168,7 +168,7 @@ def markdown(results: dict, summary: dict) -> str:
         v = cost["v"]
         lines += ["", "## Cost model (measured in this run)", "",
                   f"One target forward over 1 new token: {cost['target_step_seconds'] * 1000:.1f} ms"
-                  + (f"; one draft step: {cost['draft_step_seconds'] * 1000:.1f} ms." if cost.get("draft_step_seconds") else "."),
+                  + (f"; one draft step (first draft method): {cost['draft_step_seconds'] * 1000:.1f} ms." if cost.get("draft_step_seconds") else "."),
                   "", "| k | " + " | ".join(str(k) for k in v) + " |", "|---" * (len(v) + 1) + "|",
                   "| v(k) | " + " | ".join(_fmt(x) for x in v.values()) + " |", ""]
         if summary["predicted"]:

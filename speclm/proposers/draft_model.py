@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from speclm.proposers.base import Draft, Proposer
+from speclm.proposers.draft_vocab import RestrictedHead, restrictable
 from speclm.kv import StaticKV
 from speclm.sampling import SamplingParams, processed_probs, sample
 
@@ -20,16 +21,27 @@ from speclm.sampling import SamplingParams, processed_probs, sample
 class DraftModelProposer(Proposer):
     name = "draft"
 
-    def __init__(self, model, k: int = 4, confidence: float = 0.0):
+    def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = ()):
         """k: most tokens per round; confidence: a row stops drafting after a token the draft gave
         less than this probability (0: never), so a round where the draft is unsure costs
         fewer draft steps and a narrower verification. The stop depends on the draft alone, so
-        sampling stays exact."""
+        sampling stays exact. vocab: the draft scores only the `vocab` lowest token ids, the
+        prompts' tokens and `always` (end-of-sequence ids) (speclm.proposers.draft_vocab; 0: the
+        whole vocabulary, as where speclm's lean forward does not run)."""
         self.model, self.k, self.confidence = model, k, confidence
+        self.vocab, self.always = vocab, tuple(always)
         self.kv: StaticKV | None = None
+        self.head: RestrictedHead | None = None
 
     def start(self, batch_size: int, capacity: int) -> None:
         self.kv = StaticKV(self.model, batch_size, capacity)
+        self.head = None
+
+    def _restrict(self, contexts: list[list[int]]) -> None:
+        """At a batch's first proposal: the head over the vocab lowest ids, the prompts' and `always`."""
+        head = self.model.get_output_embeddings()
+        if self.vocab and self.kv.lean is not None and restrictable(head) and self.vocab < head.out_features:
+            self.head = RestrictedHead(head, self.vocab, [t for c in contexts for t in c] + list(self.always))
 
     @property
     def forward_seconds(self) -> float:
@@ -41,34 +53,40 @@ class DraftModelProposer(Proposer):
         if width <= 0:
             return Draft.empty(batch)
         have = self.kv.lengths_list()
+        if not any(have):
+            self._restrict(contexts)
+        head = self.head
         if not any(have) and all(len(c) > 1 for c in contexts):
             # The target prefilled the prompt alone and fed its first token in a decode forward;
             # mirror that split (a prefill attends batched, a decode forward per query, which
             # round differently), so that a draft equal to the target computes the same bits.
-            self.kv.forward([c[:-1] for c in contexts], 1)
+            self.kv.forward([c[:-1] for c in contexts], 1, head)
             have = self.kv.lengths_list()
-        logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1)[:, -1]  # (B, V)
+        # logits over the draft's vocabulary: all V ids, or head.ids (S,) when restricted
+        logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head)[:, -1]  # (B, V or S)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         drafted = [min(width, max(m, 0)) for m in max_tokens]  # per row: its budget, cut where it stops
         probs = [] if not params.greedy else None
         steps = 0
         for j in range(width):
             if params.greedy:
-                step = logits.argmax(-1)  # (B,)
+                step = logits.argmax(-1)  # (B,) indices into the draft's vocabulary
                 sure = torch.softmax(logits, -1).gather(-1, step[:, None])[:, 0] if self.confidence > 0 else None
                 step = step.cpu()
             else:
-                p = processed_probs(logits, params)  # (B, V)
-                probs.append(p)
+                p = processed_probs(logits, params)  # (B, V or S)
+                probs.append(p if head is None else _full_vocabulary(p, head))
                 step = torch.tensor([sample(p[b].cpu(), generators[b]) for b in range(batch)])
                 sure = p.gather(-1, step[:, None].to(p.device))[:, 0] if self.confidence > 0 else None
+            if head is not None:
+                step = head.ids[step]  # token ids
             tokens[:, j] = step
             steps = j + 1
             if sure is not None:  # a row stops after a token its draft was unsure of
                 unsure = (sure < self.confidence).tolist()
                 drafted = [min(d, j + 1) if below else d for d, below in zip(drafted, unsure)]
             if any(d > j + 1 for d in drafted):  # some row still drafts: feed this step's tokens
-                logits = self.kv.forward([[t] for t in step.tolist()], 1)[:, -1]
+                logits = self.kv.forward([[t] for t in step.tolist()], 1, head)[:, -1]
             else:
                 break
         lengths = torch.tensor(drafted, dtype=torch.long)
@@ -80,3 +98,10 @@ class DraftModelProposer(Proposer):
 
     def select(self, rows: list[int]) -> None:
         self.kv.select(rows)
+
+
+def _full_vocabulary(probs: torch.Tensor, head: RestrictedHead) -> torch.Tensor:
+    """probs (B, S) over head.ids -> (B, V), zero elsewhere: the distribution the verifier reads."""
+    full = probs.new_zeros(probs.shape[0], head.vocab_size)
+    full[:, head.ids.to(probs.device)] = probs
+    return full
