@@ -23,6 +23,7 @@ def config(**kw):
 
 
 def test_parse_methods():
+    assert parse_methods("draft:vocab=32768")[0].decoding_options == {"draft_vocab": 32768}
     specs = parse_methods("none,draft:k=4,pld:k=8,ngram_max=2,hf,hf-assisted:k=3,hf-pld")
     assert [s.label for s in specs] == ["none", "draft:k=4", "pld:k=8,ngram_max=2", "hf", "hf-assisted:k=3", "hf-pld"]
     assert specs[2].options == {"k": 8, "ngram_max": 2}
@@ -72,6 +73,9 @@ def test_summary_arithmetic():
     assert pld["all"]["acceptance_rate"] == pytest.approx(60 / 90)
     assert pld["all"]["target_forwards_per_token"] == pytest.approx(90 / 150)
     assert pld["all"]["lossless"] == "1/2"
+    # each category weighs alike in the mean of the categories' speedups: (2.0 + 1.0) / 2
+    assert pld["all"]["mean_category_speedup_vs_none"] == pytest.approx((20 / 10 + 5 / 5) / 2)
+    assert pld["all"]["mean_category_speedup_vs_none"] != pytest.approx(pld["all"]["speedup_vs_none"])
     assert "mean_accepted_tokens" not in s["methods"]["hf"]["a"]  # transformers reports no acceptance
 
 

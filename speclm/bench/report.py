@@ -37,6 +37,10 @@ def summarize(results: dict) -> dict:
             ref = table.get("none", {}).get(cat, {}).get("decode_tokens_per_second")
             mine = cell.get("decode_tokens_per_second")
             cell["decode_speedup_vs_none"] = mine / ref if mine and ref else None
+        per_category = [cell.get("speedup_vs_none") for cat, cell in table[m].items() if cat != ALL]
+        if ALL in table[m] and per_category and None not in per_category:
+            # the mean of the categories' speedups: each task kind weighs alike, however long its runs
+            table[m][ALL]["mean_category_speedup_vs_none"] = sum(per_category) / len(per_category)
     return {"methods": table, "categories": categories, "predicted": _predicted(results, table)}
 
 
@@ -66,6 +70,7 @@ def _cell(rs: list[dict]) -> dict:
             outside_forwards_share=(1 - sum(s.get("forward_seconds", 0.0) for s in stats) / wall
                                     if wall and all("forward_seconds" in s for s in stats) else None),
             decode_tokens_per_second=_decode_rate(stats),
+            prefill_share=(sum(s.get("prefill_seconds", 0.0) for s in stats) / wall if wall else None),
         )
     checked = [r["lossless"] for r in rs if r["lossless"] is not None]
     cell["lossless"] = f"{sum(checked)}/{len(checked)}" if checked else None
@@ -151,10 +156,16 @@ def markdown(results: dict, summary: dict) -> str:
               "`none` in a row's label means plain decoding on that row's weights; lossless compares each method "
               "with `none` on the same weights."]
     cats = [x for x in summary["categories"] if x != ALL]
-    lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " |",
-              "|---" * (len(cats) + 1) + "|"]
+    lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " | mean of the categories |",
+              "|---" * (len(cats) + 2) + "|"]
     for m, cells in methods.items():
-        lines.append(f"| {m} | " + " | ".join(_fmt(cells.get(c, {}).get("speedup_vs_none")) for c in cats) + " |")
+        lines.append(f"| {m} | " + " | ".join(_fmt(cells.get(c, {}).get("speedup_vs_none")) for c in cats)
+                     + f" | {_fmt(cells.get(ALL, {}).get('mean_category_speedup_vs_none'))} |")
+    plain = methods.get("none", {})
+    if plain.get(ALL, {}).get("prefill_share") is not None:
+        lines += ["", "Share of `none`'s wall time spent in the prompt's prefill (the first round), which speculation "
+                  "does not shorten: | " + " | ".join(f"{c} {_fmt(plain.get(c, {}).get('prefill_share'), '.0%')}" for c in cats)
+                  + f" | all {_fmt(plain[ALL]['prefill_share'], '.0%')} |"]
     lines += ["", "## tokens/s by category", "", "| method | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
     for m, cells in methods.items():
         lines.append(f"| {m} | " + " | ".join(_fmt(cells.get(c, {}).get("tokens_per_second")) for c in cats) + " |")
