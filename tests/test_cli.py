@@ -61,6 +61,8 @@ def test_generate_streams_text_and_stats(folders, capsys):
         (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
         (["--method", "beam"], "invalid choice"),
         (["--batch-size", "0"], "batch-size must be >= 1"),
+        (["--draft-vocab", "-1"], "draft-vocab must be >= 0"),
+        (["--confidence", "1"], "confidence must be in [0, 1)"),
     ],
 )
 def test_bad_options_exit_2_with_one_line(folders, capsys, extra, message):
