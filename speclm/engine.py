@@ -114,6 +114,10 @@ class GenerationOptions:
         """k, or the method's default for target weights `quantize` (and the draft's)."""
         return self.k if self.k is not None else default_k(self.method, quantize, draft_quantize)
 
+    def draft_vocabulary(self) -> int:
+        """draft_vocab, or the default."""
+        return DRAFT_VOCAB if self.draft_vocab is None else self.draft_vocab
+
     def draft_confidence(self, draft_quantize: str | None = None) -> float:
         return self.confidence if self.confidence is not None else default_confidence(draft_quantize)
 
@@ -217,10 +221,9 @@ class SpecEngine:
         if opts.method == "draft":
             if self.draft is None:
                 raise UsageError("method 'draft' needs a draft model (--draft MODEL)")
-            vocab = DRAFT_VOCAB if opts.draft_vocab is None else opts.draft_vocab
             return DraftModelProposer(self.draft.model, k=self._k(opts),
                                       confidence=opts.draft_confidence(self.draft.quantize),
-                                      vocab=vocab, always=tuple(self.target.eos_token_ids))
+                                      vocab=opts.draft_vocabulary(), always=tuple(self.target.eos_token_ids))
         return PromptLookupProposer(k=self._k(opts), max_ngram=opts.ngram_max, min_ngram=opts.ngram_min)
 
     def _k(self, opts: GenerationOptions) -> int:

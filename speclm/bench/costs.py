@@ -12,7 +12,7 @@ import time
 
 from speclm.kv import StaticKV
 from speclm.proposers import lookup
-from speclm.proposers.draft_vocab import RestrictedHead, restrictable
+from speclm.proposers.draft_vocab import restricted_head
 
 
 class _Forward:
@@ -58,11 +58,9 @@ def measure_costs(target_model, draft_model, prompt_ids: list[int], ks: range = 
     target = {k: _Forward(target_model, prompt_ids, k) for k in sorted(set(ks) | {1})}
     drafts: dict[int, _Forward] = {}
     if draft_model is not None and draft_vocabs:
-        head = draft_model.get_output_embeddings()
         for vocab in dict.fromkeys(draft_vocabs.values()):
-            restricted = (RestrictedHead(head, vocab, list(prompt_ids) + list(always))
-                          if vocab and restrictable(head) and vocab < head.out_features else None)
-            drafts[vocab] = _Forward(draft_model, prompt_ids, 1, restricted)
+            head = restricted_head(draft_model, vocab, list(prompt_ids) + list(always))
+            drafts[vocab] = _Forward(draft_model, prompt_ids, 1, head)
     _round_robin([*target.values(), *drafts.values()], repeats)
     one = target[1].median
     v = {k: target[k].median / one if k > 1 else 1.0 for k in ks}

@@ -31,7 +31,7 @@ from speclm.bench.costs import measure_costs
 from speclm.bench.dataset import BenchPrompt
 from speclm.bench.machine import machine_facts
 from speclm.bench.methods import MethodSpec, run_method
-from speclm.engine import DRAFT_VOCAB, SpecEngine
+from speclm.engine import GenerationOptions, SpecEngine
 
 SCHEMA_VERSION = 1
 
@@ -90,7 +90,8 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
                 engine.target.model, engine.draft.model if engine.draft else None, encoded[0][:256],
                 repeats=config.cost_repeats,
                 pld_labels=[s.label for s in specs if s.name == "pld"],
-                draft_vocabs={s.label: s.options.get("vocab", DRAFT_VOCAB) for s in specs if s.name == "draft"},
+                draft_vocabs={s.label: GenerationOptions(**s.decoding_options).draft_vocabulary()
+                              for s in specs if s.name == "draft"},
                 always=tuple(engine.target.eos_token_ids),
             )
         bar.set_postfix_str("warm-up")

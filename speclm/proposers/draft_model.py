@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from speclm.proposers.base import Draft, Proposer
-from speclm.proposers.draft_vocab import RestrictedHead, restrictable
+from speclm.proposers.draft_vocab import RestrictedHead, restricted_head
 from speclm.kv import StaticKV
 from speclm.sampling import SamplingParams, processed_probs, sample
 
@@ -39,9 +39,7 @@ class DraftModelProposer(Proposer):
 
     def _restrict(self, contexts: list[list[int]]) -> None:
         """At a batch's first proposal: the head over the vocab lowest ids, the prompts' and `always`."""
-        head = self.model.get_output_embeddings()
-        if self.vocab and self.kv.lean is not None and restrictable(head) and self.vocab < head.out_features:
-            self.head = RestrictedHead(head, self.vocab, [t for c in contexts for t in c] + list(self.always))
+        self.head = restricted_head(self.model, self.vocab, [t for c in contexts for t in c] + list(self.always))
 
     @property
     def forward_seconds(self) -> float:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speclm import lean
 from speclm.quant import QuantLinear
 
 ALIGN = 64  # the quantized layouts store output columns in groups of 64
@@ -62,5 +63,11 @@ def _outputs(head: nn.Module, ids: torch.Tensor):
     return lambda x: F.linear(x, weight, bias)
 
 
-def restrictable(head: nn.Module) -> bool:
-    return isinstance(head, (QuantLinear, nn.Linear))
+def restricted_head(model, vocab: int, tokens: list[int]) -> RestrictedHead | None:
+    """The model's output head over its `vocab` lowest ids and `tokens`; None where nothing is
+    restricted: vocab 0 or not below the vocabulary's size, a head of another kind, or a model
+    that speclm's lean forward (the only one that takes a replaced head) does not run."""
+    head = model.get_output_embeddings()
+    if not vocab or not isinstance(head, (QuantLinear, nn.Linear)) or vocab >= head.out_features:
+        return None
+    return RestrictedHead(head, vocab, tokens) if lean.supports(model) else None
