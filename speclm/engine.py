@@ -53,9 +53,9 @@ METHODS = ("none", "draft", "pld")
 # Pass k for other hardware.
 DEFAULT_K = {"none": {"draft": 2, "pld": 2}, "int8": {"draft": 2, "pld": 4}}
 INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE = 6, 0.5
-# The draft's output head scores the first 65536 token ids (+ the prompt's and EOS): for the 0.5B
-# Qwen draft a step reads 11% fewer bytes and tokens per target forward fell 0.6% (3.093 -> 3.073,
-# 18 Spec-Bench prompts; docs/design.md, "Draft vocabulary").
+# The draft's output head scores the first 65536 token ids (+ the prompt's and EOS): with the 0.5B
+# Qwen draft a draft step cost 9-11% less (c 0.182 -> 0.166, 0.141 -> 0.125) for 0.6% fewer tokens
+# per target forward (3.13 -> 3.11) in benchmarks/epyc/reference-int8-qwen1.5b and its -run1.
 DRAFT_VOCAB = 65536
 
 
