@@ -218,5 +218,5 @@ class LeanForward:
         h = h.view(batch, width, -1)
         h = h[:, keep_cols] if isinstance(keep_cols, slice) else h[kv._rows[:, None], keep_cols]  # (B, K, E)
         kept = h.shape[1]
-        head = head or self.head
+        head = self.head if head is None else head
         return head(self.norm(h.reshape(batch * kept, -1))).float().view(batch, kept, -1)  # (B, K, V)

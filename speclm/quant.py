@@ -121,6 +121,8 @@ class QuantLinear(nn.Module):
 
     def _restricted(self, ids: torch.Tensor | slice) -> "QuantLinear":
         """A shallow copy with the per-column attributes cut to `ids`; subclasses gather their weights."""
+        if isinstance(ids, slice) and ids.stop % _GROUP:
+            raise ValueError(f"first_outputs takes a multiple of {_GROUP}, not {ids.stop}")
         sub = object.__new__(type(self))
         sub.__dict__.update(self.__dict__)
         sub._parameters, sub._buffers, sub._modules = {}, {}, {}
@@ -164,8 +166,6 @@ class Int8Linear(QuantLinear):
             self.wzero = torch.zeros(self.out_features, dtype=torch.long)
 
     def first_outputs(self, n: int) -> "Int8Linear":
-        if n % _GROUP:
-            raise ValueError(f"first_outputs takes a multiple of {_GROUP}, not {n}")
         sub = self._restricted(slice(0, n))
         sub.wscale = self.wscale[:n]
         if self.vnni is not None:
@@ -275,8 +275,6 @@ class Int4Linear(QuantLinear):
         self.packed, self.scales = _int4_layout(u, scale)
 
     def first_outputs(self, n: int) -> "Int4Linear":
-        if n % _GROUP:
-            raise ValueError(f"first_outputs takes a multiple of {_GROUP}, not {n}")
         sub = self._restricted(slice(0, n))
         sub.packed, sub.scales = self.packed[: n // _GROUP], self.scales[: n // _GROUP]
         return sub
