@@ -8,6 +8,7 @@ import os
 import sys
 
 from speclm.errors import PullError, SpeclmError, UsageError
+from speclm.methods import DRAFT_LOOKUP_NGRAM_MIN, DRAFT_METHODS, DRAFT_PROMPT_RATIO, METHODS
 from speclm.runtime import QUANTIZE_MODES, set_threads
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
@@ -28,8 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
-    g.add_argument("--method", choices=["none", "draft", "pld"], default="none")
-    g.add_argument("--draft", help="draft model for --method draft (same tokenizer as the target)")
+    g.add_argument("--method", choices=list(METHODS), default="none",
+                   help="none: plain decoding; draft: a draft model proposes; pld: prompt lookup proposes; "
+                        "draft+pld: prompt lookup where the context repeats itself, else the draft model")
+    g.add_argument("--draft", help="draft model for --method draft and draft+pld (same tokenizer as the target)")
     _add_decoding_options(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -44,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft and hf-assisted")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,vocab=N], pld[:k=N,ngram_max=N,ngram_min=N], hf, hf-assisted[:k=N], hf-pld[:k=N]")
+                   help="comma list: none, draft[:k=N,confidence=P,vocab=N], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], hf, hf-assisted[:k=N], hf-pld[:k=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
     b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
@@ -90,8 +93,12 @@ def _add_decoding_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
                         "(0: the whole vocabulary; default 65536)")
-    g.add_argument("--ngram-max", type=int, default=3, help="pld: longest n-gram matched (default 3)")
-    g.add_argument("--ngram-min", type=int, default=1, help="pld: shortest n-gram matched (default 1)")
+    g.add_argument("--ngram-max", type=int, default=3, help="pld, draft+pld: longest n-gram matched (default 3)")
+    g.add_argument("--ngram-min", type=int, default=None,
+                   help=f"pld, draft+pld: shortest n-gram matched (default 1 for pld, {DRAFT_LOOKUP_NGRAM_MIN} for draft+pld)")
+    g.add_argument("--draft-prompt-ratio", type=float, default=DRAFT_PROMPT_RATIO,
+                   help="draft+pld: prompt lookup alone (no draft model) for prompts longer than this times "
+                        f"--max-new-tokens (default {DRAFT_PROMPT_RATIO:g}; 0: never the model, inf: always)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
@@ -165,18 +172,19 @@ def _generate(args) -> int:
         method=args.method, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
-        draft_vocab=args.draft_vocab,
+        draft_vocab=args.draft_vocab, draft_prompt_ratio=args.draft_prompt_ratio,
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
-    if args.method == "draft" and not args.draft:
-        raise UsageError("--method draft needs --draft MODEL")
+    uses_draft = args.method in DRAFT_METHODS
+    if uses_draft and not args.draft:
+        raise UsageError(f"--method {args.method} needs --draft MODEL")
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     check_model_name(args.target)  # fail fast, before minutes of loading
-    if args.method == "draft":
+    if uses_draft:
         check_model_name(args.draft)
     target = load_model(args.target, quantize=args.quantize)
-    draft = load_model(args.draft, quantize=args.draft_quantize or args.quantize) if args.method == "draft" else None
+    draft = load_model(args.draft, quantize=args.draft_quantize or args.quantize) if uses_draft else None
     engine = SpecEngine(target, draft=draft)
     encoded = engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
 
@@ -244,7 +252,7 @@ def _bench(args) -> int:
         raise UsageError("bench needs --target and --out (or --compare A.json B.json)")
     specs = parse_methods(args.methods)
     if any(s.needs_draft for s in specs) and not args.draft:
-        raise UsageError("methods draft and hf-assisted need --draft MODEL")
+        raise UsageError("methods draft, draft+pld and hf-assisted need --draft MODEL")
     for name, value, low in (("max-new-tokens", args.max_new_tokens, 1), ("repeats", args.repeats, 1),
                              ("per-category", args.per_category or 1, 1), ("cost-repeats", args.cost_repeats, 0)):
         if value < low:

@@ -31,14 +31,14 @@ import torch
 
 from speclm.errors import UsageError
 from speclm.kv import StaticKV
+from speclm.methods import DRAFT_LOOKUP_NGRAM_MIN, DRAFT_METHODS, DRAFT_PROMPT_RATIO, METHODS
 from speclm.models.loading import LoadedModel
-from speclm.proposers import Draft, DraftModelProposer, PromptLookupProposer, Proposer
+from speclm.proposers import Draft, DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
 from speclm.sampling import SamplingParams
 from speclm.stats import RequestStats
 from speclm.text import IncrementalText, final_text, stop_cut
 from speclm.verify import verify
 
-METHODS = ("none", "draft", "pld")
 # Default draft length per target weights, from measurements on a 2-core CPU:
 # - fp32 (benchmarks/cpu-fp32-qwen1.5b-1x6*): a forward over 3 new tokens costs 1.0-1.2x one
 #   token but 5 cost 1.9-2.1x, so k = 2 beat k = 4 for both methods (1.17x / 1.21x vs 0.92x / 0.97x).
@@ -60,9 +60,9 @@ DRAFT_VOCAB = 65536
 
 
 def default_k(method: str, quantize: str = "none", draft_quantize: str | None = None) -> int:
-    if method == "draft" and draft_quantize == "int4":
+    if method in DRAFT_METHODS and draft_quantize == "int4":
         return INT4_DRAFT_K
-    return DEFAULT_K.get(quantize, DEFAULT_K["none"]).get(method, 0)
+    return DEFAULT_K.get(quantize, DEFAULT_K["none"]).get("draft" if method in DRAFT_METHODS else method, 0)
 
 
 def default_confidence(draft_quantize: str | None) -> float:
@@ -73,7 +73,7 @@ def default_confidence(draft_quantize: str | None) -> float:
 class GenerationOptions:
     """`generate`-style arguments."""
 
-    method: str = "none"  # none | draft | pld
+    method: str = "none"  # none | draft | pld | draft+pld
     k: int | None = None  # draft length per round; None: the method's default
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -82,14 +82,17 @@ class GenerationOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     chat: bool = False  # apply the target's chat template to each prompt as one user message
-    ngram_max: int = 3  # pld: longest n-gram to match
-    ngram_min: int = 1  # pld: shortest n-gram to match
+    ngram_max: int = 3  # pld, draft+pld: longest n-gram to match
+    ngram_min: int | None = None  # pld, draft+pld: shortest n-gram to match (None: the method's default)
     # draft: stop a round after a token the draft gave less probability than this (0: never;
     # None: 0.5 with an int4 draft, else 0)
     confidence: float | None = None
     # draft: score only the this many lowest token ids, the prompt's tokens and EOS
     # (speclm.proposers.draft_vocab; 0: the whole vocabulary; None: the default, DRAFT_VOCAB)
     draft_vocab: int | None = None
+    # draft+pld: no draft model for a batch whose every prompt is longer than this times its
+    # max_new_tokens (prompt lookup alone); 0: never the model, inf: always
+    draft_prompt_ratio: float = DRAFT_PROMPT_RATIO
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -98,10 +101,12 @@ class GenerationOptions:
             raise UsageError(f"k must be >= 1, got {self.k}")
         if self.max_new_tokens < 1:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
+        if not 1 <= self.lookup_ngram_min <= self.ngram_max:
             raise UsageError("need 1 <= ngram-min <= ngram-max")
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise UsageError(f"draft-vocab must be >= 0, got {self.draft_vocab}")
+        if not self.draft_prompt_ratio >= 0:
+            raise UsageError(f"draft-prompt-ratio must be >= 0, got {self.draft_prompt_ratio}")
         if self.confidence is not None and not 0 <= self.confidence < 1:
             raise UsageError(f"confidence must be in [0, 1), got {self.confidence}")
         self.sampling  # validates temperature, top-p, top-k
@@ -113,6 +118,14 @@ class GenerationOptions:
     def draft_length(self, quantize: str = "none", draft_quantize: str | None = None) -> int:
         """k, or the method's default for target weights `quantize` (and the draft's)."""
         return self.k if self.k is not None else default_k(self.method, quantize, draft_quantize)
+
+    @property
+    def lookup_ngram_min(self) -> int:
+        """ngram_min, or the method's default: any match for pld, a longer one where a draft model
+        is the alternative (DRAFT_LOOKUP_NGRAM_MIN)."""
+        if self.ngram_min is not None:
+            return self.ngram_min
+        return DRAFT_LOOKUP_NGRAM_MIN if self.method == "draft+pld" else 1
 
     def draft_vocabulary(self) -> int:
         """draft_vocab, or the default."""
@@ -218,13 +231,18 @@ class SpecEngine:
     def make_proposer(self, opts: GenerationOptions) -> Proposer | None:
         if opts.method == "none":
             return None
-        if opts.method == "draft":
+        if opts.method in DRAFT_METHODS:
             if self.draft is None:
-                raise UsageError("method 'draft' needs a draft model (--draft MODEL)")
-            return DraftModelProposer(self.draft.model, k=self._k(opts),
-                                      confidence=opts.draft_confidence(self.draft.quantize),
-                                      vocab=opts.draft_vocabulary(), always=tuple(self.target.eos_token_ids))
-        return PromptLookupProposer(k=self._k(opts), max_ngram=opts.ngram_max, min_ngram=opts.ngram_min)
+                raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
+            model = dict(k=self._k(opts), confidence=opts.draft_confidence(self.draft.quantize),
+                         vocab=opts.draft_vocabulary(), always=tuple(self.target.eos_token_ids))
+            if opts.method == "draft":
+                return DraftModelProposer(self.draft.model, **model)
+            lookup_k = opts.k if opts.k is not None else default_k("pld", self.target.quantize)
+            return DraftLookupProposer(self.draft.model, **model, ngram_max=opts.ngram_max,
+                                       ngram_min=opts.lookup_ngram_min, prompt_ratio=opts.draft_prompt_ratio,
+                                       lookup_k=lookup_k)
+        return PromptLookupProposer(k=self._k(opts), max_ngram=opts.ngram_max, min_ngram=opts.lookup_ngram_min)
 
     def _k(self, opts: GenerationOptions) -> int:
         return opts.draft_length(self.target.quantize, self.draft.quantize if self.draft is not None else None)
@@ -249,7 +267,7 @@ class SpecEngine:
         capacity = max(r.prompt_len + r.max_new for r in rows) + k + 1
         target_kv = StaticKV(self.target.model, len(rows), capacity)
         if proposer:
-            proposer.start(len(rows), capacity)
+            proposer.start(len(rows), capacity, [r.prompt_len for r in rows], [r.max_new for r in rows])
         active = list(rows)
         first_round = True
         t_start = time.perf_counter()

@@ -24,6 +24,8 @@ def config(**kw):
 
 def test_parse_methods():
     assert parse_methods("draft:vocab=32768")[0].decoding_options == {"draft_vocab": 32768}
+    both = parse_methods("draft+pld:prompt_ratio=0,ngram_min=3")[0]
+    assert both.needs_draft and both.decoding_options == {"draft_prompt_ratio": 0.0, "ngram_min": 3}
     specs = parse_methods("none,draft:k=4,pld:k=8,ngram_max=2,hf,hf-assisted:k=3,hf-pld")
     assert [s.label for s in specs] == ["none", "draft:k=4", "pld:k=8,ngram_max=2", "hf", "hf-assisted:k=3", "hf-pld"]
     assert specs[2].options == {"k": 8, "ngram_max": 2}
@@ -101,7 +103,7 @@ def dataset(tmp_path):
 
 
 def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
-    specs = parse_methods("none,draft:k=2,pld:k=3,hf,hf-assisted:k=2,hf-pld:k=3")
+    specs = parse_methods("none,draft:k=2,pld:k=3,draft+pld:k=2,hf,hf-assisted:k=2,hf-pld:k=3")
     prompts = load_prompts(dataset, ["qa", "rag"], 1)
     out = tmp_path / "out"
     results = run_bench(engine, specs, prompts, config(methods=[s.label for s in specs]), out, progress=False)

@@ -54,6 +54,9 @@ def test_generate_streams_text_and_stats(folders, capsys):
     "extra, message",
     [
         (["--method", "draft"], "needs --draft"),
+        (["--method", "draft+pld"], "needs --draft"),
+        (["--ngram-min", "0"], "need 1 <= ngram-min <= ngram-max"),
+        (["--draft-prompt-ratio", "-1"], "draft-prompt-ratio must be >= 0"),
         (["--k", "0"], "k must be >= 1"),
         (["--temperature", "-0.5"], "temperature must be >= 0"),
         (["--top-p", "0"], "top-p must be in (0, 1]"),
@@ -147,10 +150,11 @@ def test_generate_with_an_int4_draft(folders, capsys):
             "--json", "--quantize", "int8"]
     code, plain, _ = run(base + ["--method", "none"], capsys)
     assert code == 0
-    code, out, _ = run(base + ["--method", "draft", "--draft", folders["draft"], "--k", "3", "--draft-quantize", "int4"],
-                       capsys)
-    assert code == 0
-    assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
+    for method in ("draft", "draft+pld"):
+        code, out, _ = run(base + ["--method", method, "--draft", folders["draft"], "--k", "3", "--draft-quantize", "int4"],
+                           capsys)
+        assert code == 0
+        assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"], method
 
 
 def test_quantize_and_threads_errors(folders, capsys):

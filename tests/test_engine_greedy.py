@@ -30,7 +30,7 @@ def test_draft_equal_to_target_accepts_everything(target, prompt):
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_unrelated_draft_and_pld_reproduce_plain(target, unrelated_draft, prompt, k):
     ref = plain(target, prompt)
-    for method, draft in (("draft", unrelated_draft), ("pld", None)):
+    for method, draft in (("draft", unrelated_draft), ("pld", None), ("draft+pld", unrelated_draft)):
         out = SpecEngine(target, draft=draft).generate(prompt, method=method, k=k, max_new_tokens=N)
         assert out.token_ids == ref.token_ids, method
         assert out.text == ref.text
@@ -94,7 +94,8 @@ def test_draft_confidence_shortens_rounds_and_keeps_output(target, unrelated_dra
 
 
 def test_batch_equals_single(target, unrelated_draft):
-    for method, draft in (("none", None), ("draft", unrelated_draft), ("draft", target), ("pld", None)):
+    for method, draft in (("none", None), ("draft", unrelated_draft), ("draft", target), ("pld", None),
+                          ("draft+pld", unrelated_draft), ("draft+pld", target)):
         engine = SpecEngine(target, draft=draft)
         batch = engine.generate(PROMPTS, method=method, k=3, max_new_tokens=N)
         for prompt, got in zip(PROMPTS, batch):
@@ -115,7 +116,7 @@ def test_batch_rows_finish_at_different_times(target, unrelated_draft):
     assert batch[0].token_ids[-1] == eos_id and batch[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "pld"])
+@pytest.mark.parametrize("method", ["none", "draft", "pld", "draft+pld"])
 def test_eos_ends_generation(target, method):
     ref = plain(target, PROMPTS[2])
     pos = next(i for i in range(3, N) if ref.token_ids[i] not in ref.token_ids[:i])
@@ -127,14 +128,14 @@ def test_eos_ends_generation(target, method):
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 7, 13])
-@pytest.mark.parametrize("method", ["none", "draft", "pld"])
+@pytest.mark.parametrize("method", ["none", "draft", "pld", "draft+pld"])
 def test_max_new_tokens_exact(target, method, n):
     out = SpecEngine(target, draft=target).generate(PROMPTS[0], method=method, k=4, max_new_tokens=n)
     assert len(out.token_ids) == n and out.finish_reason == "length"
     assert out.token_ids == plain(target, PROMPTS[0], n=n).token_ids
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "pld"])
+@pytest.mark.parametrize("method", ["none", "draft", "pld", "draft+pld"])
 def test_stop_string(target, tok, method):
     ref = plain(target, PROMPTS[1])
     text = ref.text

@@ -2,15 +2,17 @@
 
 On a tiny model with a 6-token vocabulary, the exact joint distribution of the first three
 generated tokens is computed from the target alone (36 forwards). Many independent
-requests, one row each with its own generator, are decoded as one batch with `draft` and
-`pld`; their first three tokens are compared with the exact distribution by a chi-square
-test (see chisq.py: each check fails a correct sampler with probability ALPHA = 1e-4, so
-the whole file with its 6 checks has a false-failure probability below 6e-4).
+requests, one row each with its own generator, are decoded as one batch with `draft`,
+`pld` and `draft+pld`; their first three tokens are compared with the exact distribution by a
+chi-square test (see chisq.py: each check fails a correct sampler with probability ALPHA = 1e-4, so
+the whole file with its 8 checks has a false-failure probability below 8e-4).
 The first round drafts up to k = 3 tokens, so acceptance, residual resampling and the bonus
 token all shape these three tokens.
 
 test_broken_verifier_is_caught shows the check has power: a verifier that resamples from
-the target instead of the residual after a rejection fails it.
+the target instead of the residual after a rejection fails it; so does a draft+pld batch whose
+lookup rows are verified against the draft model's probabilities
+(test_mixed_batch_with_wrong_draft_probabilities_is_caught).
 """
 
 import itertools
@@ -70,6 +72,10 @@ CASES = [
     ("draft", SamplingParams(temperature=1.0), {"confidence": 0.35}),
     ("pld", SamplingParams(temperature=1.0), {}),
     ("pld", SamplingParams(temperature=1.3, top_p=0.8), {}),
+    # rows drafted by lookup and rows drafted by the model in one batch (the contexts differ
+    # after the first token; a 2-gram recurs in some of them)
+    ("draft+pld", SamplingParams(temperature=1.0), {}),
+    ("draft+pld", SamplingParams(temperature=0.8, top_k=5), {"ngram_min": 3, "confidence": 0.35}),
 ]
 
 
@@ -109,4 +115,22 @@ def test_broken_verifier_is_caught(small, monkeypatch):
 
     monkeypatch.setattr("speclm.engine.verify", no_residual)
     counts = sampled_counts(SpecEngine(target, draft=draft), prompt_ids, "pld", params)
+    assert chisq_pvalue(counts, exact_joint(target, prompt_ids, params)) < ALPHA
+
+
+def test_mixed_batch_with_wrong_draft_probabilities_is_caught(small, monkeypatch):
+    """draft+pld: rows drafted by lookup must be verified as one-hot drafts. Reading the draft
+    model's distribution for them instead (as if the model had drafted them) biases the output."""
+    import speclm.proposers.draft_lookup as draft_lookup
+
+    real = draft_lookup._one_hot_draft
+
+    def model_probs_for_every_row(rows, params, forwards, model_probs, keep=None):
+        return real(rows, params, forwards, model_probs, keep=[True] * len(rows) if keep else keep)
+
+    monkeypatch.setattr(draft_lookup, "_one_hot_draft", model_probs_for_every_row)
+    tok, target, draft = small
+    prompt_ids = tok(PROMPT).input_ids
+    params = SamplingParams(temperature=1.0)
+    counts = sampled_counts(SpecEngine(target, draft=draft), prompt_ids, "draft+pld", params)
     assert chisq_pvalue(counts, exact_joint(target, prompt_ids, params)) < ALPHA

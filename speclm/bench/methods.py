@@ -1,4 +1,5 @@
 """Benchmark methods: `name[:key=value,...]`, e.g. `none`, `draft:k=4`, `draft:k=6,confidence=0.4`, `pld:k=8,ngram_max=2`,
+`draft+pld:ngram_min=3`,
 `hf`, `hf-assisted:k=4`, `hf-pld:k=10`, `none:quantize=none` (that method on other weights
 than bench's --quantize, to compare fp32 and int8 side by side in one run).
 
@@ -13,19 +14,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speclm.engine import METHODS, SpecEngine
+from speclm.engine import SpecEngine
+from speclm.methods import DRAFT_METHODS, METHODS
 from speclm.errors import UsageError
 from speclm.quant import QUANTIZE_MODES
 from speclm.stats import RequestStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
-OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float, "vocab": int}
+OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float, "vocab": int,
+                "prompt_ratio": float}
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     label: str  # as written by the user; the key in every report
-    name: str  # none | draft | pld | hf | hf-assisted | hf-pld
+    name: str  # none | draft | pld | draft+pld | hf | hf-assisted | hf-pld
     options: dict = field(default_factory=dict, hash=False)
 
     @property
@@ -34,7 +37,7 @@ class MethodSpec:
 
     @property
     def needs_draft(self) -> bool:
-        return self.name in ("draft", "hf-assisted")
+        return self.name in DRAFT_METHODS + ("hf-assisted",)
 
     @property
     def quantize(self) -> str | None:
@@ -43,7 +46,7 @@ class MethodSpec:
 
     @property
     def decoding_options(self) -> dict:
-        names = {"vocab": "draft_vocab"}  # the method option's short name -> GenerationOptions'
+        names = {"vocab": "draft_vocab", "prompt_ratio": "draft_prompt_ratio"}  # the method option's short name -> GenerationOptions'
         return {names.get(k, k): v for k, v in self.options.items() if k != "quantize"}
 
 

@@ -32,6 +32,7 @@ from speclm.bench.dataset import BenchPrompt
 from speclm.bench.machine import machine_facts
 from speclm.bench.methods import MethodSpec, run_method
 from speclm.engine import GenerationOptions, SpecEngine
+from speclm.methods import DRAFT_METHODS
 
 SCHEMA_VERSION = 1
 
@@ -91,7 +92,7 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
                 repeats=config.cost_repeats,
                 pld_labels=[s.label for s in specs if s.name == "pld"],
                 draft_vocabs={s.label: GenerationOptions(**s.decoding_options).draft_vocabulary()
-                              for s in specs if s.name == "draft"},
+                              for s in specs if s.name in DRAFT_METHODS},
                 always=tuple(engine.target.eos_token_ids),
             )
         bar.set_postfix_str("warm-up")

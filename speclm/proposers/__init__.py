@@ -2,6 +2,7 @@
 
 from speclm.proposers.base import Draft, Proposer
 from speclm.proposers.draft_model import DraftModelProposer
+from speclm.proposers.draft_lookup import DraftLookupProposer
 from speclm.proposers.prompt_lookup import PromptLookupProposer, lookup
 
-__all__ = ["Draft", "Proposer", "DraftModelProposer", "PromptLookupProposer", "lookup"]
+__all__ = ["Draft", "Proposer", "DraftModelProposer", "DraftLookupProposer", "PromptLookupProposer", "lookup"]

@@ -43,8 +43,10 @@ class Proposer:
 
     name = "proposer"
 
-    def start(self, batch_size: int, capacity: int) -> None:
-        """A new batch of requests begins; no row will hold more than `capacity` tokens."""
+    def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
+              max_new_tokens: list[int] | None = None) -> None:
+        """A new batch of requests begins; no row will hold more than `capacity` tokens. Where
+        known, each row's prompt length and its budget of new tokens."""
 
     @property
     def forward_seconds(self) -> float:

@@ -33,7 +33,7 @@ class DraftModelProposer(Proposer):
         self.kv: StaticKV | None = None
         self.head: RestrictedHead | None = None
 
-    def start(self, batch_size: int, capacity: int) -> None:
+    def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None) -> None:
         self.kv = StaticKV(self.model, batch_size, capacity)
         self.head = None
 
