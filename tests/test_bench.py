@@ -114,6 +114,15 @@ def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
     assert all(r["lossless"] for r in saved["runs"] if r["method"] != "none")
     text = (out / "report.md").read_text()
     assert "| draft:k=2 |" in text and "Every greedy output equals" in text and "predicted speedup" in text
+    # per category, the formula on that category's counts alone
+    predicted = saved["summary"]["predicted"]["draft:k=2"]
+    assert set(predicted["by_category"]) == {"qa", "rag"}
+    cell, cost = saved["summary"]["methods"]["draft:k=2"]["qa"], saved["cost_model"]
+    forwards = cell["target_forwards"]
+    assert predicted["by_category"]["qa"] == pytest.approx(predicted_speedup(
+        cell["mean_accepted_tokens"], cell["drafted_tokens"] / forwards, cost["c"]["draft:k=2"],
+        {int(k): x for k, x in cost["v"].items()}, cell["draft_forwards"] / forwards))
+    assert "Predicted speedup by category" in text
     for png in ("speedup.png", "accepted_per_position.png", "v_k.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 

@@ -100,15 +100,23 @@ def _predicted(results: dict, table: dict) -> dict:
     v = {int(k): x for k, x in cost["v"].items()}
     out = {}
     for label, c in cost["c"].items():
-        cell = table.get(label, {}).get(ALL)
+        cells = table.get(label, {})
+        cell = cells.get(ALL)
         if not cell or not cell.get("target_forwards"):
             continue
-        forwards = cell["target_forwards"]
-        steps = cell["draft_forwards"] / forwards if label.startswith("draft") else 1.0
-        gamma = cell["drafted_tokens"] / forwards
+
+        def predicted(cell):
+            forwards = cell["target_forwards"]
+            steps = cell["draft_forwards"] / forwards if label.startswith("draft") else 1.0
+            gamma = cell["drafted_tokens"] / forwards
+            return steps, gamma, predicted_speedup(cell["mean_accepted_tokens"], gamma, c, v, steps)
+
+        steps, gamma, speedup = predicted(cell)
         out[label] = {"draft_steps_per_forward": steps, "drafted_per_forward": gamma, "tau": cell["mean_accepted_tokens"],
-                      "c": c, "predicted_speedup": predicted_speedup(cell["mean_accepted_tokens"], gamma, c, v, steps),
-                      "measured_speedup": cell.get("speedup_vs_none")}
+                      "c": c, "predicted_speedup": speedup, "measured_speedup": cell.get("speedup_vs_none"),
+                      # the same from each category's counts alone: no timing noise beyond the cost model's
+                      "by_category": {cat: predicted(x)[2] for cat, x in cells.items()
+                                      if cat != ALL and x.get("target_forwards")}}
     return out
 
 
@@ -192,6 +200,13 @@ def markdown(results: dict, summary: dict) -> str:
                       "per forward, from forwards over a short cached prompt. It leaves out the draft model's own prefill of "
                       "each prompt, attention over longer contexts and the engine's work between forwards "
                       "(the overhead column): a measured speedup well below it is one of those."]
+            cats = [c for c in next(iter(summary["predicted"].values()))["by_category"]]
+            lines += ["", "Predicted speedup by category: the same formula on each category's token counts, which do "
+                      "not depend on the machine's timing (greedy), with this run's c and v; it compares methods "
+                      "without the run-to-run noise of wall time.", "",
+                      "| method | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+            for label, p in summary["predicted"].items():
+                lines.append(f"| {label} | " + " | ".join(_fmt(p["by_category"].get(c)) for c in cats) + " |")
     bad = [r for r in results["runs"] if r["lossless"] is False]
     lines += ["", "## Lossless check", ""]
     if bad:

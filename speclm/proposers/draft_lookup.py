@@ -12,8 +12,8 @@ committed token its cache lacks).
 A batch whose every prompt is longer than `prompt_ratio` times its budget of new tokens never
 starts the draft model: its prefill costs in proportion to the prompt and its gain over lookup
 in proportion to the tokens generated, and long prompts are where lookup finds most to copy
-(Spec-Bench's summarization and RAG prompts, 380-1500 tokens: prompt lookup beat the draft model
-on each of the six measured, README "draft+pld"). Lookup then drafts alone with pld's settings.
+(Spec-Bench's summarization and RAG prompts: prompt lookup beat the draft model on each of the
+six measured; docs/design.md). Lookup then drafts alone with pld's settings.
 
 Every choice depends on the context and the request alone, never on the target, so the
 verifier's rejection sampling stays exact.
