@@ -48,7 +48,7 @@ def test_ngram_min_defaults_and_budgets(target):
     assert GenerationOptions(method="pld").lookup_ngram_min == 1
     assert GenerationOptions(method="draft+pld", ngram_min=4, ngram_max=5).lookup_ngram_min == 4
     proposer = SpecEngine(target, draft=target).make_proposer(GenerationOptions(method="draft+pld", k=5))
-    assert isinstance(proposer, DraftLookupProposer) and proposer.ngram_min == DRAFT_LOOKUP_NGRAM_MIN
+    assert isinstance(proposer, DraftLookupProposer) and proposer.beside.min_ngram == DRAFT_LOOKUP_NGRAM_MIN
     proposer.start(2, 64)
     draft = proposer.propose([REPEATS, REPEATS], [1, 0], GREEDY, [None, None])
     assert draft.lengths.tolist() == [1, 0] and draft.forwards == 0

@@ -123,12 +123,12 @@ def test_mixed_batch_with_wrong_draft_probabilities_is_caught(small, monkeypatch
     model's distribution for them instead (as if the model had drafted them) biases the output."""
     import speclm.proposers.draft_lookup as draft_lookup
 
-    real = draft_lookup._one_hot_draft
+    real = draft_lookup._mixed
 
-    def model_probs_for_every_row(rows, params, forwards, model_probs, keep=None):
-        return real(rows, params, forwards, model_probs, keep=[True] * len(rows) if keep else keep)
+    def model_probs_for_every_row(rows, by_lookup, model, params):
+        return real(rows, [False] * len(rows), model, params)
 
-    monkeypatch.setattr(draft_lookup, "_one_hot_draft", model_probs_for_every_row)
+    monkeypatch.setattr(draft_lookup, "_mixed", model_probs_for_every_row)
     tok, target, draft = small
     prompt_ids = tok(PROMPT).input_ids
     params = SamplingParams(temperature=1.0)

@@ -200,7 +200,6 @@ def markdown(results: dict, summary: dict) -> str:
                       "per forward, from forwards over a short cached prompt. It leaves out the draft model's own prefill of "
                       "each prompt, attention over longer contexts and the engine's work between forwards "
                       "(the overhead column): a measured speedup well below it is one of those."]
-            cats = [c for c in next(iter(summary["predicted"].values()))["by_category"]]
             lines += ["", "Predicted speedup by category: the same formula on each category's token counts, which do "
                       "not depend on the machine's timing (greedy), with this run's c and v; it compares methods "
                       "without the run-to-run noise of wall time.", "",

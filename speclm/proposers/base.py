@@ -33,6 +33,14 @@ class Draft:
         return Draft(self.tokens[:, :width], self.lengths, probs, self.forwards)
 
     @staticmethod
+    def from_rows(rows: list[list[int]], draft_probs: torch.Tensor | None = None, forwards: int = 0) -> "Draft":
+        """Each row's token list, padded to the longest."""
+        tokens = torch.zeros(len(rows), max((len(r) for r in rows), default=0), dtype=torch.long)
+        for b, r in enumerate(rows):
+            tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return Draft(tokens, torch.tensor([len(r) for r in rows], dtype=torch.long), draft_probs, forwards)
+
+    @staticmethod
     def empty(batch_size: int) -> "Draft":
         zeros = torch.zeros(batch_size, dtype=torch.long)
         return Draft(torch.zeros(batch_size, 0, dtype=torch.long), zeros, None)

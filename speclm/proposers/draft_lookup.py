@@ -25,7 +25,7 @@ import torch
 
 from speclm.proposers.base import Draft
 from speclm.proposers.draft_model import DraftModelProposer
-from speclm.proposers.prompt_lookup import lookup
+from speclm.proposers.prompt_lookup import PromptLookupProposer
 from speclm.sampling import SamplingParams
 
 
@@ -39,10 +39,9 @@ class DraftLookupProposer(DraftModelProposer):
         for a batch whose every prompt is longer than this times its max_new_tokens (0: always
         off, inf: always on); lookup_k: tokens per lookup draft when the model is off."""
         super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always)
-        if not 1 <= ngram_min <= ngram_max:
-            raise ValueError("need 1 <= ngram_min <= ngram_max")
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
-        self.prompt_ratio, self.lookup_k = prompt_ratio, lookup_k
+        self.beside = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)  # while the model runs
+        self.alone = PromptLookupProposer(k=lookup_k, max_ngram=ngram_max, min_ngram=1)  # as method pld
+        self.prompt_ratio = prompt_ratio
         self.model_on = True  # this batch runs the draft model
         self.lookups = 0  # rows drafted by lookup since start (statistics)
         # per row, this round: the context length of a row drafted by lookup while the model
@@ -56,26 +55,20 @@ class DraftLookupProposer(DraftModelProposer):
             length <= self.prompt_ratio * budget for length, budget in zip(prompt_lengths, max_new_tokens))
 
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
-        if not self.model_on:  # prompt lookup alone, as method pld
-            found = [lookup(c, min(self.lookup_k, m), self.ngram_max, 1) if m > 0 else [] for c, m in zip(contexts, max_tokens)]
-            self.lookups += sum(len(f) > 0 for f in found)
-            return _one_hot_draft(found, params, 0, None)
-        found = [lookup(c, min(self.k, m), self.ngram_max, self.ngram_min) if m > 0 else []
-                 for c, m in zip(contexts, max_tokens)]
+        found = (self.beside if self.model_on else self.alone).found(contexts, max_tokens)
         by_lookup = [len(f) > 0 for f in found]
+        self.lookups += sum(by_lookup)
         self._cut = []
-        if not any(m > 0 and not hit for m, hit in zip(max_tokens, by_lookup)):  # no row needs the model
-            self.lookups += sum(by_lookup)
-            return _one_hot_draft(found, params, 0, None)
+        if not self.model_on or not any(m > 0 and not hit for m, hit in zip(max_tokens, by_lookup)):
+            return Draft.from_rows(found)  # no row needs the model: one-hot drafts
         draft = super().propose(contexts, max_tokens, params, generators)
         if not any(by_lookup):
             return draft
         # rows with a lookup draft take it in place of the model's (computed alongside, batched)
-        self.lookups += sum(by_lookup)
         self._cut = [len(c) if hit else None for c, hit in zip(contexts, by_lookup)]
         rows = [f if hit else t[:n] for f, hit, t, n in
                 zip(found, by_lookup, draft.tokens.tolist(), draft.lengths.tolist())]
-        return _one_hot_draft(rows, params, draft.forwards, draft.draft_probs, keep=[not h for h in by_lookup])
+        return _mixed(rows, by_lookup, draft, params)
 
     def rollback(self, keep: list[int]) -> None:
         if self._cut:  # the model's tokens past a lookup row's context were never committed
@@ -84,21 +77,17 @@ class DraftLookupProposer(DraftModelProposer):
         super().rollback(keep)
 
 
-def _one_hot_draft(rows: list[list[int]], params: SamplingParams, forwards: int, model_probs: torch.Tensor | None,
-                   keep: list[bool] | None = None) -> Draft:
-    """A Draft of these token rows. Sampling: rows with keep[b] read their distributions from
-    model_probs (B, K', V); the others are one-hot (a lookup draft)."""
-    width = max((len(r) for r in rows), default=0)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    if params.greedy or model_probs is None:
-        return Draft(tokens, lengths, None, forwards)  # None: one-hot for every row
-    probs = model_probs.new_zeros(len(rows), width, model_probs.shape[-1])  # (B, K, V)
-    for b, r in enumerate(rows):
-        if keep[b]:
-            probs[b, : len(r)] = model_probs[b, : len(r)]
+def _mixed(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: SamplingParams) -> Draft:
+    """A Draft of these token rows, some by lookup, the others the model's. Sampling: the model's
+    rows read their distributions from model.draft_probs (B, K', V); lookup rows are one-hot."""
+    draft = Draft.from_rows(rows, forwards=model.forwards)
+    if params.greedy or model.draft_probs is None:
+        return draft  # draft_probs None: one-hot for every row
+    probs = model.draft_probs.new_zeros(len(rows), draft.width, model.draft_probs.shape[-1])  # (B, K, V)
+    for b, (r, hit) in enumerate(zip(rows, by_lookup)):
+        if not hit:
+            probs[b, : len(r)] = model.draft_probs[b, : len(r)]
         elif r:
-            probs[b, torch.arange(len(r)), tokens[b, : len(r)]] = 1.0
-    return Draft(tokens, lengths, probs, forwards)
+            probs[b, torch.arange(len(r)), draft.tokens[b, : len(r)]] = 1.0
+    draft.draft_probs = probs
+    return draft

@@ -9,7 +9,6 @@ token d with probability target_probs[d], which keeps sampling lossless.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from speclm.proposers.base import Draft, Proposer
 from speclm.sampling import SamplingParams
@@ -38,10 +37,9 @@ class PromptLookupProposer(Proposer):
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
 
+    def found(self, contexts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        """Each row's lookup draft (empty: no match, or no budget)."""
+        return [lookup(c, min(self.k, m), self.max_ngram, self.min_ngram) if m > 0 else [] for c, m in zip(contexts, max_tokens)]
+
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
-        found = [lookup(c, min(self.k, m), self.max_ngram, self.min_ngram) if m > 0 else [] for c, m in zip(contexts, max_tokens)]
-        width = max(len(f) for f in found)
-        tokens = torch.zeros(len(found), width, dtype=torch.long)
-        for b, f in enumerate(found):
-            tokens[b, : len(f)] = torch.tensor(f, dtype=torch.long)
-        return Draft(tokens, torch.tensor([len(f) for f in found], dtype=torch.long), None)
+        return Draft.from_rows(self.found(contexts, max_tokens))
