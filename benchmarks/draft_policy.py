@@ -16,14 +16,15 @@ A round costs (draft steps) x c + v(tokens verified), in target steps; `none` co
 Predicted decode speedup = output tokens after the first / summed round costs. Policies:
 - draft, stop after a token below probability P (speclm's `--confidence`), k at most;
 - draft, stop once the product of the round's probabilities falls below P ("cumulative");
-- draft with leaf siblings: where the draft's top token has probability below S, its second
+- draft with alternatives: where the draft's top token has probability below S, its second
   choice is verified beside it (one more token in the verification; accepted when the first
   choice is the one rejected and the second is the target's), a tree whose extra branches are
-  leaves; speclm does not implement it;
+  leaves (speclm's `--alternatives S`);
 - prompt lookup with its k, n-gram range, and k set by the length of the n-gram that matched.
 
-Run: .venv/bin/python benchmarks/draft_policy.py benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/results.json \
-         benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1/results.json > benchmarks/epyc/draft-policy.txt
+Run: .venv/bin/python benchmarks/draft_policy.py benchmarks/epyc/reference-int8-qwen1.5b-b82b9b2/results.json \
+         benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1/results.json \
+         benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/results.json > benchmarks/epyc/draft-policy.txt
 """
 from __future__ import annotations
 
@@ -78,16 +79,16 @@ def room(r: Replay, s: int, k: int) -> int:
     return max(0, min(k, r.budget - s - 1, len(r.output) - s))
 
 
-def _draft_round(r: Replay, costs: Costs, k: int, stop, sibling: float, s: int) -> tuple[int, float, int]:
+def _draft_round(r: Replay, costs: Costs, k: int, stop, alternative: float, s: int) -> tuple[int, float, int]:
     """One draft-model round after s committed tokens: (committed tokens after it, its cost, draft steps)."""
-    drafted = accepted = extra = siblings = 0
+    drafted = accepted = extra = alternatives = 0
     alive = True
     probs: list[float] = []
     for t in range(s, s + room(r, s, k)):
         drafted += 1
         probs.append(r.prob[t][0])
-        branch = r.prob[t][0] < sibling
-        siblings += branch
+        branch = r.prob[t][0] < alternative
+        alternatives += branch
         if alive and r.top[t][0] == r.output[t]:
             accepted += 1
         elif alive:
@@ -95,14 +96,14 @@ def _draft_round(r: Replay, costs: Costs, k: int, stop, sibling: float, s: int) 
             extra = int(branch and r.top[t][1] == r.output[t])
         if stop(probs):
             break
-    return s + accepted + extra + 1, drafted * costs.c + costs.verify(drafted + 1 + siblings), drafted
+    return s + accepted + extra + 1, drafted * costs.c + costs.verify(drafted + 1 + alternatives), drafted
 
 
-def replay_draft(r: Replay, costs: Costs, k: int, stop, sibling: float = 0.0) -> tuple[int, float, int]:
+def replay_draft(r: Replay, costs: Costs, k: int, stop, alternative: float = 0.0) -> tuple[int, float, int]:
     """(tokens, cost, rounds); stop(probs of the round so far) -> end the round after this token."""
     n, s, cost, rounds = len(r.output), 1, 0.0, 0  # output[0] comes from the prefill
     while s < n:
-        s, c, _ = _draft_round(r, costs, k, stop, sibling, s)
+        s, c, _ = _draft_round(r, costs, k, stop, alternative, s)
         cost, rounds = cost + c, rounds + 1
     return n - 1, cost, rounds
 
@@ -125,7 +126,7 @@ def replay_lookup(r: Replay, costs: Costs, k: int, ngram_max: int, ngram_min: in
 
 
 def replay_draft_lookup(r: Replay, costs: Costs, k: int, stop, prompt_ratio: float = 3.0, ngram_min: int = 2,
-                        lookup_k: int = 4):
+                        lookup_k: int = 4, alternative: float = 0.0):
     """`draft+pld`: lookup alone (pld's settings) for a prompt longer than prompt_ratio x the
     budget; else, per round, lookup's tokens where the last ngram_min..3 tokens recur, the draft
     model's elsewhere (the model's catch-up over lookup's tokens is one forward, counted as the
@@ -139,7 +140,7 @@ def replay_draft_lookup(r: Replay, costs: Costs, k: int, stop, prompt_ratio: flo
             accepted = next((j for j, t in enumerate(draft) if r.output[s + j] != t), len(draft))
             s, rounds, cost = s + accepted + 1, rounds + 1, cost + costs.verify(len(draft) + 1)
             continue
-        t0, c0, _ = _draft_round(r, costs, k, stop, 0.0, s)
+        t0, c0, _ = _draft_round(r, costs, k, stop, alternative, s)
         s, rounds, cost = t0, rounds + 1, cost + c0
     return n - 1, cost, rounds
 
@@ -204,7 +205,7 @@ def main(paths: list[str]) -> None:
               + "; ".join(f"{m} {replayed[m]} / {measured[m]}" for m in measured if measured[m]) + "\n")
         print("Draft model (k at most 6 unless named):\n")
         table(replays, {
-            "confidence 0.5 (speclm's default)": lambda r: replay_draft(r, costs, 6, confidence(0.5)),
+            "confidence 0.5 (the runs' setting)": lambda r: replay_draft(r, costs, 6, confidence(0.5)),
             "confidence 0.3": lambda r: replay_draft(r, costs, 6, confidence(0.3)),
             "confidence 0.6": lambda r: replay_draft(r, costs, 6, confidence(0.6)),
             "confidence 0.7": lambda r: replay_draft(r, costs, 6, confidence(0.7)),
@@ -212,14 +213,18 @@ def main(paths: list[str]) -> None:
             "cumulative 0.3": lambda r: replay_draft(r, costs, 6, cumulative(0.3)),
             "cumulative 0.5": lambda r: replay_draft(r, costs, 6, cumulative(0.5)),
             "cumulative 0.5, k 8": lambda r: replay_draft(r, costs, 8, cumulative(0.5)),
-            "confidence 0.5, siblings below 0.5": lambda r: replay_draft(r, costs, 6, confidence(0.5), 0.5),
-            "confidence 0.6, siblings below 0.6": lambda r: replay_draft(r, costs, 6, confidence(0.6), 0.6),
-            "confidence 0.7, siblings below 0.7": lambda r: replay_draft(r, costs, 6, confidence(0.7), 0.7),
-            "confidence 0.6, siblings below 0.8": lambda r: replay_draft(r, costs, 6, confidence(0.6), 0.8),
+            "confidence 0.5, alternatives below 0.5": lambda r: replay_draft(r, costs, 6, confidence(0.5), 0.5),
+            "confidence 0.5, alternatives below 0.6": lambda r: replay_draft(r, costs, 6, confidence(0.5), 0.6),
+            "confidence 0.5, alternatives below 0.7": lambda r: replay_draft(r, costs, 6, confidence(0.5), 0.7),
+            "confidence 0.6, alternatives below 0.6 (speclm's default since)": lambda r: replay_draft(r, costs, 6, confidence(0.6), 0.6),
+            "confidence 0.7, alternatives below 0.7": lambda r: replay_draft(r, costs, 6, confidence(0.7), 0.7),
+            "confidence 0.6, alternatives below 0.8": lambda r: replay_draft(r, costs, 6, confidence(0.6), 0.8),
         })
         print("\n`draft+pld` (the draft model with confidence 0.5, k 6; prompts longer than 3 x the budget by lookup alone):\n")
         table(replays, {
-            "as speclm's default (lookup beside the model from 2-grams)": lambda r: replay_draft_lookup(r, costs, 6, confidence(0.5)),
+            "as the runs ran it (lookup beside the model from 2-grams)": lambda r: replay_draft_lookup(r, costs, 6, confidence(0.5)),
+            "model confidence 0.6, alternatives below 0.6 (speclm's default since)":
+                lambda r: replay_draft_lookup(r, costs, 6, confidence(0.6), alternative=0.6),
             "lookup beside the model from 3-grams": lambda r: replay_draft_lookup(r, costs, 6, confidence(0.5), ngram_min=3),
             "model confidence 0.6": lambda r: replay_draft_lookup(r, costs, 6, confidence(0.6)),
         })

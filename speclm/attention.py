@@ -24,8 +24,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "speclm"
-# per forward: each row's slots before its first new token, and its number of new tokens
-_PLAN: ContextVar[tuple[list[int], list[int]] | None] = ContextVar("speclm_attention_plan", default=None)
+# per forward: each row's slots before its first new token, its number of new tokens, and the
+# tokens' positions where some lie below their slots (else None)
+_PLAN: ContextVar[tuple | None] = ContextVar("speclm_attention_plan", default=None)
 
 
 def is_prefill(starts: list[int]) -> bool:
@@ -34,8 +35,8 @@ def is_prefill(starts: list[int]) -> bool:
 
 
 @contextmanager
-def per_query(starts: list[int], counts: list[int]):
-    token = _PLAN.set((starts, counts))
+def per_query(starts: list[int], counts: list[int], positions: torch.Tensor | None = None):
+    token = _PLAN.set((starts, counts, positions))
     try:
         yield
     finally:
@@ -43,17 +44,28 @@ def per_query(starts: list[int], counts: list[int]):
 
 
 def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: list[int],
-                      counts: list[int], scaling: float | None) -> torch.Tensor:
+                      counts: list[int], scaling: float | None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, M, H, D); keys, values (B, H_kv, >= W, D) -> (B, M, H, D): row b's query i attends
-    alone over slots [0, starts[b] + i]; padding columns (i >= counts[b]) stay zero."""
+    alone over slots [0, starts[b] + i]; padding columns (i >= counts[b]) stay zero. positions
+    (B, M) or None: a query whose position p lies below its slot (a tree's alternative token,
+    written after the chain it branches from) attends slots [0, p) and then its own slot, the
+    slots and order of a token at slot p."""
     batch, width, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads  # query head h reads kv head h // groups, as repeat_kv lays them out
+    at = positions.tolist() if positions is not None else None
+
+    def visible(t: torch.Tensor, b: int, i: int) -> torch.Tensor:  # (1, H_kv, slots, D) query (b, i) reads
+        slot = starts[b] + i
+        if at is None or at[b][i] == slot:
+            return t[:, :, : slot + 1]
+        return torch.cat([t[:, :, : at[b][i]], t[:, :, slot : slot + 1]], dim=2)
+
     per_row = []
     for b in range(batch):
         row_keys, row_values = (keys, values) if batch == 1 else (keys[b : b + 1], values[b : b + 1])
-        outs = [F.scaled_dot_product_attention(qi.reshape(1, kv_heads, groups, dim), row_keys[:, :, : starts[b] + i + 1],
-                                               row_values[:, :, : starts[b] + i + 1], scale=scaling)
+        outs = [F.scaled_dot_product_attention(qi.reshape(1, kv_heads, groups, dim), visible(row_keys, b, i),
+                                               visible(row_values, b, i), scale=scaling)
                 for i, qi in enumerate(q[b].unbind(0)[: counts[b]])]  # qi (H, D): a kv head's query heads as its "queries"
         outs += [q.new_zeros(1, kv_heads, groups, dim)] * (width - counts[b])  # padding columns
         per_row.append(torch.cat(outs) if width > 1 else outs[0])  # (M, H_kv, G, D)
@@ -67,7 +79,7 @@ def exact_attention(module, query, key, value, attention_mask, dropout: float = 
     plan = _PLAN.get()
     if plan is None or is_prefill(plan[0]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return attend_each_query(query.transpose(1, 2), key, value, plan[0], plan[1], scaling), None
+    return attend_each_query(query.transpose(1, 2), key, value, plan[0], plan[1], scaling, plan[2]), None
 
 
 AttentionInterface.register(NAME, exact_attention)

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft and hf-assisted")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,vocab=N], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], hf, hf-assisted[:k=N], hf-pld[:k=N]")
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], hf, hf-assisted[:k=N], hf-pld[:k=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
     b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
@@ -89,7 +89,10 @@ def _add_decoding_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, default=None, help="draft tokens per round (default: 2; pld on int8 weights 4; measured best on CPU)")
     g.add_argument("--confidence", type=float, default=None,
                    help="draft: stop a round's drafting after a token the draft gave less probability than this "
-                        "(0: never; default 0.5 with an int4 draft, else 0)")
+                        "(0: never; default 0.6 with an int4 draft, else 0)")
+    g.add_argument("--alternatives", type=float, default=None,
+                   help="draft: verify the draft's second choice beside each drafted token it gave less probability "
+                        "than this (a tree whose extra branches are leaves; 0: never; default 0.6 with an int4 draft, else 0)")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
                         "(0: the whole vocabulary; default 65536)")
@@ -172,7 +175,7 @@ def _generate(args) -> int:
         method=args.method, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
-        draft_vocab=args.draft_vocab, draft_prompt_ratio=args.draft_prompt_ratio,
+        alternatives=args.alternatives, draft_vocab=args.draft_vocab, draft_prompt_ratio=args.draft_prompt_ratio,
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")

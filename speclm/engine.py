@@ -48,11 +48,17 @@ from speclm.verify import verify
 # - an int4 draft (speclm.quant.Int4Linear) costs about half an int8 one (c = 0.2), so it drafts
 #   further and stops a round where it is unsure: in quick runs (one prompt per task kind,
 #   benchmarks/int4-draft-k234-cpu, int4-draft-k-cpu) k = 2, 3, 4 without a stop gave 1.23-1.33x,
-#   k = 6 at confidence 0.3 / 0.6 and k = 8 at 0.5 gave 1.32-1.39x; k = 6 at 0.5, the default,
-#   then gave 1.37x in benchmarks/reference-cpu-int8-qwen1.5b, as did k = 8 at 0.5.
+#   k = 6 at confidence 0.3 / 0.6 and k = 8 at 0.5 gave 1.32-1.39x; k = 6 at 0.5 then gave 1.37x
+#   in benchmarks/reference-cpu-int8-qwen1.5b, as did k = 8 at 0.5.
+# - alternatives (speclm.verify): with an int4 draft (in practice beside an int8 target, whose
+#   forward over up to 7 new tokens costs about one step), a drafted token the draft gave less
+#   than 0.6 gets its second choice verified beside it, and the round stops there. Replays of
+#   greedy speculation over three AMD bench runs' outputs (benchmarks/draft_policy.py,
+#   benchmarks/epyc/draft-policy.txt) predict +3-5% decode speed over confidence 0.5 without
+#   alternatives in each of the three (confidence 0.6 alone: -0.4% to +1.4%).
 # Pass k for other hardware.
 DEFAULT_K = {"none": {"draft": 2, "pld": 2}, "int8": {"draft": 2, "pld": 4}}
-INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE = 6, 0.5
+INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE, INT4_DRAFT_ALTERNATIVES = 6, 0.6, 0.6
 # The draft's output head scores the first 65536 token ids (+ the prompt's and EOS): with the 0.5B
 # Qwen draft a draft step cost 9-11% less (c 0.182 -> 0.166, 0.141 -> 0.125) for 0.6% fewer tokens
 # per target forward (3.13 -> 3.11) in benchmarks/epyc/reference-int8-qwen1.5b and its -run1.
@@ -67,6 +73,10 @@ def default_k(method: str, quantize: str = "none", draft_quantize: str | None = 
 
 def default_confidence(draft_quantize: str | None) -> float:
     return INT4_DRAFT_CONFIDENCE if draft_quantize == "int4" else 0.0
+
+
+def default_alternatives(draft_quantize: str | None) -> float:
+    return INT4_DRAFT_ALTERNATIVES if draft_quantize == "int4" else 0.0
 
 
 @dataclass(frozen=True)
@@ -85,8 +95,11 @@ class GenerationOptions:
     ngram_max: int = 3  # pld, draft+pld: longest n-gram to match
     ngram_min: int | None = None  # pld, draft+pld: shortest n-gram to match (None: the method's default)
     # draft: stop a round after a token the draft gave less probability than this (0: never;
-    # None: 0.5 with an int4 draft, else 0)
+    # None: 0.6 with an int4 draft, else 0)
     confidence: float | None = None
+    # draft: a drafted token the draft gave less probability than this gets a second candidate
+    # verified beside it (0: never; None: 0.6 with an int4 draft, else 0)
+    alternatives: float | None = None
     # draft: score only the this many lowest token ids, the prompt's tokens and EOS
     # (speclm.proposers.draft_vocab; 0: the whole vocabulary; None: the default, DRAFT_VOCAB)
     draft_vocab: int | None = None
@@ -109,6 +122,8 @@ class GenerationOptions:
             raise UsageError(f"draft-prompt-ratio must be >= 0, got {self.draft_prompt_ratio}")
         if self.confidence is not None and not 0 <= self.confidence < 1:
             raise UsageError(f"confidence must be in [0, 1), got {self.confidence}")
+        if self.alternatives is not None and not 0 <= self.alternatives <= 1:
+            raise UsageError(f"alternatives must be in [0, 1], got {self.alternatives}")
         self.sampling  # validates temperature, top-p, top-k
 
     @property
@@ -133,6 +148,9 @@ class GenerationOptions:
 
     def draft_confidence(self, draft_quantize: str | None = None) -> float:
         return self.confidence if self.confidence is not None else default_confidence(draft_quantize)
+
+    def draft_alternatives(self, draft_quantize: str | None = None) -> float:
+        return self.alternatives if self.alternatives is not None else default_alternatives(draft_quantize)
 
 
 @dataclass
@@ -235,7 +253,8 @@ class SpecEngine:
             if self.draft is None:
                 raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
             model = dict(k=self._k(opts), confidence=opts.draft_confidence(self.draft.quantize),
-                         vocab=opts.draft_vocabulary(), always=tuple(self.target.eos_token_ids))
+                         vocab=opts.draft_vocabulary(), always=tuple(self.target.eos_token_ids),
+                         alternatives=opts.draft_alternatives(self.draft.quantize))
             if opts.method == "draft":
                 return DraftModelProposer(self.draft.model, **model)
             lookup_k = opts.k if opts.k is not None else default_k("pld", self.target.quantize)
@@ -263,8 +282,9 @@ class SpecEngine:
         eos = set(self.target.eos_token_ids)
         proposer = self.make_proposer(opts)
         k = self._k(opts)
-        # one round past the last token: a row's final round may feed k draft tokens beyond it
-        capacity = max(r.prompt_len + r.max_new for r in rows) + k + 1
+        # one round past the last token: a row's final round may feed k draft tokens beyond it,
+        # and as many alternatives
+        capacity = max(r.prompt_len + r.max_new for r in rows) + 2 * k + 1
         target_kv = StaticKV(self.target.model, len(rows), capacity)
         if proposer:
             proposer.start(len(rows), capacity, [r.prompt_len for r in rows], [r.max_new for r in rows])
@@ -285,15 +305,28 @@ class SpecEngine:
 
             have = target_kv.lengths_list()
             feed = [c[h:] + d for c, h, d in zip(contexts, have, draft.tokens.tolist())]
-            logits = target_kv.forward(feed, draft.width + 1)  # (B, K+1, V)
+            branches, most = draft.alternative_slots()  # per row [(j, token)]: fed after its chain
+            positions = None
+            if most:  # an alternative for position j sits at the chain token's position, in a later slot
+                positions = [list(range(h, h + len(f))) + [len(c) + j for j, _ in br]
+                             + list(range(h + len(f) + len(br), h + len(f) + most))
+                             for c, h, f, br in zip(contexts, have, feed, branches)]
+                feed = [f + [t for _, t in br] + [0] * (most - len(br)) for f, br in zip(feed, branches)]
+            logits = target_kv.forward(feed, draft.width + 1 + most, positions=positions)  # (B, K+1+A, V)
             verdict = verify(logits, draft, params, gens)
             t2 = time.perf_counter()
             in_forwards = target_kv.forward_seconds + (proposer.forward_seconds if proposer else 0.0)
 
             keep = [len(c) + int(n) for c, n in zip(contexts, verdict.num_accepted)]
+            drafted_keep = list(keep)  # what the proposer's own tokens left committed
+            for b, j in enumerate(verdict.alternative.tolist() if most else []):
+                if j >= 0:  # the accepted alternative's keys and values take the place of chain token j
+                    a = [pos for pos, _ in branches[b]].index(j)
+                    target_kv.move(b, have[b] + len(feed[b]) - most + a, len(contexts[b]) + j)
+                    drafted_keep[b] = len(contexts[b]) + j
             target_kv.truncate(keep)
             if proposer:
-                proposer.rollback(keep)
+                proposer.rollback(drafted_keep)
 
             for b, row in enumerate(active):
                 s = row.stats
@@ -303,6 +336,9 @@ class SpecEngine:
                 s.verify_seconds += t2 - t1
                 s.forward_seconds = in_forwards
                 s.record_acceptance(int(draft.lengths[b]), int(verdict.num_accepted[b]))
+                if most:
+                    s.alternatives += len(branches[b])
+                    s.accepted_alternatives += int(verdict.alternative[b] >= 0)
                 self._commit(row, verdict.committed(b), eos, opts.stop)
                 s.new_tokens = len(row.generated)
                 s.wall_seconds = time.perf_counter() - t_start

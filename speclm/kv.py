@@ -20,7 +20,7 @@ import time
 import torch
 
 from speclm import lean
-from speclm.attention import per_query, use_exact_attention
+from speclm.attention import is_prefill, per_query, use_exact_attention
 from speclm.lean import LeanForward
 
 
@@ -92,17 +92,27 @@ class StaticKV:
         self._slots = torch.arange(new_cap, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, rows: list[list[int]], logits_to_keep: int, head=None) -> torch.Tensor:
+    def forward(self, rows: list[list[int]], logits_to_keep: int, head=None,
+                positions: list[list[int]] | None = None) -> torch.Tensor:
         """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens.
-        head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward."""
+        head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward.
+        positions: per row, its tokens' positions, where some lie below their slots (a tree's
+        alternatives: such a token attends the slots before its position and its own slot,
+        speclm.attention.attend_each_query); None: every token at its slot."""
         counts = [len(r) for r in rows]
         width = max(counts)
         assert width >= 1 and min(counts) >= logits_to_keep >= 1
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)  # (B, M)
         n = torch.tensor(counts, dtype=torch.long, device=self.device)  # (B,)
         offsets = self._slots[:width]  # (M,)
-        positions = self.lengths[:, None] + offsets  # (B, M): slot index == position id
-        window = int(positions[:, -1].max()) + 1
+        slots = self.lengths[:, None] + offsets  # (B, M): where each token's keys and values go
+        window = int(slots[:, -1].max()) + 1
+        at = None  # (B, M) positions, padding columns at their slots
+        if positions is not None:
+            assert not is_prefill(self.lengths.tolist()), "a prefill has no tree"
+            at = slots.clone()
+            for b, p in enumerate(positions):
+                at[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         if window > self.capacity:
             self._grow(window)
         # which columns hold each row's last `logits_to_keep` tokens; all rows agree when the
@@ -113,28 +123,29 @@ class StaticKV:
         t0 = time.perf_counter()
         if self.lean is not None:
             keep_cols = cols if ragged else slice(width - logits_to_keep, width)
-            logits = self.lean(ids, positions, self, starts, counts, window, keep_cols, head)
+            logits = self.lean(ids, slots, self, starts, counts, window, keep_cols, head, at)
         else:
             assert head is None, "a replaced output head needs speclm's lean forward"
-            logits = self._transformers_forward(ids, positions, window, starts, counts, logits_to_keep, cols)
+            logits = self._transformers_forward(ids, slots, at, window, starts, counts, logits_to_keep, cols)
         self.forward_seconds += time.perf_counter() - t0
         self.lengths = self.lengths + n
         return logits
 
-    def _transformers_forward(self, ids, positions, window, starts, counts, logits_to_keep, cols):
+    def _transformers_forward(self, ids, slots, positions, window, starts, counts, logits_to_keep, cols):
         """The model's own forward, this cache handed in as `past_key_values` (via _SlotWriter)."""
-        # query (b, i) sees slots 0..lengths[b] + i; padding queries see the same, harmlessly
-        mask = self._slots[None, None, None, :window] <= positions[:, None, :, None]  # (B, 1, M, W)
+        # query (b, i) sees slots 0..lengths[b] + i; padding queries see the same, harmlessly (a
+        # prefill's mask; decode forwards attend per query, speclm.attention)
+        mask = self._slots[None, None, None, :window] <= slots[:, None, :, None]  # (B, 1, M, W)
         if cols is not None:
             keep, gather = torch.unique(cols, return_inverse=True)  # keep (U,), gather (B, K) into it
         else:
             keep, gather = logits_to_keep, None
-        self._write_rows, self._write_slots, self._window = self._rows[:, None], positions, window
-        with per_query(starts, counts):
+        self._write_rows, self._write_slots, self._window = self._rows[:, None], slots, window
+        with per_query(starts, counts, positions):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
-                position_ids=positions,
+                position_ids=slots if positions is None else positions,
                 past_key_values=self._writer,
                 use_cache=True,
                 logits_to_keep=keep,
@@ -143,6 +154,14 @@ class StaticKV:
         if gather is not None:
             logits = logits[self._rows[:, None], gather]  # (B, K, V)
         return logits.float()
+
+    def move(self, row: int, source: int, target: int) -> None:
+        """Row `row`'s keys and values at slot `source` are copied to slot `target` in every layer:
+        a tree's accepted alternative, computed at its position but written after the chain,
+        takes its place in the sequence (one slot per layer, once per accepted alternative)."""
+        for store in (self.keys, self.values):
+            for t in store:
+                t[row, :, target] = t[row, :, source]
 
     def truncate(self, keep: torch.Tensor | list[int]) -> None:
         """Row b keeps its first keep[b] slots; the rest are rolled back (a length moves)."""

@@ -165,11 +165,13 @@ class LeanForward:
             self._sin = torch.cat((-sin, sin), dim=-1)
 
     @torch.inference_mode()
-    def __call__(self, ids, positions, kv, starts, counts, window, keep_cols, head=None):
-        """ids, positions (B, M); kv: the StaticKV (its buffers are written at `positions`);
+    def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None):
+        """ids, slots (B, M); kv: the StaticKV (its buffers are written at `slots`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
-        head: (R, E) -> (R, V') in place of the model's output head (a draft's restricted vocabulary)."""
+        head: (R, E) -> (R, V') in place of the model's output head (a draft's restricted vocabulary);
+        positions (B, M): each token's position where some lie below their slot (a tree's
+        alternatives, speclm.attention.attend_each_query), else None (position = slot)."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
@@ -182,14 +184,16 @@ class LeanForward:
         # a decode forward: rotary, cache writes and attention in one compiled call per layer
         compiled = self.compiled if (per_query and h.dtype == torch.float32 and dim % 32 == 0
                                      and kv.keys[0].dtype == torch.float32) else None
+        at = slots if positions is None else positions
+        tree = positions.view(-1).tolist() if positions is not None else []  # the compiled kernel's form
         if compiled is None:  # the torch ops' rotary: cos and sin (R, 1, D) at these positions
-            cos = self._cos[positions.view(-1)].to(h.dtype)[:, None, :]
-            sin = self._sin[positions.view(-1)].to(h.dtype)[:, None, :]
+            cos = self._cos[at.view(-1)].to(h.dtype)[:, None, :]
+            sin = self._sin[at.view(-1)].to(h.dtype)[:, None, :]
         for i, layer in enumerate(self.layers):
             if compiled is not None:
                 qkv = layer.attn_in(h)  # (R, (H + 2 H_kv) D)
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
-                                                heads, kv_heads, self.scaling)  # (R, H D)
+                                                heads, kv_heads, self.scaling, tree)  # (R, H D)
                 h = layer.mlp(layer.attn_out(out, h))
                 continue
             qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
@@ -203,10 +207,10 @@ class LeanForward:
                 keys[0, :, start : start + width] = k[0].transpose(0, 1)
                 values[0, :, start : start + width] = v[0].transpose(0, 1)
             else:
-                keys[rows, :, positions] = k.to(keys.dtype)
-                values[rows, :, positions] = v.to(values.dtype)
+                keys[rows, :, slots] = k.to(keys.dtype)
+                values[rows, :, slots] = v.to(values.dtype)
             if per_query:
-                out = attend_each_query(q, keys, values, starts, counts, self.scaling)  # (B, M, H, D)
+                out = attend_each_query(q, keys, values, starts, counts, self.scaling, positions)  # (B, M, H, D)
             else:
                 # a prefill's rows all start at slot 0, left-aligned: its mask is the causal one,
                 # which lets SDPA skip the blocks above the diagonal

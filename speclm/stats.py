@@ -12,6 +12,8 @@ class RequestStats:
     drafted_tokens: int = 0  # tokens proposed and sent to verification
     accepted_tokens: int = 0  # drafted tokens the verifier accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft token j was accepted
+    alternatives: int = 0  # second candidates verified beside drafted tokens (a tree's leaves; not in drafted_tokens)
+    accepted_alternatives: int = 0  # of those, accepted (counted in accepted_tokens too)
     draft_seconds: float = 0.0  # time proposing (shared batch time while the row was active)
     verify_seconds: float = 0.0  # time in target forwards and verification, prefill included
     wall_seconds: float = 0.0  # from the start of the request to its last token

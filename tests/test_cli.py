@@ -15,7 +15,7 @@ STAT_KEYS = {
     "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
     "mean_accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds",
     "wall_seconds", "new_tokens", "tokens_per_second", "forward_seconds", "overhead_share",
-    "prefill_seconds", "decode_tokens_per_second",
+    "prefill_seconds", "decode_tokens_per_second", "alternatives", "accepted_alternatives",
 }
 
 
@@ -66,6 +66,7 @@ def test_generate_streams_text_and_stats(folders, capsys):
         (["--batch-size", "0"], "batch-size must be >= 1"),
         (["--draft-vocab", "-1"], "draft-vocab must be >= 0"),
         (["--confidence", "1"], "confidence must be in [0, 1)"),
+        (["--alternatives", "1.5"], "alternatives must be in [0, 1]"),
     ],
 )
 def test_bad_options_exit_2_with_one_line(folders, capsys, extra, message):

@@ -119,7 +119,7 @@ def test_int4_logits_follow_fp32(tok):
 
 
 def test_an_int4_draft_drafts_further_and_stops_when_unsure_by_default(tok):
-    from speclm.engine import INT4_DRAFT_CONFIDENCE, INT4_DRAFT_K, GenerationOptions
+    from speclm.engine import INT4_DRAFT_ALTERNATIVES, INT4_DRAFT_CONFIDENCE, INT4_DRAFT_K, GenerationOptions
 
     target = loaded(quantize_model(tiny_model(len(tok), seed=0), "int8"), tok, name="t")
     target.quantize = "int8"
@@ -127,8 +127,19 @@ def test_an_int4_draft_drafts_further_and_stops_when_unsure_by_default(tok):
     draft.quantize = "int4"
     engine = SpecEngine(target, draft=draft)
     proposer = engine.make_proposer(GenerationOptions(method="draft"))
-    assert (proposer.k, proposer.confidence) == (INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE)
-    proposer = engine.make_proposer(GenerationOptions(method="draft", k=3, confidence=0.0))
-    assert (proposer.k, proposer.confidence) == (3, 0.0)
+    assert (proposer.k, proposer.confidence, proposer.alternatives) == (
+        INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE, INT4_DRAFT_ALTERNATIVES)
+    proposer = engine.make_proposer(GenerationOptions(method="draft+pld"))
+    assert (proposer.k, proposer.confidence, proposer.alternatives) == (
+        INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE, INT4_DRAFT_ALTERNATIVES)
+    proposer = engine.make_proposer(GenerationOptions(method="draft", k=3, confidence=0.0, alternatives=0.0))
+    assert (proposer.k, proposer.confidence, proposer.alternatives) == (3, 0.0, 0.0)
     draft.quantize = "int8"
-    assert engine.make_proposer(GenerationOptions(method="draft")).confidence == 0.0
+    proposer = engine.make_proposer(GenerationOptions(method="draft"))
+    assert proposer.confidence == 0.0 and proposer.alternatives == 0.0
+    # greedy output with the int4 defaults (alternatives on) is plain decoding's
+    prompt = "an int4 draft, an int4 draft"
+    draft.quantize = "int4"
+    ref = engine.generate(prompt, method="none", max_new_tokens=30)
+    for method in ("draft", "draft+pld"):
+        assert engine.generate(prompt, method=method, max_new_tokens=30).token_ids == ref.token_ids

@@ -123,3 +123,59 @@ def test_compiled_decode_attention_matches_torch_ops(tok):
             alone = StaticKV(model, 1, 64)
             alone.forward([row], 1)
             assert torch.equal(alone.forward([feeds_b[b]], 1), batched[b : b + 1]), b
+
+
+def _alternative_vs_plain(model, prompt, chain, alt_at, alt, *, torch_ops=False, transformers=False, monkeypatch=None):
+    """Logits of an alternative token fed after a chain, at the position of chain[alt_at], and of
+    the same token fed plainly at that position: (tree's, plain's), each (1, 1, V)."""
+    import speclm.kv as kv_mod
+
+    if transformers:
+        monkeypatch.setattr(kv_mod.lean, "supports", lambda m: False)
+    out = []
+    for tree in (True, False):
+        kv = StaticKV(model, 1, 64)
+        if torch_ops and kv.lean is not None:
+            kv.lean.compiled = None
+        kv.forward([prompt], 1)
+        base = kv.lengths_list()[0]
+        if tree:
+            positions = [list(range(base, base + len(chain))) + [base + alt_at]]
+            out.append(kv.forward([chain + [alt]], 1, positions=positions))
+        else:
+            out.append(kv.forward([chain[:alt_at] + [alt]], 1))
+    return out
+
+
+def test_alternative_token_gets_the_bits_of_a_plain_step(tok, monkeypatch):
+    """A tree's alternative (fed after the chain, at the position of the chain token it replaces)
+    attends what a plain step at that position attends, in the same order: on int8 weights its
+    logits are bit-identical, on the compiled kernel, the torch ops and the transformers path;
+    and after `move` the cache continues as if the alternative had been fed plainly."""
+    from speclm.quant import quantize_model
+    from tiny import require_compiled_kernels, tiny_model
+
+    require_compiled_kernels()
+    prompt = tok("a tree of tokens, a tree").input_ids
+    chain = [5, 6, 7, 8]
+    for hidden, heads, kv_heads in ((64, 2, 1), (256, 4, 2)):
+        model = tiny_model(len(tok), seed=4, hidden=hidden, heads=heads, kv_heads=kv_heads)
+        quantize_model(model, "int8")
+        for alt_at in (0, 2, 3):
+            for mode in ("compiled", "torch_ops"):
+                tree, plain = _alternative_vs_plain(model, prompt, chain, alt_at, 9, torch_ops=mode == "torch_ops")
+                assert torch.equal(tree, plain), (hidden, alt_at, mode)
+        with monkeypatch.context() as m:
+            tree, plain = _alternative_vs_plain(model, prompt, chain, 1, 9, transformers=True, monkeypatch=m)
+            assert torch.equal(tree, plain), (hidden, "transformers")
+        # accepted at position base + 1: move its keys and values there, keep base + 2 slots, go on
+        kv = StaticKV(model, 1, 64)
+        kv.forward([prompt], 1)
+        base = kv.lengths_list()[0]
+        kv.forward([chain + [9]], 1, positions=[list(range(base, base + 4)) + [base + 1]])
+        kv.move(0, base + 4, base + 1)
+        kv.truncate([base + 2])
+        after = kv.forward([[10, 11]], 2)
+        fresh = StaticKV(model, 1, 64)
+        fresh.forward([prompt], 1)
+        assert torch.equal(fresh.forward([chain[:1] + [9, 10, 11]], 2), after)

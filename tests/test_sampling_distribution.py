@@ -5,14 +5,15 @@ generated tokens is computed from the target alone (36 forwards). Many independe
 requests, one row each with its own generator, are decoded as one batch with `draft`,
 `pld` and `draft+pld`; their first three tokens are compared with the exact distribution by a
 chi-square test (see chisq.py: each check fails a correct sampler with probability ALPHA = 1e-4, so
-the whole file with its 8 checks has a false-failure probability below 8e-4).
+the whole file with its 11 checks has a false-failure probability below 1.1e-3).
 The first round drafts up to k = 3 tokens, so acceptance, residual resampling and the bonus
 token all shape these three tokens.
 
 test_broken_verifier_is_caught shows the check has power: a verifier that resamples from
 the target instead of the residual after a rejection fails it; so does a draft+pld batch whose
 lookup rows are verified against the draft model's probabilities
-(test_mixed_batch_with_wrong_draft_probabilities_is_caught).
+(test_mixed_batch_with_wrong_draft_probabilities_is_caught). The alternatives' own step has
+its power test in test_verify.py, on hand-made distributions far apart.
 """
 
 import itertools
@@ -76,6 +77,10 @@ CASES = [
     # after the first token; a 2-gram recurs in some of them)
     ("draft+pld", SamplingParams(temperature=1.0), {}),
     ("draft+pld", SamplingParams(temperature=0.8, top_k=5), {"ngram_min": 3, "confidence": 0.35}),
+    # alternatives: every drafted token gets a second, independent draw verified beside it
+    ("draft", SamplingParams(temperature=1.0), {"alternatives": 1.0}),
+    ("draft", SamplingParams(temperature=0.8, top_k=5), {"alternatives": 0.6, "confidence": 0.35}),
+    ("draft+pld", SamplingParams(temperature=1.0), {"alternatives": 1.0}),
 ]
 
 
@@ -134,3 +139,4 @@ def test_mixed_batch_with_wrong_draft_probabilities_is_caught(small, monkeypatch
     params = SamplingParams(temperature=1.0)
     counts = sampled_counts(SpecEngine(target, draft=draft), prompt_ids, "draft+pld", params)
     assert chisq_pvalue(counts, exact_joint(target, prompt_ids, params)) < ALPHA
+

@@ -71,3 +71,70 @@ def test_sampled_first_token_follows_target_with_draft_probs():
 def test_sampled_first_token_follows_target_one_hot_draft():
     counts, target = _first_token_counts(lambda g: None, SamplingParams(temperature=0.8, top_k=5))
     assert chisq_pvalue(counts, target) > ALPHA
+
+
+def _first_token_counts_with_alternative(step=None, n=6000, width=3):
+    """One round n times with an alternative for position 0 drawn from the same q as the chain's
+    token, independently; count the first committed token. At position 0 the target p and the
+    draft q lean opposite ways (p = .4 .3 .2 .1, q = .1 .2 .3 .4), so the first token is often
+    rejected and the alternative's step, and the residuals, decide."""
+    import speclm.verify as verify_mod
+
+    gen = torch.Generator().manual_seed(99)
+    params = SamplingParams(temperature=1.0)
+    vocab = 4
+    target_logits = torch.randn(1, width + 2, vocab, generator=gen)  # chain's K+1 columns, then the alternative's
+    target_logits[0, 0] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    q = torch.randn(width, vocab, generator=gen).softmax(-1)
+    q[0] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    counts = np.zeros(vocab)
+    taken = 0
+    real = verify_mod._alternative_step
+    if step is not None:
+        verify_mod._alternative_step = step
+    try:
+        for i in range(n):
+            rng = torch.Generator().manual_seed(i)
+            tokens = torch.multinomial(q, 1, generator=rng).T  # (1, K)
+            alternatives = torch.full((1, width), -1, dtype=torch.long)
+            alternatives[0, 0] = int(torch.multinomial(q[0], 1, generator=rng))
+            draft = Draft(tokens, torch.tensor([width]), q[None], alternatives=alternatives)
+            v = verify(target_logits, draft, params, [rng])
+            counts[v.committed(0)[0]] += 1
+            taken += int(v.alternative[0]) == 0
+    finally:
+        verify_mod._alternative_step = real
+    return counts, processed_probs(target_logits, params)[0, 0].numpy(), taken
+
+
+def test_sampled_first_token_follows_target_with_an_alternative():
+    counts, target, taken = _first_token_counts_with_alternative()
+    assert taken > 300  # the alternative's step decided the token in many rounds
+    assert chisq_pvalue(counts, target) > ALPHA
+
+
+def test_alternative_without_second_residual_is_caught():
+    """After the alternative a is rejected the recovered token must come from normalise(max(0, p' - q));
+    drawing it from p' (as if a had not been tried) biases the first token: the check sees it."""
+    def no_second_residual(dist, q, token, generator):
+        if float(torch.rand(1, generator=generator)) * float(q[token]) < float(dist[token]):
+            return True, dist
+        return False, dist
+
+    counts, target, _ = _first_token_counts_with_alternative(no_second_residual)
+    assert chisq_pvalue(counts, target) < ALPHA
+
+
+def test_greedy_alternative_is_accepted_where_the_chain_is_rejected():
+    # target argmax per column: chain positions 0..3 prefer 1, 2, 3, 4; the alternatives' columns 7 and 8
+    logits = logits_preferring([[1, 2, 3, 4, 7, 8]])
+    tokens = torch.tensor([[1, 5, 3]])
+    draft = Draft(tokens, torch.tensor([3]), None, alternatives=torch.tensor([[6, 2, -1]]))
+    v = verify(logits, draft, GREEDY, [None])
+    # chain accepted up to position 1 (5 != 2); position 1's alternative 2 is the argmax: taken,
+    # and the bonus after it is the argmax of its own column (the second alternative column: 8)
+    assert v.num_accepted.tolist() == [2] and v.alternative.tolist() == [1]
+    assert v.committed(0) == [1, 2, 8]
+    wrong = Draft(tokens, torch.tensor([3]), None, alternatives=torch.tensor([[6, 7, -1]]))
+    v = verify(logits, wrong, GREEDY, [None])
+    assert v.num_accepted.tolist() == [1] and v.alternative.tolist() == [-1] and v.committed(0) == [1, 2]

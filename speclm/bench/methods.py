@@ -21,8 +21,8 @@ from speclm.quant import QUANTIZE_MODES
 from speclm.stats import RequestStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
-OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float, "vocab": int,
-                "prompt_ratio": float}
+OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float,
+                "alternatives": float, "vocab": int, "prompt_ratio": float}
 
 
 @dataclass(frozen=True)

@@ -442,6 +442,20 @@ inline void score16(const float* q, const float* k, int64_t dim, int64_t s0, int
   _mm512_mask_storeu_ps(out + s0, m, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
 }
 
+// out[index] = (q . k) * scale for one key row k, computed in lane index % 16 of a 16-slot block,
+// where a plain step computes the slot at that index: the same operations, so the same bits.
+inline void score_apart(const float* q, const float* k, int64_t dim, int64_t index, float scale, float* out) {
+  __m512 a[16];
+  const __m512 q0 = _mm512_loadu_ps(q);
+  for (int u = 0; u < 16; ++u) a[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+  for (int64_t c = 16; c < dim; c += 16) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+    for (int u = 0; u < 16; ++u) a[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + c), a[u]);
+  }
+  const int lane = static_cast<int>(index % 16);
+  _mm512_mask_storeu_ps(out + index - lane, __mmask16(1u << lane), _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+}
+
 // acc (D) += p_j v_j for slots j0 .. j1 - 1, one FMA per feature and slot in slot order: with the
 // features of one query in registers (C chunks of 16), the C chains run side by side.
 template <int C>
@@ -477,10 +491,14 @@ inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0
 // speclm.lean's: x * cos + roll(x, D/2) * sin, the same three roundings); keys, values
 // (B, H_kv, capacity, D) this layer's cache; starts, counts (B,): slots before this forward and
 // real tokens per row (the rest of a ragged row's M columns are padding: written, not attended
-// from, output zero). Returns (B M, H D).
+// from, output zero). positions (B M) or empty: each token's position; empty means its slot.
+// A token whose position p is below its slot (a tree's alternative token, written after the
+// chain it branches from) is rotated at p and attends slots 0 .. p - 1 and then its own slot:
+// the slots, values and order of a token at slot p, so its bits are those of a plain step.
+// Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
-                            int64_t heads, int64_t kv_heads, double scale) {
+                            int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions) {
   const int64_t batch = static_cast<int64_t>(starts.size());
   TORCH_CHECK(batch >= 1 && counts.size() == starts.size() && keys.dim() == 4 && keys.size(0) == batch,
               "one start and count per cache row");
@@ -495,6 +513,11 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
               sin.is_contiguous() && cos.size(1) == dim && cos.size(0) >= last && sin.size(0) >= last &&
               last <= capacity, "rotary tables or cache too short");
   for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(starts[b] >= 0 && counts[b] >= 0 && counts[b] <= width, "bad count");
+  const bool tree = !positions.empty();
+  TORCH_CHECK(!tree || static_cast<int64_t>(positions.size()) == rows, "one position per token");
+  for (int64_t r = 0; tree && r < rows; ++r)
+    TORCH_CHECK(positions[r] >= 0 && positions[r] <= starts[r / width] + r % width, "a position past its slot");
+  auto position_of = [&](int64_t b, int64_t i) { return tree ? positions[b * width + i] : starts[b] + i; };
   const int64_t stride = qkv.size(1), groups = heads / kv_heads, chunks = dim / 16;
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -515,10 +538,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     float* kb = kp + b * kv_heads * capacity * dim;
     float* vb = vp + b * kv_heads * capacity * dim;
     for (int64_t i = 0; i < width; ++i) {
-      const int64_t r = b * width + i, slot = starts[b] + i;
+      const int64_t r = b * width + i, slot = starts[b] + i, at = position_of(b, i);
       const float* row = src + r * stride;
-      const float* c = cp + slot * dim;
-      const float* sn = sp + slot * dim;
+      const float* c = cp + at * dim;
+      const float* sn = sp + at * dim;
       for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, sn, q.data() + (r * heads + h) * dim);
       for (int64_t g = 0; g < kv_heads; ++g) {
         rotate(row + (heads + g) * dim, c, sn, kb + (g * capacity + slot) * dim);
@@ -541,24 +564,29 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
                                                                               (batch * kv_heads)));
   at::parallel_for(0, batch * kv_heads * shares, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> who;       // query index r * heads + h, per query of this task
-    std::vector<int64_t> reach;     // slots each query attends
+    std::vector<int64_t> reach;     // leading slots each query attends
+    std::vector<int64_t> own;       // its own slot where that lies past them (a tree's alternative), else -1
     std::vector<float> scores, acc, inverse;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t share = t % shares, bg = t / shares, b = bg / kv_heads, g = bg % kv_heads;
       who.clear();
       reach.clear();
+      own.clear();
       for (int64_t n = share; n < per_head; n += shares) {
         const int64_t i = n / groups, h = g * groups + n % groups, r = b * width + i;
         if (i >= counts[b]) {  // a padding column
           std::fill_n(op + r * heads * dim + h * dim, dim, 0.0f);
           continue;
         }
+        const int64_t at = position_of(b, i), slot = starts[b] + i;
         who.push_back(r * heads + h);
-        reach.push_back(starts[b] + i + 1);
+        reach.push_back(at == slot ? slot + 1 : at);
+        own.push_back(at == slot ? -1 : slot);
       }
       const int64_t nq = static_cast<int64_t>(who.size());
       if (nq == 0) continue;
-      const int64_t most = *std::max_element(reach.begin(), reach.end());
+      int64_t most = 0;  // entries of a query's scores: its leading slots, then its own slot if apart
+      for (int64_t n = 0; n < nq; ++n) most = std::max(most, reach[n] + (own[n] >= 0));
       scores.resize(nq * most);
       acc.assign(nq * dim, 0.0f);
       inverse.resize(nq);
@@ -571,9 +599,11 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
             score16(q.data() + who[n] * dim, kg, dim, s0, std::min<int64_t>(16, j1 - s0), sc, scores.data() + n * most);
         }
       }
+      for (int64_t n = 0; n < nq; ++n)  // an alternative's own slot, scored in the lane a plain step's slot has
+        if (own[n] >= 0) score_apart(q.data() + who[n] * dim, kg + own[n] * dim, dim, reach[n], sc, scores.data() + n * most);
       for (int64_t n = 0; n < nq; ++n) {  // softmax numerators in place, and 1 / their sum
         float* sn = scores.data() + n * most;
-        const int64_t slots = reach[n];
+        const int64_t slots = reach[n] + (own[n] >= 0);
         __m512 vmax = _mm512_set1_ps(-INFINITY);  // a maximum does not depend on the order
         int64_t j = 0;
         for (; j + 16 <= slots; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sn + j));
@@ -602,6 +632,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
           if (j1 > j0) weigh_values(scores.data() + n * most, vg, dim, j0, j1, acc.data() + n * dim);
         }
       }
+      for (int64_t n = 0; n < nq; ++n)  // the own slot last, as a plain step's last slot
+        if (own[n] >= 0) weigh_values(scores.data() + n * most + reach[n], vg + own[n] * dim, dim, 0, 1, acc.data() + n * dim);
       for (int64_t n = 0; n < nq; ++n) {
         float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
         const __m512 inv = _mm512_set1_ps(inverse[n]);
@@ -620,5 +652,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over rows of gate | up, fp32");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32", py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward");
+  m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
+        py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
+        py::arg("positions") = std::vector<int64_t>());
 }

@@ -21,6 +21,10 @@ class Draft:
     lengths: torch.Tensor  # (B,) long; drafted tokens per row, 0 <= lengths[b] <= K
     draft_probs: torch.Tensor | None  # (B, K, V) the distribution each token was drawn from; None: one-hot
     forwards: int = 0  # draft model forwards spent on this proposal
+    # (B, K) long or None: a second candidate for position j, verified beside tokens[:, j] (a tree
+    # whose extra branches are leaves), -1 where none; drawn from draft_probs[:, j] independently
+    # of tokens[:, j] (greedy: the draft's second choice). See speclm.verify.
+    alternatives: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -30,7 +34,19 @@ class Draft:
         """The same draft, padded only to its longest row (no columns that no row uses)."""
         width = int(self.lengths.max()) if len(self.lengths) else 0
         probs = self.draft_probs[:, :width] if self.draft_probs is not None and width else None
-        return Draft(self.tokens[:, :width], self.lengths, probs, self.forwards)
+        alternatives = self.alternatives[:, :width] if self.alternatives is not None and width else None
+        if alternatives is not None:  # none past a row's own draft
+            alternatives = alternatives.masked_fill(torch.arange(width)[None, :] >= self.lengths[:, None], -1)
+            alternatives = alternatives if bool((alternatives >= 0).any()) else None
+        return Draft(self.tokens[:, :width], self.lengths, probs, self.forwards, alternatives)
+
+    def alternative_slots(self) -> tuple[list[list[tuple[int, int]]], int]:
+        """Per row, its alternatives as (position j, token) in order of j; and the most any row has
+        (the target is fed each row's alternatives after its chain, padded to that many)."""
+        if self.alternatives is None:
+            return [[] for _ in range(len(self.lengths))], 0
+        rows = [[(j, t) for j, t in enumerate(row) if t >= 0] for row in self.alternatives.tolist()]
+        return rows, max(len(r) for r in rows)
 
     @staticmethod
     def from_rows(rows: list[list[int]], draft_probs: torch.Tensor | None = None, forwards: int = 0) -> "Draft":

@@ -33,12 +33,13 @@ class DraftLookupProposer(DraftModelProposer):
     name = "draft+pld"
 
     def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = (),
-                 ngram_max: int = 3, ngram_min: int = 2, prompt_ratio: float = 3.0, lookup_k: int = 4):
-        """k, confidence, vocab, always: the draft model's (DraftModelProposer); ngram_max,
+                 alternatives: float = 0.0, ngram_max: int = 3, ngram_min: int = 2, prompt_ratio: float = 3.0,
+                 lookup_k: int = 4):
+        """k, confidence, vocab, always, alternatives: the draft model's (DraftModelProposer); ngram_max,
         ngram_min: the lookup's while the draft model runs; prompt_ratio: the draft model stays off
         for a batch whose every prompt is longer than this times its max_new_tokens (0: always
         off, inf: always on); lookup_k: tokens per lookup draft when the model is off."""
-        super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always)
+        super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always, alternatives=alternatives)
         self.beside = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)  # while the model runs
         self.alone = PromptLookupProposer(k=lookup_k, max_ngram=ngram_max, min_ngram=1)  # as method pld
         self.prompt_ratio = prompt_ratio
@@ -78,9 +79,16 @@ class DraftLookupProposer(DraftModelProposer):
 
 
 def _mixed(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: SamplingParams) -> Draft:
-    """A Draft of these token rows, some by lookup, the others the model's. Sampling: the model's
-    rows read their distributions from model.draft_probs (B, K', V); lookup rows are one-hot."""
+    """A Draft of these token rows, some by lookup, the others the model's (with the model's
+    alternatives). Sampling: the model's rows read their distributions from model.draft_probs
+    (B, K', V); lookup rows are one-hot."""
     draft = Draft.from_rows(rows, forwards=model.forwards)
+    if model.alternatives is not None:  # the model's rows keep their alternatives
+        others = torch.full(draft.tokens.shape, -1, dtype=torch.long)
+        for b, (r, hit) in enumerate(zip(rows, by_lookup)):
+            if not hit:
+                others[b, : len(r)] = model.alternatives[b, : len(r)]
+        draft.alternatives = others if bool((others >= 0).any()) else None
     if params.greedy or model.draft_probs is None:
         return draft  # draft_probs None: one-hot for every row
     probs = model.draft_probs.new_zeros(len(rows), draft.width, model.draft_probs.shape[-1])  # (B, K, V)

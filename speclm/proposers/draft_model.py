@@ -21,14 +21,18 @@ from speclm.sampling import SamplingParams, processed_probs, sample
 class DraftModelProposer(Proposer):
     name = "draft"
 
-    def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = ()):
+    def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = (),
+                 alternatives: float = 0.0):
         """k: most tokens per round; confidence: a row stops drafting after a token the draft gave
         less than this probability (0: never), so a round where the draft is unsure costs
         fewer draft steps and a narrower verification. The stop depends on the draft alone, so
         sampling stays exact. vocab: the draft scores only the `vocab` lowest token ids, the
         prompts' tokens and `always` (end-of-sequence ids) (speclm.proposers.draft_vocab; 0: the
-        whole vocabulary, as where speclm's lean forward does not run)."""
-        self.model, self.k, self.confidence = model, k, confidence
+        whole vocabulary, as where speclm's lean forward does not run). alternatives: where the
+        draft gave its token less than this probability, a second candidate for that position
+        is verified beside it (greedy: the draft's second choice; sampling: a second, independent
+        draw), one more token in the target's forward and no draft step (0: never)."""
+        self.model, self.k, self.confidence, self.alternatives = model, k, confidence, alternatives
         self.vocab, self.always = vocab, tuple(always)
         self.kv: StaticKV | None = None
         self.head: RestrictedHead | None = None
@@ -63,24 +67,36 @@ class DraftModelProposer(Proposer):
         # logits over the draft's vocabulary: all V ids, or head.ids (S,) when restricted
         logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head)[:, -1]  # (B, V or S)
         tokens = torch.zeros(batch, width, dtype=torch.long)
+        others = torch.full((batch, width), -1, dtype=torch.long) if self.alternatives > 0 else None
         drafted = [min(width, max(m, 0)) for m in max_tokens]  # per row: its budget, cut where it stops
         probs = [] if not params.greedy else None
         steps = 0
+        gauge = self.confidence > 0 or self.alternatives > 0  # the draft's probability of its token is needed
         for j in range(width):
+            other = None
             if params.greedy:
                 step = logits.argmax(-1)  # (B,) indices into the draft's vocabulary
-                sure = torch.softmax(logits, -1).gather(-1, step[:, None])[:, 0] if self.confidence > 0 else None
+                sure = torch.softmax(logits, -1).gather(-1, step[:, None])[:, 0] if gauge else None
+                if others is not None:  # the second choice
+                    other = logits.scatter(-1, step[:, None], float("-inf")).argmax(-1).cpu()
                 step = step.cpu()
             else:
                 p = processed_probs(logits, params)  # (B, V or S)
                 probs.append(p if head is None else _full_vocabulary(p, head))
                 step = torch.tensor([sample(p[b].cpu(), generators[b]) for b in range(batch)])
-                sure = p.gather(-1, step[:, None].to(p.device))[:, 0] if self.confidence > 0 else None
+                sure = p.gather(-1, step[:, None].to(p.device))[:, 0] if gauge else None
+            if others is not None:  # rows unsure of this token get an alternative for it
+                branch = (sure < self.alternatives).cpu()
+                if not params.greedy and bool(branch.any()):  # a second draw from the same distribution
+                    other = torch.tensor([sample(p[b].cpu(), generators[b]) if branch[b] else 0 for b in range(batch)])
+                if other is not None:
+                    ids = other if head is None else head.ids[other]
+                    others[:, j] = torch.where(branch, ids, -1)
             if head is not None:
                 step = head.ids[step]  # token ids
             tokens[:, j] = step
             steps = j + 1
-            if sure is not None:  # a row stops after a token its draft was unsure of
+            if self.confidence > 0:  # a row stops after a token its draft was unsure of
                 unsure = (sure < self.confidence).tolist()
                 drafted = [min(d, j + 1) if below else d for d, below in zip(drafted, unsure)]
             if any(d > j + 1 for d in drafted):  # some row still drafts: feed this step's tokens
@@ -89,7 +105,8 @@ class DraftModelProposer(Proposer):
                 break
         lengths = torch.tensor(drafted, dtype=torch.long)
         draft_probs = torch.stack(probs, dim=1) if probs is not None else None  # (B, steps, V)
-        return Draft(tokens[:, :steps], lengths, draft_probs, forwards=steps)
+        alternatives = others[:, :steps] if others is not None else None
+        return Draft(tokens[:, :steps], lengths, draft_probs, forwards=steps, alternatives=alternatives)
 
     def rollback(self, keep: list[int]) -> None:
         self.kv.truncate(keep)
