@@ -24,7 +24,8 @@ Predicted decode speedup = output tokens after the first / summed round costs. P
 
 Run: .venv/bin/python benchmarks/draft_policy.py benchmarks/epyc/reference-int8-qwen1.5b-b82b9b2/results.json \
          benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1/results.json \
-         benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/results.json > benchmarks/epyc/draft-policy.txt
+         benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/results.json \
+         benchmarks/epyc/alternatives-int8-qwen1.5b-73caf26/results.json > benchmarks/epyc/draft-policy.txt
 """
 from __future__ import annotations
 
@@ -194,15 +195,24 @@ def main(paths: list[str]) -> None:
         def cumulative(p):
             return lambda probs: math.prod(probs) < p
 
-        # Check of the replay: rounds + 1 (the prefill) against the run's target forwards, per
-        # method as the run ran it (greedy acceptance does not depend on timing)
-        measured = {m: sum(x["stats"]["target_forwards"] for x in results["runs"] if x["method"] == m)
-                    for m in ("draft", "pld", "draft+pld")}
-        replayed = {"draft": sum(replay_draft(r, costs, 6, confidence(0.5))[2] + 1 for r in replays),
-                    "pld": sum(replay_lookup(r, costs, 4, 3, 1)[2] + 1 for r in replays),
-                    "draft+pld": sum(replay_draft_lookup(r, costs, 6, confidence(0.5))[2] + 1 for r in replays)}
-        print("Target forwards, replayed / measured in the run: "
-              + "; ".join(f"{m} {replayed[m]} / {measured[m]}" for m in measured if measured[m]) + "\n")
+        # Check of the replay: rounds + 1 (the prefill) against the run's target forwards (greedy
+        # acceptance does not depend on timing). What a label ran depends on the defaults of the
+        # commit that ran it: `draft` is confidence 0.5 before 73caf26, 0.6 with alternatives 0.6 since.
+        measured = {}
+        for x in results["runs"]:
+            if x["method"] != "none" and not x["method"].startswith("hf"):
+                measured[x["method"]] = measured.get(x["method"], 0) + x["stats"]["target_forwards"]
+        replayed = {
+            "draft, confidence 0.5": sum(replay_draft(r, costs, 6, confidence(0.5))[2] + 1 for r in replays),
+            "draft, confidence 0.6, alternatives 0.6": sum(replay_draft(r, costs, 6, confidence(0.6), 0.6)[2] + 1
+                                                          for r in replays),
+            "pld": sum(replay_lookup(r, costs, 4, 3, 1)[2] + 1 for r in replays),
+            "draft+pld, confidence 0.5": sum(replay_draft_lookup(r, costs, 6, confidence(0.5))[2] + 1 for r in replays),
+            "draft+pld, confidence 0.6, alternatives 0.6": sum(
+                replay_draft_lookup(r, costs, 6, confidence(0.6), alternative=0.6)[2] + 1 for r in replays),
+        }
+        print("Target forwards measured in the run: " + "; ".join(f"{m} {n}" for m, n in measured.items()) + "\n")
+        print("Replayed: " + "; ".join(f"{m} {n}" for m, n in replayed.items()) + "\n")
         print("Draft model (k at most 6 unless named):\n")
         table(replays, {
             "confidence 0.5 (the runs' setting)": lambda r: replay_draft(r, costs, 6, confidence(0.5)),
