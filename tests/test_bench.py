@@ -103,7 +103,7 @@ def dataset(tmp_path):
 
 
 def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
-    specs = parse_methods("none,draft:k=2,pld:k=3,draft+pld:k=2,hf,hf-assisted:k=2,hf-pld:k=3")
+    specs = parse_methods("none,draft:k=2,draft:k=3,alternatives=1,pld:k=3,draft+pld:k=2,hf,hf-assisted:k=2,hf-pld:k=3")
     prompts = load_prompts(dataset, ["qa", "rag"], 1)
     out = tmp_path / "out"
     results = run_bench(engine, specs, prompts, config(methods=[s.label for s in specs]), out, progress=False)
@@ -122,6 +122,12 @@ def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
     assert predicted["by_category"]["qa"] == pytest.approx(predicted_speedup(
         cell["mean_accepted_tokens"], cell["drafted_tokens"] / forwards, cost["c"]["draft:k=2"],
         {int(k): x for k, x in cost["v"].items()}, cell["draft_forwards"] / forwards))
+    # alternatives widen the verification: they count in g beside the drafted tokens
+    with_alt = saved["summary"]["methods"]["draft:k=3,alternatives=1"][report.ALL]
+    assert with_alt["alternatives"] > 0
+    p = saved["summary"]["predicted"]["draft:k=3,alternatives=1"]
+    assert p["drafted_per_forward"] == pytest.approx(
+        (with_alt["drafted_tokens"] + with_alt["alternatives"]) / with_alt["target_forwards"])
     assert "Predicted speedup by category" in text
     for png in ("speedup.png", "accepted_per_position.png", "v_k.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"

@@ -65,6 +65,7 @@ def _cell(rs: list[dict]) -> dict:
             target_forwards=forwards,
             draft_forwards=sum(s["draft_forwards"] for s in stats),
             drafted_tokens=drafted,
+            alternatives=sum(s.get("alternatives", 0) for s in stats),
             draft_share=sum(s["draft_seconds"] for s in stats) / wall if wall else None,
             verify_share=sum(s["verify_seconds"] for s in stats) / wall if wall else None,
             outside_forwards_share=(1 - sum(s.get("forward_seconds", 0.0) for s in stats) / wall
@@ -91,8 +92,9 @@ def _predicted(results: dict, table: dict) -> dict:
     """Predicted speedup of each drafting method from its measured tau, c and v.
 
     Per target forward a method spends d draft steps (draft model: its forwards; pld: one
-    lookup) and verifies g tokens on average, so the cost of one round, in target steps,
-    is d·c + v(g + 1) (v interpolated between measured k) and the speedup is tau / that.
+    lookup) and verifies g tokens on average (drafted tokens and their alternatives), so the
+    cost of one round, in target steps, is d·c + v(g + 1) (v interpolated between measured k)
+    and the speedup is tau / that.
     """
     cost = results.get("cost_model")
     if not cost:
@@ -108,7 +110,7 @@ def _predicted(results: dict, table: dict) -> dict:
         def predicted(cell):
             forwards = cell["target_forwards"]
             steps = cell["draft_forwards"] / forwards if label.startswith("draft") else 1.0
-            gamma = cell["drafted_tokens"] / forwards
+            gamma = (cell["drafted_tokens"] + cell.get("alternatives", 0)) / forwards
             return steps, gamma, predicted_speedup(cell["mean_accepted_tokens"], gamma, c, v, steps)
 
         steps, gamma, speedup = predicted(cell)
@@ -191,7 +193,7 @@ def markdown(results: dict, summary: dict) -> str:
                   "", "| k | " + " | ".join(str(k) for k in v) + " |", "|---" * (len(v) + 1) + "|",
                   "| v(k) | " + " | ".join(_fmt(x) for x in v.values()) + " |", ""]
         if summary["predicted"]:
-            lines += ["| method | draft steps d / forward | drafted tokens g / forward | tau | c | predicted speedup | measured speedup |",
+            lines += ["| method | draft steps d / forward | verified draft tokens g / forward (alternatives included) | tau | c | predicted speedup | measured speedup |",
                       "|---|---|---|---|---|---|---|"]
             for label, p in summary["predicted"].items():
                 lines.append(f"| {label} | {_fmt(p['draft_steps_per_forward'])} | {_fmt(p['drafted_per_forward'])} | {_fmt(p['tau'])} | "
