@@ -80,8 +80,8 @@ def room(r: Replay, s: int, k: int) -> int:
     return max(0, min(k, r.budget - s - 1, len(r.output) - s))
 
 
-def _draft_round(r: Replay, costs: Costs, k: int, stop, alternative: float, s: int) -> tuple[int, float, int]:
-    """One draft-model round after s committed tokens: (committed tokens after it, its cost, draft steps)."""
+def _draft_round(r: Replay, costs: Costs, k: int, stop, alternative: float, s: int) -> tuple[int, float]:
+    """One draft-model round after s committed tokens: (committed tokens after it, its cost)."""
     drafted = accepted = extra = alternatives = 0
     alive = True
     probs: list[float] = []
@@ -97,14 +97,14 @@ def _draft_round(r: Replay, costs: Costs, k: int, stop, alternative: float, s: i
             extra = int(branch and r.top[t][1] == r.output[t])
         if stop(probs):
             break
-    return s + accepted + extra + 1, drafted * costs.c + costs.verify(drafted + 1 + alternatives), drafted
+    return s + accepted + extra + 1, drafted * costs.c + costs.verify(drafted + 1 + alternatives)
 
 
 def replay_draft(r: Replay, costs: Costs, k: int, stop, alternative: float = 0.0) -> tuple[int, float, int]:
     """(tokens, cost, rounds); stop(probs of the round so far) -> end the round after this token."""
     n, s, cost, rounds = len(r.output), 1, 0.0, 0  # output[0] comes from the prefill
     while s < n:
-        s, c, _ = _draft_round(r, costs, k, stop, alternative, s)
+        s, c = _draft_round(r, costs, k, stop, alternative, s)
         cost, rounds = cost + c, rounds + 1
     return n - 1, cost, rounds
 
@@ -141,7 +141,7 @@ def replay_draft_lookup(r: Replay, costs: Costs, k: int, stop, prompt_ratio: flo
             accepted = next((j for j, t in enumerate(draft) if r.output[s + j] != t), len(draft))
             s, rounds, cost = s + accepted + 1, rounds + 1, cost + costs.verify(len(draft) + 1)
             continue
-        t0, c0, _ = _draft_round(r, costs, k, stop, alternative, s)
+        t0, c0 = _draft_round(r, costs, k, stop, alternative, s)
         s, rounds, cost = t0, rounds + 1, cost + c0
     return n - 1, cost, rounds
 

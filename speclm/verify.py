@@ -97,12 +97,11 @@ def verify(
         dist = target_probs[b, n]
         if n < int(draft.lengths[b]):  # rejected at n: recovered token from the residual
             if draft.draft_probs is None:
-                residual = dist.clone()
-                residual[tokens[b, n]] = 0.0
+                one_hot = torch.zeros_like(dist)
+                one_hot[tokens[b, n]] = 1.0
+                dist = _residual(dist, one_hot)
             else:
-                residual = (dist - draft.draft_probs[b, n].cpu()).clamp_min(0.0)
-            if residual.sum() > 0:  # zero only if the rejection had probability zero (rounding)
-                dist = residual / residual.sum()
+                dist = _residual(dist, draft.draft_probs[b, n].cpu())
             here = [(a, t) for a, (j, t) in enumerate(branches[b]) if j == n]
             if here:  # the alternative: a speculative step against the residual
                 a, t = here[0]
@@ -122,5 +121,11 @@ def _alternative_step(dist: torch.Tensor, q: torch.Tensor, token: int, generator
     min(1, dist[token] / q[token]); else return the distribution left for the recovered token."""
     if float(torch.rand(1, generator=generator)) * float(q[token]) < float(dist[token]):
         return True, dist
+    return False, _residual(dist, q)
+
+
+def _residual(dist: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalise(max(0, dist - q)): what is left of dist after a token drawn from q was rejected;
+    dist itself if nothing is left (only if the rejection had probability zero: rounding)."""
     residual = (dist - q).clamp_min(0.0)
-    return False, residual / residual.sum() if residual.sum() > 0 else dist
+    return residual / residual.sum() if residual.sum() > 0 else dist

@@ -426,11 +426,8 @@ inline void score16_fixed(const float* q, const float* k, float scale, float* ou
   _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
 }
 
-inline void score16(const float* q, const float* k, int64_t dim, int64_t s0, int64_t valid, float scale, float* out) {
-  if (valid == 16 && dim == 128) return score16_fixed<128>(q, k + s0 * dim, scale, out + s0);
-  if (valid == 16 && dim == 64) return score16_fixed<64>(q, k + s0 * dim, scale, out + s0);
-  const float* rows[16];
-  for (int u = 0; u < 16; ++u) rows[u] = k + (s0 + (u < valid ? u : 0)) * dim;
+// Lane u of the result: q . rows[u], summed across lanes as score16_fixed's blocks are.
+inline __m512 dots16(const float* q, const float* const* rows, int64_t dim) {
   __m512 a[16];
   const __m512 q0 = _mm512_loadu_ps(q);
   for (int u = 0; u < 16; ++u) a[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(rows[u]));
@@ -438,22 +435,25 @@ inline void score16(const float* q, const float* k, int64_t dim, int64_t s0, int
     const __m512 qc = _mm512_loadu_ps(q + c);
     for (int u = 0; u < 16; ++u) a[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[u] + c), a[u]);
   }
+  return sum_lanes16(a);
+}
+
+inline void score16(const float* q, const float* k, int64_t dim, int64_t s0, int64_t valid, float scale, float* out) {
+  if (valid == 16 && dim == 128) return score16_fixed<128>(q, k + s0 * dim, scale, out + s0);
+  if (valid == 16 && dim == 64) return score16_fixed<64>(q, k + s0 * dim, scale, out + s0);
+  const float* rows[16];
+  for (int u = 0; u < 16; ++u) rows[u] = k + (s0 + (u < valid ? u : 0)) * dim;
   const __mmask16 m = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-  _mm512_mask_storeu_ps(out + s0, m, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+  _mm512_mask_storeu_ps(out + s0, m, _mm512_mul_ps(dots16(q, rows, dim), _mm512_set1_ps(scale)));
 }
 
 // out[index] = (q . k) * scale for one key row k, computed in lane index % 16 of a 16-slot block,
 // where a plain step computes the slot at that index: the same operations, so the same bits.
 inline void score_apart(const float* q, const float* k, int64_t dim, int64_t index, float scale, float* out) {
-  __m512 a[16];
-  const __m512 q0 = _mm512_loadu_ps(q);
-  for (int u = 0; u < 16; ++u) a[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-  for (int64_t c = 16; c < dim; c += 16) {
-    const __m512 qc = _mm512_loadu_ps(q + c);
-    for (int u = 0; u < 16; ++u) a[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + c), a[u]);
-  }
+  const float* rows[16];
+  for (int u = 0; u < 16; ++u) rows[u] = k;
   const int lane = static_cast<int>(index % 16);
-  _mm512_mask_storeu_ps(out + index - lane, __mmask16(1u << lane), _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+  _mm512_mask_storeu_ps(out + index - lane, __mmask16(1u << lane), _mm512_mul_ps(dots16(q, rows, dim), _mm512_set1_ps(scale)));
 }
 
 // acc (D) += p_j v_j for slots j0 .. j1 - 1, one FMA per feature and slot in slot order: with the

@@ -73,13 +73,9 @@ class DraftModelProposer(Proposer):
         steps = 0
         gauge = self.confidence > 0 or self.alternatives > 0  # the draft's probability of its token is needed
         for j in range(width):
-            other = None
             if params.greedy:
                 step = logits.argmax(-1)  # (B,) indices into the draft's vocabulary
                 sure = torch.softmax(logits, -1).gather(-1, step[:, None])[:, 0] if gauge else None
-                if others is not None:  # the second choice
-                    other = logits.scatter(-1, step[:, None], float("-inf")).argmax(-1).cpu()
-                step = step.cpu()
             else:
                 p = processed_probs(logits, params)  # (B, V or S)
                 probs.append(p if head is None else _full_vocabulary(p, head))
@@ -87,11 +83,13 @@ class DraftModelProposer(Proposer):
                 sure = p.gather(-1, step[:, None].to(p.device))[:, 0] if gauge else None
             if others is not None:  # rows unsure of this token get an alternative for it
                 branch = (sure < self.alternatives).cpu()
-                if not params.greedy and bool(branch.any()):  # a second draw from the same distribution
-                    other = torch.tensor([sample(p[b].cpu(), generators[b]) if branch[b] else 0 for b in range(batch)])
-                if other is not None:
+                if bool(branch.any()):  # greedy: the second choice; sampling: a second draw from p
+                    other = (logits.scatter(-1, step[:, None].to(logits.device), float("-inf")).argmax(-1).cpu()
+                             if params.greedy else
+                             torch.tensor([sample(p[b].cpu(), generators[b]) if branch[b] else 0 for b in range(batch)]))
                     ids = other if head is None else head.ids[other]
                     others[:, j] = torch.where(branch, ids, -1)
+            step = step.cpu()
             if head is not None:
                 step = head.ids[step]  # token ids
             tokens[:, j] = step
