@@ -299,6 +299,7 @@ class SpecEngine:
             budgets = [0 if prefill else min(k, r.max_new - len(r.generated) - 1) for r in active]
             gens = [r.generator for r in active]
 
+            prefilled = proposer.prefill_seconds if proposer else 0.0
             t0 = time.perf_counter()
             draft = proposer.propose(contexts, budgets, params, gens).trimmed() if proposer else Draft.empty(len(active))
             t1 = time.perf_counter()
@@ -333,6 +334,7 @@ class SpecEngine:
                 s.target_forwards += 1
                 s.draft_forwards += draft.forwards
                 s.draft_seconds += t1 - t0
+                s.draft_prefill_seconds += (proposer.prefill_seconds - prefilled) if proposer else 0.0
                 s.verify_seconds += t2 - t1
                 s.forward_seconds = in_forwards
                 s.record_acceptance(int(draft.lengths[b]), int(verdict.num_accepted[b]))

@@ -214,7 +214,35 @@ def test_bench_int8_beside_fp32_in_one_run(folders, tmp_path, dataset, capsys):
     cell = saved["summary"]["methods"]["draft:k=3"][saved["summary"]["categories"][-1]]
     expected = (stats["new_tokens"] - 1) / (stats["wall_seconds"] - stats["prefill_seconds"])
     assert cell["decode_tokens_per_second"] == pytest.approx(expected)
-    assert "time outside model forwards" in (out / "report.md").read_text()
+    # the draft model's prefill is timed apart, within drafting; prompt lookup has none
+    assert 0 < stats["draft_prefill_seconds"] < stats["draft_seconds"]
+    assert runs["pld:k=4"]["stats"]["draft_prefill_seconds"] == 0
+    parts = cell["time"]
+    assert parts["draft_prefill"] == pytest.approx(stats["draft_prefill_seconds"])
+    assert parts["target_prefill"] + parts["target_after_prefill"] + parts["draft_prefill"] + parts["drafting"] + (
+        parts["rest"]) == pytest.approx(stats["wall_seconds"])
+    assert min(parts.values()) >= 0
+    report = (out / "report.md").read_text()
+    assert "time outside model forwards" in report and "## Where the time goes" in report
+
+
+def test_report_of_results_without_the_draft_prefill():
+    """results.json written before draft_prefill_seconds existed: its drafting keeps the draft's
+    prefill, and the report shows the column as unknown."""
+    stats = {"target_forwards": 3, "draft_forwards": 4, "drafted_tokens": 4, "accepted_tokens": 2,
+             "accepted_per_position": [2, 0], "draft_seconds": 0.5, "verify_seconds": 1.5, "wall_seconds": 2.1,
+             "forward_seconds": 1.9, "prefill_seconds": 0.6, "new_tokens": 5}
+    results = {"config": {"target": "t", "draft": "d", "dtype": "float32", "temperature": 0.0, "max_new_tokens": 5,
+                          "repeats": 1, "dataset": "x", "chat": False},
+               "machine": {"cpu": "c", "cpu_count": 2, "torch_threads": 2, "torch": "2", "transformers": "5", "python": "3"},
+               "created": "now", "complete": True,
+               "runs": [{"prompt_id": "1", "category": "qa", "method": "draft", "repeat": 0, "new_tokens": 5,
+                         "seconds": 2.1, "stats": stats, "lossless": None, "mismatch": None}]}
+    summary = report.summarize(results)
+    parts = summary["methods"]["draft"]["all"]["time"]
+    assert parts["draft_prefill"] is None and parts["drafting"] == pytest.approx(0.5)
+    assert parts["rest"] == pytest.approx(0.1) and parts["target_after_prefill"] == pytest.approx(0.9)
+    assert "| draft | 2.1 | 0.6 (29%) | 0.9 (43%) | – | 0.5 (24%) | 0.1 (5%) |" in report.markdown(results, summary)
 
 
 def test_bench_records_the_draft_weights(folders, tmp_path, dataset):

@@ -72,10 +72,27 @@ def _cell(rs: list[dict]) -> dict:
                                     if wall and all("forward_seconds" in s for s in stats) else None),
             decode_tokens_per_second=_decode_rate(stats),
             prefill_share=(sum(s.get("prefill_seconds", 0.0) for s in stats) / wall if wall else None),
+            time=_time_parts(stats),
         )
     checked = [r["lossless"] for r in rs if r["lossless"] is not None]
     cell["lossless"] = f"{sum(checked)}/{len(checked)}" if checked else None
     return cell
+
+
+def _time_parts(stats: list[dict]) -> dict | None:
+    """The requests' wall time in seconds, split: the target's prefill (the first round), the
+    target's later forwards with their verification, the draft model's prefill, the rest of
+    drafting, and what is left (committing tokens, bookkeeping). None for results written before
+    the prefill was timed; draft_prefill None (counted in drafting) before it was."""
+    if not stats or not all("prefill_seconds" in s for s in stats):
+        return None
+    total = {key: sum(s[key] for s in stats) for key in ("wall_seconds", "prefill_seconds", "verify_seconds", "draft_seconds")}
+    split = all("draft_prefill_seconds" in s for s in stats)
+    draft_prefill = sum(s["draft_prefill_seconds"] for s in stats) if split else None
+    return {"wall": total["wall_seconds"], "target_prefill": total["prefill_seconds"],
+            "target_after_prefill": total["verify_seconds"] - total["prefill_seconds"],
+            "draft_prefill": draft_prefill, "drafting": total["draft_seconds"] - (draft_prefill or 0.0),
+            "rest": total["wall_seconds"] - total["verify_seconds"] - total["draft_seconds"]}
 
 
 def _decode_rate(stats: list[dict]) -> float | None:
@@ -165,6 +182,19 @@ def markdown(results: dict, summary: dict) -> str:
               "forwards (drafting logic, verification, bookkeeping); it is what a faster engine loop could remove. "
               "`none` in a row's label means plain decoding on that row's weights; lossless compares each method "
               "with `none` on the same weights."]
+    parts = {m: cells[ALL]["time"] for m, cells in methods.items() if cells.get(ALL, {}).get("time")}
+    if parts:
+        lines += ["", "## Where the time goes (all categories)", "",
+                  "Seconds summed over the method's requests, and their share of its wall time.", "",
+                  "| method | wall | target prefill | target forwards after it, with verification | draft model's prefill "
+                  "| drafting (draft steps, lookup) | rest (committing tokens, bookkeeping) |", "|---|---|---|---|---|---|---|"]
+        for m, t in parts.items():
+            def cell(key):
+                return "–" if t[key] is None else f"{t[key]:.1f} ({t[key] / t['wall']:.0%})" if t["wall"] else "–"
+            lines.append(f"| {m} | {t['wall']:.1f} | {cell('target_prefill')} | {cell('target_after_prefill')} | "
+                         f"{cell('draft_prefill')} | {cell('drafting')} | {cell('rest')} |")
+        lines += ["", "Speculation shortens only the target's forwards after the prefill, and pays for drafting and "
+                  "the draft model's prefill out of what it saves there."]
     cats = [x for x in summary["categories"] if x != ALL]
     lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " | mean of the categories |",
               "|---" * (len(cats) + 2) + "|"]

@@ -77,6 +77,12 @@ class Proposer:
         """Time spent inside model forwards since `start` (0 for model-free proposers)."""
         return 0.0
 
+    @property
+    def prefill_seconds(self) -> float:
+        """Time since `start` spent reading the batch's prompts (a draft model's own prefill: its
+        restricted head and its forwards over the prompts), part of proposing."""
+        return 0.0
+
     def propose(
         self,
         contexts: list[list[int]],

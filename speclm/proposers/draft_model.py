@@ -10,6 +10,8 @@ costs k draft forwards, not k+1.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from speclm.proposers.base import Draft, Proposer
@@ -36,10 +38,12 @@ class DraftModelProposer(Proposer):
         self.vocab, self.always = vocab, tuple(always)
         self.kv: StaticKV | None = None
         self.head: RestrictedHead | None = None
+        self._prefill_seconds = 0.0
 
     def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None) -> None:
         self.kv = StaticKV(self.model, batch_size, capacity)
         self.head = None
+        self._prefill_seconds = 0.0
 
     def _restrict(self, contexts: list[list[int]]) -> None:
         """At a batch's first proposal: the head over the vocab lowest ids, the prompts' and `always`."""
@@ -49,16 +53,22 @@ class DraftModelProposer(Proposer):
     def forward_seconds(self) -> float:
         return self.kv.forward_seconds if self.kv is not None else 0.0
 
+    @property
+    def prefill_seconds(self) -> float:
+        return self._prefill_seconds
+
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
         batch = len(contexts)
         width = min(self.k, max(max_tokens))
         if width <= 0:
             return Draft.empty(batch)
         have = self.kv.lengths_list()
-        if not any(have):
+        prefill = not any(have)  # the batch's first proposal: the draft reads the prompts
+        began = time.perf_counter()
+        if prefill:
             self._restrict(contexts)
         head = self.head
-        if not any(have) and all(len(c) > 1 for c in contexts):
+        if prefill and all(len(c) > 1 for c in contexts):
             # The target prefilled the prompt alone and fed its first token in a decode forward;
             # mirror that split (a prefill attends batched, a decode forward per query, which
             # round differently), so that a draft equal to the target computes the same bits.
@@ -66,6 +76,8 @@ class DraftModelProposer(Proposer):
             have = self.kv.lengths_list()
         # logits over the draft's vocabulary: all V ids, or head.ids (S,) when restricted
         logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head)[:, -1]  # (B, V or S)
+        if prefill:
+            self._prefill_seconds += time.perf_counter() - began
         tokens = torch.zeros(batch, width, dtype=torch.long)
         others = torch.full((batch, width), -1, dtype=torch.long) if self.alternatives > 0 else None
         drafted = [min(width, max(m, 0)) for m in max_tokens]  # per row: its budget, cut where it stops
