@@ -3,7 +3,7 @@
 int8 GEMM and `torch._int_mm` (GEMM alone), over weights of the shapes of one decode step of
 Qwen2.5-1.5B (q/k/v and gate/up fused, output head included; 1.54 GB of int8). Interleaved,
 median of 5; the weights are far larger than the caches, as in a real step. It is why
-speclm.quant.Int8Linear takes speclm's kernel up to 32 rows and oneDNN beyond (or, without
+speclm.quant.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS (16) rows and oneDNN beyond (or, without
 the compiled kernel, `_int_mm` for one row and oneDNN for more).
 
 Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/int8-gemm-rows-cpu.txt
