@@ -226,7 +226,9 @@ def _print_stats(stats, file) -> None:
     print(
         f"[{d['new_tokens']} tokens, {d['tokens_per_second']:.2f} tok/s, {d['target_forwards']} target forwards, "
         f"mean accepted {d['mean_accepted_tokens']:.2f}, acceptance {d['acceptance_rate']:.2f}, "
-        f"draft {d['draft_seconds']:.2f}s, verify {d['verify_seconds']:.2f}s]",
+        f"draft {d['draft_seconds']:.2f}s"
+        + (f" (its prefill {d['draft_prefill_seconds']:.2f}s)" if d["draft_prefill_seconds"] else "")
+        + f", verify {d['verify_seconds']:.2f}s]",
         file=file,
     )
 
