@@ -2,6 +2,7 @@
 
     import speclm
     speclm.set_threads()  # one torch thread per usable core
+    speclm.keep_freed_memory()  # glibc keeps freed memory: no page faults refilling it
     target = speclm.load_model("qwen2.5-coder-1.5b", quantize="int8")
     draft = speclm.load_model("qwen2.5-coder-0.5b", quantize="int4")  # a draft's weights can be coarser
     engine = speclm.SpecEngine(target, draft=draft)
@@ -13,7 +14,7 @@ from speclm.engine import METHODS, Completion, GenerationOptions, SpecEngine, Te
 from speclm.errors import PullError, SpeclmError, UsageError
 from speclm.models import LoadedModel, load_model, pull
 from speclm.quant import QUANTIZE_MODES, quantize_model
-from speclm.runtime import set_threads
+from speclm.runtime import keep_freed_memory, set_threads
 from speclm.sampling import SamplingParams
 from speclm.stats import RequestStats
 
@@ -23,5 +24,5 @@ __all__ = [
     "METHODS", "Completion", "GenerationOptions", "SpecEngine", "TextStream",
     "PullError", "SpeclmError", "UsageError",
     "LoadedModel", "load_model", "pull", "SamplingParams", "RequestStats",
-    "QUANTIZE_MODES", "quantize_model", "set_threads",
+    "QUANTIZE_MODES", "quantize_model", "set_threads", "keep_freed_memory",
 ]

@@ -9,7 +9,7 @@ import sys
 
 from speclm.errors import PullError, SpeclmError, UsageError
 from speclm.methods import DRAFT_LOOKUP_NGRAM_MIN, DRAFT_METHODS, DRAFT_PROMPT_RATIO, METHODS
-from speclm.runtime import QUANTIZE_MODES, set_threads
+from speclm.runtime import QUANTIZE_MODES, keep_freed_memory, set_threads
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
 
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_transformers()
         if hasattr(args, "threads"):
             set_threads(args.threads)
+            keep_freed_memory()
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
