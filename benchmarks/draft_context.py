@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from draft_policy import Costs, Replay, replay_draft
+from draft_policy import Costs, Replay, replay_draft, teacher_forced
 from speclm.bench.dataset import SPEC_BENCH_KINDS, load_prompts
 from speclm.engine import DRAFT_VOCAB, SpecEngine
 from speclm.kv import StaticKV
@@ -46,16 +46,6 @@ def cut(prompt: list[int], window: int | None) -> list[int]:
     if window is None or len(prompt) <= SINK + window:
         return prompt
     return prompt[:SINK] + prompt[-window:]
-
-
-def teacher_forced(draft, whole: list[int], seen: list[int], output: list[int], eos: list[int]):
-    """The draft's two likeliest tokens and their probabilities before each output token, when it
-    has read `seen` (the cut prompt) and the output so far; its vocabulary from the whole prompt."""
-    head = restricted_head(draft, DRAFT_VOCAB, whole + eos)
-    kv = StaticKV(draft, 1, len(seen) + len(output) + 1)
-    logits = kv.forward([seen + output[:-1]], len(output), head)[0]  # (T, S)
-    best = torch.softmax(logits, -1).topk(2, -1)
-    return head.ids[best.indices].tolist(), best.values.tolist()
 
 
 def prefill_seconds(draft, ids: list[int], head) -> float:
@@ -88,12 +78,12 @@ def main(path: str) -> None:
         lengths.setdefault(run["category"], []).append(len(ids))
         output = run["token_ids"]
         target_prefill = run["stats"]["prefill_seconds"] / step
+        head = restricted_head(draft.model, DRAFT_VOCAB, ids + eos)  # from the whole prompt, as speclm builds it
         for w in WINDOWS:
             seen = cut(ids, w)
-            top, prob = teacher_forced(draft.model, ids, seen, output, eos)
+            top, prob = teacher_forced(draft.model, seen, output, eos, head)
             replay = Replay(run["category"], seen, output, config["max_new_tokens"], top, prob)
             tokens, rounds_cost, _ = replay_draft(replay, costs, 6, lambda probs: probs[-1] < 0.6, 0.6)
-            head = restricted_head(draft.model, DRAFT_VOCAB, ids + eos)
             draft_prefill = prefill_seconds(draft.model, seen, head) / step
             cell = sums[w].setdefault(run["category"], [0.0, 0.0, 0, 0.0])
             cell[0] += target_prefill + tokens

@@ -55,8 +55,12 @@ class Replay:
     prob: list[list[float]]  # (T, 2): their probabilities
 
 
-def teacher_forced(draft, prompt: list[int], output: list[int], eos: list[int]) -> tuple[list, list]:
-    head = restricted_head(draft, DRAFT_VOCAB, prompt + eos)  # as the `draft` method scores
+def teacher_forced(draft, prompt: list[int], output: list[int], eos: list[int], head=None) -> tuple[list, list]:
+    """The draft's two likeliest tokens and their probabilities before each output token, having
+    read `prompt` and the output so far; head: its restricted vocabulary (default: the one the
+    `draft` method builds from this prompt)."""
+    if head is None:
+        head = restricted_head(draft, DRAFT_VOCAB, prompt + eos)  # as the `draft` method scores
     kv = StaticKV(draft, 1, len(prompt) + len(output) + 1)
     logits = kv.forward([prompt + output[:-1]], len(output), head)[0]  # (T, S): row t predicts output[t]
     best = torch.softmax(logits, -1).topk(2, -1)

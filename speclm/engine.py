@@ -299,10 +299,11 @@ class SpecEngine:
             budgets = [0 if prefill else min(k, r.max_new - len(r.generated) - 1) for r in active]
             gens = [r.generator for r in active]
 
-            prefilled = proposer.prefill_seconds if proposer else 0.0
+            read_before = proposer.prefill_seconds if proposer else 0.0  # the draft's reading of prompts so far
             t0 = time.perf_counter()
             draft = proposer.propose(contexts, budgets, params, gens).trimmed() if proposer else Draft.empty(len(active))
             t1 = time.perf_counter()
+            draft_prefill = (proposer.prefill_seconds - read_before) if proposer else 0.0  # within t1 - t0
 
             have = target_kv.lengths_list()
             feed = [c[h:] + d for c, h, d in zip(contexts, have, draft.tokens.tolist())]
@@ -334,7 +335,7 @@ class SpecEngine:
                 s.target_forwards += 1
                 s.draft_forwards += draft.forwards
                 s.draft_seconds += t1 - t0
-                s.draft_prefill_seconds += (proposer.prefill_seconds - prefilled) if proposer else 0.0
+                s.draft_prefill_seconds += draft_prefill
                 s.verify_seconds += t2 - t1
                 s.forward_seconds = in_forwards
                 s.record_acceptance(int(draft.lengths[b]), int(verdict.num_accepted[b]))

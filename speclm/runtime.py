@@ -44,8 +44,9 @@ def keep_freed_memory() -> bool:
     and freed large blocks to the kernel, so the next request's prefill takes page faults (the
     kernel zeroes each page) writing them again, and more so after anything that freed much
     memory, such as transformers' `generate` in a benchmark, whose next method's prefill ran
-    slower than the others' (benchmarks/epyc/allocator.txt, from benchmarks/allocator.py). Blocks up to 32 MB (glibc's largest mmap threshold) now
-    come from the heap, and the heap is not trimmed. The process keeps its peak memory.
+    slower than the others' (benchmarks/epyc/allocator.txt, from benchmarks/allocator.py).
+    Blocks up to 32 MB (glibc's largest mmap threshold) now come from the heap, and the heap is
+    not trimmed. The process keeps its peak memory.
     Returns whether it applied: not off glibc, nor with SPECLM_MALLOC=system.
     """
     if os.environ.get("SPECLM_MALLOC", "keep") == "system":
