@@ -9,6 +9,7 @@ import sys
 
 from speclm.errors import PullError, SpeclmError, UsageError
 from speclm.methods import DRAFT_LOOKUP_NGRAM_MIN, DRAFT_METHODS, DRAFT_PROMPT_RATIO, METHODS
+from speclm.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from speclm.runtime import QUANTIZE_MODES, keep_freed_memory, set_threads
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
@@ -21,6 +22,11 @@ class _Parser(argparse.ArgumentParser):
 
 DRAFT_QUANTIZE_HELP = ("the draft model's weights, if not --quantize's: int4 halves a draft step's bytes on CPU "
                        "(what is proposed changes, never the output)")
+
+
+PREFIX_CACHE_HELP = ("keys and values of recent prompts each model keeps, so a prompt that begins like one of them "
+                     "(a chat template's system turn, shared examples) skips that part of its prefill; on int8/int4 "
+                     "CPU weights, where the output stays bit-identical (default %(default)s tokens; 0: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line on stdout")
     g.add_argument("--quantize", choices=QUANTIZE_MODES, default="none", help="int8: int8 weights for every linear layer of target and draft (speclm.quant); default none")
     g.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
+    g.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS", help=PREFIX_CACHE_HELP)
 
     b = sub.add_parser("bench", help="benchmark methods side by side (speclm and transformers) and write a report")
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
@@ -60,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
                    help="weights of every method without its own quantize= option (default none)")
     b.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
+    b.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS",
+                   help=PREFIX_CACHE_HELP + "; each method its own, empty at the first prompt")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     b.add_argument("--out", help="output folder: results.json, report.md, plots")
     b.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two runs side by side and exit")
@@ -180,6 +189,8 @@ def _generate(args) -> int:
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
+    if args.prefix_cache < 0:
+        raise UsageError(f"prefix-cache must be >= 0 tokens, got {args.prefix_cache}")
     uses_draft = args.method in DRAFT_METHODS
     if uses_draft and not args.draft:
         raise UsageError(f"--method {args.method} needs --draft MODEL")
@@ -189,7 +200,7 @@ def _generate(args) -> int:
         check_model_name(args.draft)
     target = load_model(args.target, quantize=args.quantize)
     draft = load_model(args.draft, quantize=args.draft_quantize or args.quantize) if uses_draft else None
-    engine = SpecEngine(target, draft=draft)
+    engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
     encoded = engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
 
     if not args.json and args.batch_size == 1:
@@ -229,7 +240,8 @@ def _print_stats(stats, file) -> None:
         f"mean accepted {d['mean_accepted_tokens']:.2f}, acceptance {d['acceptance_rate']:.2f}, "
         f"draft {d['draft_seconds']:.2f}s"
         + (f" (its prefill {d['draft_prefill_seconds']:.2f}s)" if d["draft_prefill_seconds"] else "")
-        + f", verify {d['verify_seconds']:.2f}s]",
+        + f", verify {d['verify_seconds']:.2f}s"
+        + (f", {d['cached_tokens']} prompt tokens from the prefix cache" if d.get("cached_tokens") else "") + "]",
         file=file,
     )
 
@@ -260,7 +272,8 @@ def _bench(args) -> int:
     if any(s.needs_draft for s in specs) and not args.draft:
         raise UsageError("methods draft, draft+pld and hf-assisted need --draft MODEL")
     for name, value, low in (("max-new-tokens", args.max_new_tokens, 1), ("repeats", args.repeats, 1),
-                             ("per-category", args.per_category or 1, 1), ("cost-repeats", args.cost_repeats, 0)):
+                             ("per-category", args.per_category or 1, 1), ("cost-repeats", args.cost_repeats, 0),
+                             ("prefix-cache", args.prefix_cache, 0)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}")
     SamplingParams(temperature=args.temperature)  # validates
@@ -284,7 +297,7 @@ def _bench(args) -> int:
         categories=categories, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, repeats=args.repeats, chat=args.chat,
         dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""), cost_repeats=args.cost_repeats,
-        quantize=args.quantize, draft_quantize=args.draft_quantize,
+        quantize=args.quantize, draft_quantize=args.draft_quantize, prefix_cache=args.prefix_cache,
     )
     results = run_bench(engine, specs, prompts, config, out, measure_cost_model=args.cost_repeats > 0, engines=engines)
     print((out / "report.md").read_text() if (out / "report.md").exists() else "no run finished")
@@ -310,11 +323,13 @@ def _demo(args) -> int:
     engine.generate("Hi", max_new_tokens=2, chat=True)  # warm-up: first-call allocations
     k = args.k or GenerationOptions(method="draft").draft_length(args.quantize, draft_mode)
     print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={k}), streamed")
+    engine.prefix.clear()  # both runs read the prompt whole: neither inherits the other's (or the warm-up's) prefill
     stream = engine.stream(args.prompt, method="draft", k=k, **common)
     for delta in stream:
         print(delta, end="", flush=True)
     spec = stream.completion
     print("\n\n== plain decoding (method none), same engine")
+    engine.prefix.clear()
     plain = engine.generate(args.prompt, method="none", **common)
     print(f"(generated {len(plain.token_ids)} tokens)")
     print("\n== statistics (speculative)")

@@ -33,6 +33,7 @@ from speclm.errors import UsageError
 from speclm.kv import StaticKV
 from speclm.methods import DRAFT_LOOKUP_NGRAM_MIN, DRAFT_METHODS, DRAFT_PROMPT_RATIO, METHODS
 from speclm.models.loading import LoadedModel
+from speclm.prefix_cache import DEFAULT_TOKENS, PrefixCaches
 from speclm.proposers import Draft, DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
 from speclm.sampling import SamplingParams
 from speclm.stats import RequestStats
@@ -193,8 +194,14 @@ class SpecEngine:
     >>> engine.generate("def fib(n):", method="draft", max_new_tokens=64).text
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, prefix_cache: int = DEFAULT_TOKENS):
+        """prefix_cache: tokens of recent prompts whose keys and values each model keeps for later
+        prompts that begin alike (speclm.prefix_cache; 0: none). Only on quantized CPU weights,
+        where reusing them gives the same bits as reading the prompt whole."""
+        if prefix_cache < 0:
+            raise UsageError(f"prefix-cache must be >= 0 tokens, got {prefix_cache}")
         self.target, self.draft = target, draft
+        self.prefix = PrefixCaches.of_size(prefix_cache)
         if draft is not None:
             check_same_vocabulary(target, draft)
 
@@ -256,11 +263,11 @@ class SpecEngine:
                          vocab=opts.draft_vocabulary(), always=tuple(self.target.eos_token_ids),
                          alternatives=opts.draft_alternatives(self.draft.quantize))
             if opts.method == "draft":
-                return DraftModelProposer(self.draft.model, **model)
+                return DraftModelProposer(self.draft.model, **model, prefix_cache=self.prefix.draft)
             lookup_k = opts.k if opts.k is not None else default_k("pld", self.target.quantize)
             return DraftLookupProposer(self.draft.model, **model, ngram_max=opts.ngram_max,
                                        ngram_min=opts.lookup_ngram_min, prompt_ratio=opts.draft_prompt_ratio,
-                                       lookup_k=lookup_k)
+                                       lookup_k=lookup_k, prefix_cache=self.prefix.draft)
         return PromptLookupProposer(k=self._k(opts), max_ngram=opts.ngram_max, min_ngram=opts.lookup_ngram_min)
 
     def _k(self, opts: GenerationOptions) -> int:
@@ -286,6 +293,9 @@ class SpecEngine:
         # and as many alternatives
         capacity = max(r.prompt_len + r.max_new for r in rows) + 2 * k + 1
         target_kv = StaticKV(self.target.model, len(rows), capacity)
+        cache = self.prefix.target  # each row starts from the longest prefix of its prompt held there
+        for b, r in enumerate(rows):
+            r.stats.cached_tokens = cache.reuse(target_kv, b, r.context[: r.prompt_len], r.prompt_len - 1)
         if proposer:
             proposer.start(len(rows), capacity, [r.prompt_len for r in rows], [r.max_new for r in rows])
         active = list(rows)
@@ -315,6 +325,9 @@ class SpecEngine:
                              for c, h, f, br in zip(contexts, have, feed, branches)]
                 feed = [f + [t for _, t in br] + [0] * (most - len(br)) for f, br in zip(feed, branches)]
             logits = target_kv.forward(feed, draft.width + 1 + most, positions=positions)  # (B, K+1+A, V)
+            if prefill:  # the slots now hold each row's prompt
+                for b, r in enumerate(active):
+                    cache.add(target_kv, b, r.context[: r.prompt_len])
             verdict = verify(logits, draft, params, gens)
             t2 = time.perf_counter()
             in_forwards = target_kv.forward_seconds + (proposer.forward_seconds if proposer else 0.0)

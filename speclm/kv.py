@@ -74,6 +74,23 @@ class StaticKV:
         self.forward_seconds = 0.0  # time spent inside model forwards, for overhead accounting
 
     @property
+    def chunk_invariant(self) -> bool:
+        """A token's keys and values do not depend on how its prompt was split into forwards, so a
+        prefix's may come from another prompt's forward (speclm.prefix_cache)."""
+        return self.lean is not None and self.lean.chunk_invariant
+
+    def load_prefix(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
+        """Row `row` starts with n slots copied from keys, values (per layer (H_kv, >= n, D))."""
+        for store, source in ((self.keys, keys), (self.values, values)):
+            for t, s in zip(store, source):
+                t[row, :, :n] = s[:, :n]
+        self.lengths[row] = n
+
+    def export(self, row: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row `row`'s first n slots, per layer (H_kv, n, D)."""
+        return ([t[row, :, :n].clone() for t in self.keys], [t[row, :, :n].clone() for t in self.values])
+
+    @property
     def batch_size(self) -> int:
         return int(self.lengths.shape[0])
 

@@ -8,7 +8,9 @@ object stays what transformers' `generate` uses too) in one flat loop per layer,
 hidden state as (rows, features), with as few ops between the GEMMs as it can.
 
 Attention is per query over exactly the slots before it (see speclm.attention for why),
-except in a prefill, which is one causal SDPA call over the batch.
+except in a prefill of a model whose projections are not quantized, which is one causal SDPA
+call over the batch (on quantized weights a prefill attends per query too: LeanForward's
+chunk_invariant says why).
 """
 
 from __future__ import annotations
@@ -148,6 +150,17 @@ class LeanForward:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
+        # Quantized projections (each row quantized alone, speclm.quant) and speclm's per-query
+        # attention make a token's keys and values independent of how its prompt is split into
+        # forwards: then every forward, a prefill too, attends per query, and keys and values
+        # cached from an earlier prompt are the bits this prompt's own prefill would compute
+        # (speclm.prefix_cache). SDPA's batched prefill would round otherwise.
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        self.chunk_invariant = (
+            compiled is not None and dtype == torch.float32 and self.head_dim % 32 == 0
+            and all(isinstance(getattr(part, name, None), (QuantLinear, Int8Slice))
+                    for layer in inner.layers for part in (layer.self_attn, layer.mlp) for name in projections
+                    if hasattr(part, name)))
         self.inv_freq = inner.rotary_emb.inv_freq.float()  # (D/2,)
         self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
         # rotary tables by position, grown on demand, on the model's device
@@ -177,7 +190,7 @@ class LeanForward:
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
         self._grow_rotary(window)
         half, split = dim // 2, (heads + kv_heads) * dim
-        per_query = not is_prefill(starts)
+        per_query = self.chunk_invariant or not is_prefill(starts)
         rows = kv._rows[:, None]
         one_row = batch == 1
         start = starts[0]

@@ -143,6 +143,24 @@ def _fmt(x, spec=".2f"):
     return "–" if x is None else format(x, spec)
 
 
+def _prefix_cache_line(results: dict) -> list[str]:
+    """What the prefix cache spared: prompt tokens the target read from it, per speclm method."""
+    size = results["config"].get("prefix_cache")
+    if size is None:  # results from before speclm had one
+        return []
+    read: dict[str, list[int]] = {}
+    for r in results["runs"]:
+        if r.get("stats") and "prompt_tokens" in r:
+            got = read.setdefault(r["method"], [0, 0])
+            got[0] += r["stats"].get("cached_tokens", 0)
+            got[1] += r["prompt_tokens"]
+    if not size:
+        return ["No prefix cache: every prompt is read whole.", ""]
+    shares = ", ".join(f"{m} {c} of {n}" for m, (c, n) in read.items())
+    return [f"Prefix cache: {size} tokens per model, each method its own (speclm.prefix_cache); prompt tokens "
+            f"the target took from it instead of reading them: {shares or 'none yet'}.", ""]
+
+
 def markdown(results: dict, summary: dict) -> str:
     cfg, mach = results["config"], results["machine"]
     lines = ["# speclm benchmark report", ""]
@@ -157,6 +175,7 @@ def markdown(results: dict, summary: dict) -> str:
         f"temperature {cfg['temperature']}, {cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeat(s), "
         f"dataset {cfg['dataset']}{', chat template' if cfg['chat'] else ''}.",
         "",
+        *_prefix_cache_line(results),
         f"Machine: {mach['cpu']}, {mach['cpu_count']} CPUs, {mach['torch_threads']} torch threads"
         f"{', GPU ' + mach['cuda'] if mach.get('cuda') else ''}; torch {mach['torch']}, transformers {mach['transformers']}, "
         f"Python {mach['python']}.",

@@ -4,6 +4,9 @@
    model objects.
 2. Measure the cost model (v(k), c) on the first prompt.
 3. Warm up every method on a short generation.
+   Each speclm method keeps its own prefix cache (speclm.prefix_cache), emptied after the
+   warm-up: it sees the prompts before the current one, as a server would, and never a prompt
+   another method just read (which would spare it that prompt's prefill).
 4. For each prompt, for each repeat, run every method in turn (A B C A B C ...), so that
    drift of a shared machine hits all methods alike.
 5. Greedy outputs of every method are compared with `none` token for token; a mismatch is
@@ -33,6 +36,7 @@ from speclm.bench.machine import machine_facts
 from speclm.bench.methods import MethodSpec, run_method
 from speclm.engine import GenerationOptions, SpecEngine
 from speclm.methods import DRAFT_METHODS
+from speclm.prefix_cache import DEFAULT_TOKENS, PrefixCaches
 
 SCHEMA_VERSION = 1
 
@@ -54,6 +58,7 @@ class BenchConfig:
     cost_repeats: int = 5
     quantize: str = "none"  # the weights of methods without their own quantize= option
     draft_quantize: str | None = None  # the draft's weights in every method, if not the method's
+    prefix_cache: int = DEFAULT_TOKENS  # tokens of recent prompts each model keeps, per method (0: none)
 
 
 def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPrompt], config: BenchConfig,
@@ -68,6 +73,13 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
 
     def engine_of(spec: MethodSpec) -> SpecEngine:
         return engines[spec.quantize or config.quantize]
+
+    caches: dict[str, PrefixCaches] = {}  # method label -> its own prefix caches
+
+    def run(spec: MethodSpec, ids: list[int], max_new_tokens: int, seed: int):
+        engine = engine_of(spec)
+        engine.prefix = caches.setdefault(spec.label, PrefixCaches.of_size(config.prefix_cache))
+        return run_method(spec, engine, ids, max_new_tokens, config.temperature, seed)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     encoded = engine.encode([p.text for p in prompts], config.chat)
@@ -97,7 +109,8 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
             )
         bar.set_postfix_str("warm-up")
         for spec in specs:
-            run_method(spec, engine_of(spec), encoded[0], 8, config.temperature, config.seed)
+            run(spec, encoded[0], 8, config.seed)
+        caches.clear()  # the first prompt is read whole, as a server's first request
         # `none` runs first on each set of weights: it is the reference of the others there
         order = sorted(specs, key=lambda s: s.name != "none")
         for prompt, ids in zip(prompts, encoded):
@@ -106,7 +119,7 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
                 for spec in order:
                     bar.set_postfix_str(f"{prompt.category}/{prompt.prompt_id} {spec.label}")
                     mode = spec.quantize or config.quantize
-                    r = run_method(spec, engine_of(spec), ids, config.max_new_tokens, config.temperature, config.seed + repeat)
+                    r = run(spec, ids, config.max_new_tokens, config.seed + repeat)
                     if spec.name == "none":
                         reference[mode] = r.token_ids
                     results["runs"].append(_record(engine_of(spec), prompt, spec, repeat, r, ids, reference.get(mode), config))
@@ -133,6 +146,7 @@ def _record(engine, prompt, spec, repeat, r, prompt_ids, reference, config) -> d
         "category": prompt.category,
         "method": spec.label,
         "repeat": repeat,
+        "prompt_tokens": len(prompt_ids),
         "new_tokens": len(r.token_ids),
         "seconds": r.seconds,
         "tokens_per_second": len(r.token_ids) / r.seconds if r.seconds else 0.0,

@@ -34,12 +34,14 @@ class DraftLookupProposer(DraftModelProposer):
 
     def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = (),
                  alternatives: float = 0.0, ngram_max: int = 3, ngram_min: int = 2, prompt_ratio: float = 3.0,
-                 lookup_k: int = 4):
+                 lookup_k: int = 4, prefix_cache=None):
         """k, confidence, vocab, always, alternatives: the draft model's (DraftModelProposer); ngram_max,
         ngram_min: the lookup's while the draft model runs; prompt_ratio: the draft model stays off
         for a batch whose every prompt is longer than this times its max_new_tokens (0: always
-        off, inf: always on); lookup_k: tokens per lookup draft when the model is off."""
-        super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always, alternatives=alternatives)
+        off, inf: always on); lookup_k: tokens per lookup draft when the model is off; prefix_cache:
+        the draft model's (speclm.prefix_cache)."""
+        super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always, alternatives=alternatives,
+                         prefix_cache=prefix_cache)
         self.beside = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)  # while the model runs
         self.alone = PromptLookupProposer(k=lookup_k, max_ngram=ngram_max, min_ngram=1)  # as method pld
         self.prompt_ratio = prompt_ratio

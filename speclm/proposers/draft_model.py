@@ -17,6 +17,7 @@ import torch
 from speclm.proposers.base import Draft, Proposer
 from speclm.proposers.draft_vocab import RestrictedHead, restricted_head
 from speclm.kv import StaticKV
+from speclm.prefix_cache import PrefixCache
 from speclm.sampling import SamplingParams, processed_probs, sample
 
 
@@ -24,7 +25,7 @@ class DraftModelProposer(Proposer):
     name = "draft"
 
     def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = (),
-                 alternatives: float = 0.0):
+                 alternatives: float = 0.0, prefix_cache: PrefixCache | None = None):
         """k: most tokens per round; confidence: a row stops drafting after a token the draft gave
         less than this probability (0: never), so a round where the draft is unsure costs
         fewer draft steps and a narrower verification. The stop depends on the draft alone, so
@@ -36,6 +37,7 @@ class DraftModelProposer(Proposer):
         draw), one more token in the target's forward and no draft step (0: never)."""
         self.model, self.k, self.confidence, self.alternatives = model, k, confidence, alternatives
         self.vocab, self.always = vocab, tuple(always)
+        self.prefix_cache = prefix_cache
         self.kv: StaticKV | None = None
         self.head: RestrictedHead | None = None
         self._prefill_seconds = 0.0
@@ -72,7 +74,14 @@ class DraftModelProposer(Proposer):
             # The target prefilled the prompt alone and fed its first token in a decode forward;
             # mirror that split (a prefill attends batched, a decode forward per query, which
             # round differently), so that a draft equal to the target computes the same bits.
-            self.kv.forward([c[:-1] for c in contexts], 1, head)
+            # The prompt's longest cached prefix is copied in first (leaving a token to feed).
+            cache = self.prefix_cache
+            if cache is not None:
+                have = [cache.reuse(self.kv, b, c, len(c) - 2) for b, c in enumerate(contexts)]
+            self.kv.forward([c[h:-1] for c, h in zip(contexts, have)], 1, head)
+            if cache is not None:
+                for b, c in enumerate(contexts):
+                    cache.add(self.kv, b, c[:-1])
             have = self.kv.lengths_list()
         # logits over the draft's vocabulary: all V ids, or head.ids (S,) when restricted
         logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head)[:, -1]  # (B, V or S)

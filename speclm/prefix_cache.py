@@ -1,0 +1,104 @@
+"""Keys and values of recent prompts, reused by later prompts that begin with the same tokens.
+
+Chat requests share their head (the template's system turn: 24 tokens for Qwen2.5 with its
+default system prompt), few-shot prompts share their examples, a conversation's next turn
+shares the whole previous one. Like llama.cpp's prompt cache and vLLM's automatic prefix
+caching, a request copies the keys and values of the longest prefix it shares with a recent
+prompt into its own cache rows and prefills only the rest.
+
+Only exact where a token's keys and values do not depend on how the prompt was split into
+forwards (StaticKV.chunk_invariant: quantized projections and per-query attention): then a
+prompt read partly from this cache gives the same bits, so the same tokens, as a prompt read
+whole, and speculative output still equals plain output whatever either found here. Elsewhere
+(fp32 matmuls round by shape) the engine does not use it.
+
+Entries are whole prompts (at most `max_tokens` tokens in all, least recently used dropped
+first); a prompt that extends an entry replaces it. Matching is a scan over the entries'
+tokens: at most `max_tokens` comparisons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# per model: about 230 MB of fp32 keys and values for Qwen2.5-1.5B, 100 MB for the 0.5B
+DEFAULT_TOKENS = 4096
+
+
+@dataclass
+class _Entry:
+    tokens: list[int]
+    keys: list[torch.Tensor]  # per layer (H_kv, n, D)
+    values: list[torch.Tensor]
+
+
+@dataclass
+class PrefixCache:
+    max_tokens: int = DEFAULT_TOKENS
+    entries: list[_Entry] = field(default_factory=list)  # least recently used first
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.entries)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def _longest(self, ids: list[int]) -> tuple[_Entry | None, int]:
+        best, most = None, 0
+        for entry in self.entries:
+            n, stop = 0, min(len(entry.tokens), len(ids))
+            while n < stop and entry.tokens[n] == ids[n]:
+                n += 1
+            if n > most:
+                best, most = entry, n
+        return best, most
+
+    def reuse(self, kv, row: int, ids: list[int], limit: int) -> int:
+        """Row `row` of StaticKV `kv` (empty) starts with the keys and values of the longest
+        cached prefix of `ids`, at most `limit` tokens; returns its length (0: none found)."""
+        if self.max_tokens <= 0 or limit <= 0 or not kv.chunk_invariant:
+            return 0
+        entry, n = self._longest(ids)
+        n = min(n, limit)
+        if entry is None or n == 0:
+            return 0
+        self.entries.remove(entry)
+        self.entries.append(entry)  # most recently used
+        kv.load_prefix(row, entry.keys, entry.values, n)
+        return n
+
+    def add(self, kv, row: int, ids: list[int]) -> None:
+        """Remember row `row`'s first len(ids) slots of `kv` as the keys and values of `ids`."""
+        n = len(ids)
+        if self.max_tokens <= 0 or n == 0 or n > self.max_tokens or not kv.chunk_invariant:
+            return
+        entry, common = self._longest(ids)
+        if entry is not None and common == n:  # already held (as itself or inside a longer prompt)
+            self.entries.remove(entry)
+            self.entries.append(entry)
+            return
+        if entry is not None and common == len(entry.tokens):  # this prompt extends it
+            self.entries.remove(entry)
+        keys, values = kv.export(row, n)
+        self.entries.append(_Entry(list(ids), keys, values))
+        while self.tokens > self.max_tokens:
+            self.entries.pop(0)
+
+
+@dataclass
+class PrefixCaches:
+    """One engine's caches: the target's and the draft model's (each model its own keys and values)."""
+
+    target: PrefixCache
+    draft: PrefixCache
+
+    def clear(self) -> None:
+        self.target.clear()
+        self.draft.clear()
+
+    @classmethod
+    def of_size(cls, max_tokens: int) -> "PrefixCaches":
+        return cls(PrefixCache(max_tokens), PrefixCache(max_tokens))
