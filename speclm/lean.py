@@ -203,11 +203,12 @@ class LeanForward:
             cos = self._cos[at.view(-1)].to(h.dtype)[:, None, :]
             sin = self._sin[at.view(-1)].to(h.dtype)[:, None, :]
         for i, layer in enumerate(self.layers):
-            if compiled is not None:
-                qkv = layer.attn_in(h)  # (R, (H + 2 H_kv) D)
+            if compiled is not None:  # (a prefill's rows in blocks, as below)
+                qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
                                                 heads, kv_heads, self.scaling, tree)  # (R, H D)
-                h = layer.mlp(layer.attn_out(out, h))
+                h = _by_rows(layer.attn_out, out, h)
+                h = _by_rows(layer.mlp, h)
                 continue
             qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
             qk = qkv[:, :split].view(-1, heads + kv_heads, dim)

@@ -256,3 +256,36 @@ def test_bench_records_the_draft_weights(folders, tmp_path, dataset):
     assert saved["config"]["draft_quantize"] == "int4"
     assert all(r["lossless"] is not False for r in saved["runs"])
     assert "draft weights int4" in (out / "report.md").read_text()
+
+
+def test_each_method_has_its_own_prefix_cache(folders, tmp_path, capsys):
+    """Prompts sharing a head: every speclm method reads the first whole and takes the head of the
+    later ones from its own cache (never the prompt another method just read); lossless holds."""
+    require_compiled_kernels()
+    path = tmp_path / "shared-head.jsonl"
+    head = "System: answer in one short line, please. User: "
+    path.write_text("".join(json.dumps({"id": i, "category": "qa", "prompt": head + q}) + "\n"
+                            for i, q in enumerate(["who wrote it?", "where is it?", "when was it?"])))
+    for size in ("4096", "0"):
+        out = tmp_path / f"cache-{size}"
+        code = main(["bench", "--target", folders["target"], "--draft", folders["draft"], "--quantize", "int8",
+                     "--methods", "none,draft:k=3,pld:k=4,hf", "--dataset", str(path), "--max-new-tokens", "6",
+                     "--cost-repeats", "0", "--prefix-cache", size, "--out", str(out)])
+        assert code == 0
+        saved = json.loads((out / "results.json").read_text())
+        assert saved["config"]["prefix_cache"] == int(size)
+        cached = {}
+        for r in saved["runs"]:
+            if r["stats"]:
+                cached.setdefault(r["method"], []).append(r["stats"]["cached_tokens"])
+                assert r["stats"]["cached_tokens"] < r["prompt_tokens"]
+        assert set(cached) == {"none", "draft:k=3", "pld:k=4"}
+        assert all(r["lossless"] is not False for r in saved["runs"] if r["method"] != "hf")
+        text = (out / "report.md").read_text()
+        if size == "0":
+            assert all(c == [0, 0, 0] for c in cached.values()) and "No prefix cache" in text
+        else:
+            first = cached["none"]
+            assert first[0] == 0 and min(first[1:]) >= len(head)  # byte tokens: one per character
+            assert all(c == first for c in cached.values())
+            assert f"none {sum(first)} of" in text
