@@ -202,11 +202,24 @@ class LeanForward:
         if compiled is None:  # the torch ops' rotary: cos and sin (R, 1, D) at these positions
             cos = self._cos[at.view(-1)].to(h.dtype)[:, None, :]
             sin = self._sin[at.view(-1)].to(h.dtype)[:, None, :]
+        # The rows whose logits are returned, as indices into the R rows; None: all of them. The
+        # last layer's output projection and MLP run on these alone: the other rows (a prompt's
+        # all but last) need only their keys and values, which its attention has written by then.
+        kept_rows = None
+        if isinstance(keep_cols, slice):
+            cols = range(width)[keep_cols]
+            if len(cols) < width:
+                kept_rows = (rows * width + torch.tensor(list(cols), device=rows.device)).view(-1)
+        else:
+            kept_rows = (rows * width + keep_cols).view(-1)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if compiled is not None:  # (a prefill's rows in blocks, as below)
                 qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
                                                 heads, kv_heads, self.scaling, tree)  # (R, H D)
+                if i == last and kept_rows is not None:
+                    out, h = out[kept_rows], h[kept_rows]
                 h = _by_rows(layer.attn_out, out, h)
                 h = _by_rows(layer.mlp, h)
                 continue
@@ -231,10 +244,11 @@ class LeanForward:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :window], values[:, :, :window],
                                                    is_causal=True, scale=self.scaling, enable_gqa=heads > kv_heads)
                 out = o.transpose(1, 2)
-            h = _by_rows(layer.attn_out, out.reshape(batch * width, heads * dim), h)
+            out = out.reshape(batch * width, heads * dim)
+            if i == last and kept_rows is not None:
+                out, h = out[kept_rows], h[kept_rows]
+            h = _by_rows(layer.attn_out, out, h)
             h = _by_rows(layer.mlp, h)
-        h = h.view(batch, width, -1)
-        h = h[:, keep_cols] if isinstance(keep_cols, slice) else h[kv._rows[:, None], keep_cols]  # (B, K, E)
-        kept = h.shape[1]
+        kept = h.shape[0] // batch  # h (B K, E): the kept rows, row by row
         head = self.head if head is None else head
-        return head(self.norm(h.reshape(batch * kept, -1))).float().view(batch, kept, -1)  # (B, K, V)
+        return head(self.norm(h)).float().view(batch, kept, -1)  # (B, K, V)
