@@ -179,3 +179,34 @@ def test_alternative_token_gets_the_bits_of_a_plain_step(tok, monkeypatch):
         fresh = StaticKV(model, 1, 64)
         fresh.forward([prompt], 1)
         assert torch.equal(fresh.forward([chain[:1] + [9, 10, 11]], 2), after)
+
+
+def test_decode_attention_bits_do_not_depend_on_its_query_tiles():
+    """The compiled attention takes a kv head's queries in tiles (so a prefill's scores stay in
+    cache); each query's arithmetic is its own, so any tiling gives the same bits, for a prefill's
+    many queries, a ragged batch and a tree's alternative alike."""
+    from speclm import kernels
+    from tiny import require_compiled_kernels
+
+    require_compiled_kernels()
+    compiled = kernels.compiled()
+    torch.manual_seed(0)
+    heads, kv_heads, dim, capacity = 4, 2, 32, 96
+    freqs = torch.arange(capacity, dtype=torch.float32)[:, None] * (1e-2 ** (torch.arange(dim // 2) / (dim // 2)))
+    cos = torch.cat((freqs, freqs), -1).cos()
+    sin = torch.cat((-freqs.sin(), freqs.sin()), -1)
+    cases = [([0, 5], [40, 33], 40, []),  # prefill-like: 2 x 40 tokens, ragged, 80 queries per kv head
+             ([20], [4], 4, [20, 21, 22, 21])]  # a chain of three and an alternative at the second's position
+    for starts, counts, width, positions in cases:
+        batch = len(starts)
+        qkv = torch.randn(batch * width, (heads + 2 * kv_heads) * dim)
+        history = torch.randn(batch, kv_heads, capacity, dim)
+        outs = []
+        for tile in (1, 7, 64, 10**6):
+            keys, values = history.clone(), history.clone().neg()
+            out = compiled.decode_attention(qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, dim**-0.5,
+                                            positions, query_tile=tile)
+            outs.append((out, keys, values))
+        for out, keys, values in outs[1:]:
+            assert torch.equal(out, outs[0][0]) and torch.equal(keys, outs[0][1]) and torch.equal(values, outs[0][2])
+        assert outs[0][0].abs().sum() > 0

@@ -391,6 +391,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 // Slots per block in decode_attention: a block of keys or values (SLOT_BLOCK x D floats, 16 KB at
 // D = 128) stays in the 32 KB L1 cache while every query of the kv head goes through it.
 constexpr int64_t SLOT_BLOCK = 32;
+// Queries per tile in decode_attention (its default query_tile): a tile's scores (64 x its slots
+// floats, 180 KB at 700 slots) stay in the per-core L2 cache. A decode forward's queries (its
+// tokens times the query heads of a kv head) fit in one tile.
+constexpr int64_t QUERY_TILE = 64;
 
 // Lane j of the result: the sum of a[j]'s 16 lanes, by a fixed tree for each j (halves, then
 // quarters, ...; the additions of 16 one-by-one reductions, in a quarter of the instructions).
@@ -498,8 +502,10 @@ inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0
 // Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
-                            int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions) {
+                            int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions,
+                            int64_t query_tile) {
   const int64_t batch = static_cast<int64_t>(starts.size());
+  TORCH_CHECK(query_tile >= 1, "query_tile must be >= 1");
   TORCH_CHECK(batch >= 1 && counts.size() == starts.size() && keys.dim() == 4 && keys.size(0) == batch,
               "one start and count per cache row");
   const int64_t rows = qkv.size(0), width = rows / batch, dim = keys.size(3), capacity = keys.size(2), half = dim / 2;
@@ -585,59 +591,66 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       }
       const int64_t nq = static_cast<int64_t>(who.size());
       if (nq == 0) continue;
-      int64_t most = 0;  // entries of a query's scores: its leading slots, then its own slot if apart
-      for (int64_t n = 0; n < nq; ++n) most = std::max(most, reach[n] + (own[n] >= 0));
-      scores.resize(nq * most);
-      acc.assign(nq * dim, 0.0f);
       inverse.resize(nq);
       const float* kg = kp + (b * kv_heads + g) * capacity * dim;
       const float* vg = vp + (b * kv_heads + g) * capacity * dim;
-      for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // scores q . k_j * scale
-        for (int64_t n = 0; n < nq; ++n) {
-          const int64_t j1 = std::min(j0 + SLOT_BLOCK, reach[n]);
-          for (int64_t s0 = j0; s0 < j1; s0 += 16)
-            score16(q.data() + who[n] * dim, kg, dim, s0, std::min<int64_t>(16, j1 - s0), sc, scores.data() + n * most);
+      // Queries in tiles, so that a tile's scores stay in cache through the softmax and the
+      // weighing of values (a prefill has thousands of queries per kv head: their scores all
+      // at once were tens of MB, written and read back from memory). Each query's operations
+      // are the same in any tile, so the bits do not depend on the tiling.
+      for (int64_t n0 = 0; n0 < nq; n0 += query_tile) {
+        const int64_t n1 = std::min(nq, n0 + query_tile);
+        int64_t most = 0;  // entries of a query's scores: its leading slots, then its own slot if apart
+        for (int64_t n = n0; n < n1; ++n) most = std::max(most, reach[n] + (own[n] >= 0));
+        scores.resize((n1 - n0) * most);
+        acc.assign((n1 - n0) * dim, 0.0f);
+        for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // scores q . k_j * scale
+          for (int64_t n = n0; n < n1; ++n) {
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, reach[n]);
+            for (int64_t s0 = j0; s0 < j1; s0 += 16)
+              score16(q.data() + who[n] * dim, kg, dim, s0, std::min<int64_t>(16, j1 - s0), sc, scores.data() + (n - n0) * most);
+          }
         }
-      }
-      for (int64_t n = 0; n < nq; ++n)  // an alternative's own slot, scored in the lane a plain step's slot has
-        if (own[n] >= 0) score_apart(q.data() + who[n] * dim, kg + own[n] * dim, dim, reach[n], sc, scores.data() + n * most);
-      for (int64_t n = 0; n < nq; ++n) {  // softmax numerators in place, and 1 / their sum
-        float* sn = scores.data() + n * most;
-        const int64_t slots = reach[n] + (own[n] >= 0);
-        __m512 vmax = _mm512_set1_ps(-INFINITY);  // a maximum does not depend on the order
-        int64_t j = 0;
-        for (; j + 16 <= slots; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sn + j));
-        if (j < slots) {
-          const __mmask16 m = __mmask16((1u << (slots - j)) - 1);
-          vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, sn + j));
+        for (int64_t n = n0; n < n1; ++n)  // an alternative's own slot, scored in the lane a plain step's slot has
+          if (own[n] >= 0) score_apart(q.data() + who[n] * dim, kg + own[n] * dim, dim, reach[n], sc, scores.data() + (n - n0) * most);
+        for (int64_t n = n0; n < n1; ++n) {  // softmax numerators in place, and 1 / their sum
+          float* sn = scores.data() + (n - n0) * most;
+          const int64_t slots = reach[n] + (own[n] >= 0);
+          __m512 vmax = _mm512_set1_ps(-INFINITY);  // a maximum does not depend on the order
+          int64_t j = 0;
+          for (; j + 16 <= slots; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sn + j));
+          if (j < slots) {
+            const __mmask16 m = __mmask16((1u << (slots - j)) - 1);
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, sn + j));
+          }
+          const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+          __m512 vsum = _mm512_setzero_ps();
+          for (j = 0; j + 16 <= slots; j += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sn + j), vtop));
+            _mm512_storeu_ps(sn + j, e);
+            vsum = _mm512_add_ps(vsum, e);
+          }
+          if (j < slots) {
+            const __mmask16 m = __mmask16((1u << (slots - j)) - 1);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sn + j), vtop));
+            _mm512_mask_storeu_ps(sn + j, m, e);
+            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+          }
+          inverse[n] = 1.0f / _mm512_reduce_add_ps(vsum);
         }
-        const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 vsum = _mm512_setzero_ps();
-        for (j = 0; j + 16 <= slots; j += 16) {
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sn + j), vtop));
-          _mm512_storeu_ps(sn + j, e);
-          vsum = _mm512_add_ps(vsum, e);
+        for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
+          for (int64_t n = n0; n < n1; ++n) {
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, reach[n]);
+            if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg, dim, j0, j1, acc.data() + (n - n0) * dim);
+          }
         }
-        if (j < slots) {
-          const __mmask16 m = __mmask16((1u << (slots - j)) - 1);
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sn + j), vtop));
-          _mm512_mask_storeu_ps(sn + j, m, e);
-          vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+        for (int64_t n = n0; n < n1; ++n)  // the own slot last, as a plain step's last slot
+          if (own[n] >= 0) weigh_values(scores.data() + (n - n0) * most + reach[n], vg + own[n] * dim, dim, 0, 1, acc.data() + (n - n0) * dim);
+        for (int64_t n = n0; n < n1; ++n) {
+          float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
+          const __m512 inv = _mm512_set1_ps(inverse[n]);
+          for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(oh + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + (n - n0) * dim + c * 16), inv));
         }
-        inverse[n] = 1.0f / _mm512_reduce_add_ps(vsum);
-      }
-      for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
-        for (int64_t n = 0; n < nq; ++n) {
-          const int64_t j1 = std::min(j0 + SLOT_BLOCK, reach[n]);
-          if (j1 > j0) weigh_values(scores.data() + n * most, vg, dim, j0, j1, acc.data() + n * dim);
-        }
-      }
-      for (int64_t n = 0; n < nq; ++n)  // the own slot last, as a plain step's last slot
-        if (own[n] >= 0) weigh_values(scores.data() + n * most + reach[n], vg + own[n] * dim, dim, 0, 1, acc.data() + n * dim);
-      for (int64_t n = 0; n < nq; ++n) {
-        float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
-        const __m512 inv = _mm512_set1_ps(inverse[n]);
-        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(oh + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + n * dim + c * 16), inv));
       }
     }
   });
@@ -655,5 +668,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
-        py::arg("positions") = std::vector<int64_t>());
+        py::arg("positions") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE);
 }
