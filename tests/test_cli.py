@@ -72,6 +72,7 @@ def test_generate_streams_text_and_stats(folders, capsys):
         (["--draft-vocab", "-1"], "draft-vocab must be >= 0"),
         (["--confidence", "1"], "confidence must be in [0, 1)"),
         (["--alternatives", "1.5"], "alternatives must be in [0, 1]"),
+        (["--prefix-cache", "-1"], "prefix-cache must be >= 0"),
     ],
 )
 def test_bad_options_exit_2_with_one_line(folders, capsys, extra, message):
@@ -161,6 +162,27 @@ def test_generate_with_an_int4_draft(folders, capsys):
                            capsys)
         assert code == 0
         assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"], method
+
+
+def test_generate_reuses_a_shared_head_through_the_prefix_cache(folders, tmp_path, capsys):
+    """Prompts of one file that begin alike: the later ones take that head from the prefix cache
+    (int8 weights), the stats line says how many tokens, and the output is what it is without."""
+    require_compiled_kernels()
+    head = "You answer in one line. "
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": head + q}) + "\n" for q in ("first?", "second?")))
+    base = ["generate", "--target", folders["target"], "--prompt-file", str(prompts), "--max-new-tokens", "6",
+            "--quantize", "int8", "--method", "draft", "--draft", folders["draft"]]
+    outs = {}
+    for size in ("4096", "0"):
+        code, out, _ = run(base + ["--json", "--prefix-cache", size], capsys)
+        assert code == 0
+        outs[size] = [json.loads(line) for line in out.splitlines()]
+    assert [r["stats"]["cached_tokens"] for r in outs["4096"]] == [0, len(head)]  # byte tokens
+    assert [r["stats"]["cached_tokens"] for r in outs["0"]] == [0, 0]
+    assert [r["token_ids"] for r in outs["4096"]] == [r["token_ids"] for r in outs["0"]]
+    code, _, err = run(base, capsys)
+    assert code == 0 and f"{len(head)} prompt tokens from the prefix cache]" in err.splitlines()[-1]
 
 
 def test_quantize_and_threads_errors(folders, capsys):

@@ -72,8 +72,8 @@ class DraftModelProposer(Proposer):
         head = self.head
         if prefill and all(len(c) > 1 for c in contexts):
             # The target prefilled the prompt alone and fed its first token in a decode forward;
-            # mirror that split (a prefill attends batched, a decode forward per query, which
-            # round differently), so that a draft equal to the target computes the same bits.
+            # mirror that split (where a prefill attends batched and a decode forward per query,
+            # they round differently), so that a draft equal to the target computes the same bits.
             # The prompt's longest cached prefix is copied in first (leaving a token to feed).
             cache = self.prefix_cache
             if cache is not None:
