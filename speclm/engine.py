@@ -10,6 +10,9 @@ Contract:
   its own `torch.Generator` (seeded `seed + prompt_index`), never from global state.
 - A row stops at any EOS id (which is returned), at exactly `max_new_tokens`, or when a stop
   string appears (the text ends before it; the ids end with the token that completed it).
+- A row may start from the keys and values of the longest prefix its prompt shares with a
+  recent prompt (speclm.prefix_cache), only where those are the bits its own prefill would
+  compute: the output does not depend on what the cache held.
 
 One round, for the rows still active:
   1. each row's budget: min(k, tokens left - 1), so a commit never passes max_new_tokens
