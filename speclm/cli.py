@@ -320,8 +320,9 @@ def _demo(args) -> int:
           file=sys.stderr)
     engine = SpecEngine(load_model(args.target, quantize=args.quantize), draft=load_model(args.draft, quantize=draft_mode))
     common = dict(max_new_tokens=args.max_new_tokens, chat=True)
-    engine.generate("Hi", max_new_tokens=2, chat=True)  # warm-up: first-call allocations
     k = args.k or GenerationOptions(method="draft").draft_length(args.quantize, draft_mode)
+    for method in ("none", "draft"):  # warm-up of both runs' paths: first-call allocations
+        engine.generate("Hi", method=method, k=k, max_new_tokens=4, chat=True)
     print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={k}), streamed")
     engine.prefix.clear()  # both runs read the prompt whole: neither inherits the other's (or the warm-up's) prefill
     stream = engine.stream(args.prompt, method="draft", k=k, **common)
