@@ -207,44 +207,39 @@ class LeanForward:
         # all but last) need only their keys and values, which its attention has written by then.
         kept_rows = None
         if isinstance(keep_cols, slice):
-            cols = range(width)[keep_cols]
+            cols = kv._slots[:width][keep_cols]  # (K,)
             if len(cols) < width:
-                kept_rows = (rows * width + torch.tensor(list(cols), device=rows.device)).view(-1)
+                kept_rows = (rows * width + cols).view(-1)
         else:
             kept_rows = (rows * width + keep_cols).view(-1)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            if compiled is not None:  # (a prefill's rows in blocks, as below)
-                qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
+            qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
+            if compiled is not None:
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
                                                 heads, kv_heads, self.scaling, tree)  # (R, H D)
-                if i == last and kept_rows is not None:
-                    out, h = out[kept_rows], h[kept_rows]
-                h = _by_rows(layer.attn_out, out, h)
-                h = _by_rows(layer.mlp, h)
-                continue
-            qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
-            qk = qkv[:, :split].view(-1, heads + kv_heads, dim)
-            qk = qk * cos + qk.roll(half, dims=-1) * sin  # rotary on q and k at once
-            q = qk[:, :heads].view(batch, width, heads, dim)
-            k = qk[:, heads:].view(batch, width, kv_heads, dim)
-            v = qkv[:, split:].view(batch, width, kv_heads, dim)
-            keys, values = kv.keys[i], kv.values[i]  # (B, H_kv, capacity, D)
-            if one_row:  # the usual case: a slice copy, no scatter
-                keys[0, :, start : start + width] = k[0].transpose(0, 1)
-                values[0, :, start : start + width] = v[0].transpose(0, 1)
             else:
-                keys[rows, :, slots] = k.to(keys.dtype)
-                values[rows, :, slots] = v.to(values.dtype)
-            if per_query:
-                out = attend_each_query(q, keys, values, starts, counts, self.scaling, positions)  # (B, M, H, D)
-            else:
-                # a prefill's rows all start at slot 0, left-aligned: its mask is the causal one,
-                # which lets SDPA skip the blocks above the diagonal
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :window], values[:, :, :window],
-                                                   is_causal=True, scale=self.scaling, enable_gqa=heads > kv_heads)
-                out = o.transpose(1, 2)
-            out = out.reshape(batch * width, heads * dim)
+                qk = qkv[:, :split].view(-1, heads + kv_heads, dim)
+                qk = qk * cos + qk.roll(half, dims=-1) * sin  # rotary on q and k at once
+                q = qk[:, :heads].view(batch, width, heads, dim)
+                k = qk[:, heads:].view(batch, width, kv_heads, dim)
+                v = qkv[:, split:].view(batch, width, kv_heads, dim)
+                keys, values = kv.keys[i], kv.values[i]  # (B, H_kv, capacity, D)
+                if one_row:  # the usual case: a slice copy, no scatter
+                    keys[0, :, start : start + width] = k[0].transpose(0, 1)
+                    values[0, :, start : start + width] = v[0].transpose(0, 1)
+                else:
+                    keys[rows, :, slots] = k.to(keys.dtype)
+                    values[rows, :, slots] = v.to(values.dtype)
+                if per_query:
+                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, positions)  # (B, M, H, D)
+                else:
+                    # a prefill's rows all start at slot 0, left-aligned: its mask is the causal one,
+                    # which lets SDPA skip the blocks above the diagonal
+                    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :window], values[:, :, :window],
+                                                       is_causal=True, scale=self.scaling, enable_gqa=heads > kv_heads)
+                    out = o.transpose(1, 2)
+                out = out.reshape(batch * width, heads * dim)
             if i == last and kept_rows is not None:
                 out, h = out[kept_rows], h[kept_rows]
             h = _by_rows(layer.attn_out, out, h)
