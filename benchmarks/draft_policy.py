@@ -1,4 +1,6 @@
-"""Drafting policies compared without wall time: replays greedy speculation over the outputs of
+"""Justifies the int4 draft's stop rule and alternatives and prompt lookup's n-grams
+(speclm.defaults.CONFIDENCE_INT4, ALTERNATIVES_INT4, NGRAM_MAX): drafting policies compared
+without wall time. It replays greedy speculation over the outputs of
 `none` in bench runs and predicts each policy's decode speedup from the run's measured cost
 model (v(k) and the draft's c).
 
@@ -26,19 +28,23 @@ Run: .venv/bin/python benchmarks/draft_policy.py benchmarks/epyc/reference-int8-
          benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1/results.json \
          benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/results.json \
          benchmarks/epyc/alternatives-int8-qwen1.5b-73caf26/results.json > benchmarks/epyc/draft-policy.txt
+Committed output: benchmarks/epyc/draft-policy.txt (AMD EPYC machine).
+`--smoke`: one torch thread; the run's size is that of the results.json files given
+(tests/test_benchmark_scripts.py passes a tiny model's `speclm bench` run).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from speclm.bench.dataset import SPEC_BENCH_KINDS, load_prompts
-from speclm.engine import DRAFT_VOCAB, SpecEngine
+from speclm.defaults import DRAFT_VOCAB
+from speclm.engine import SpecEngine
 from speclm.kv import StaticKV
 from speclm.models.loading import load_model
 from speclm.proposers.draft_vocab import restricted_head
@@ -167,8 +173,8 @@ def table(replays: list[Replay], policies: dict) -> None:
               + f" | {statistics.mean(speed.values()):.3f} | {tokens / rounds:.2f} |")
 
 
-def main(paths: list[str]) -> None:
-    torch.set_num_threads(2)
+def main(paths: list[str], threads: int = 2) -> None:
+    torch.set_num_threads(threads)
     first = json.load(open(paths[0]))["config"]
     target = load_model(first["target"], progress=False)  # tokenizer and chat template; its weights do not run
     draft = load_model(first["draft"], quantize=first["draft_quantize"] or first["quantize"], progress=False)
@@ -188,7 +194,7 @@ def main(paths: list[str]) -> None:
         print(f"## {path}\n\n{len(replays)} prompts; the run's cost model: c = {costs.c:.3f}, "
               + ", ".join(f"v({k}) = {costs.v[k]:.2f}" for k in range(2, 9)) + "\n")
         predicted = {m: p["by_category"] for m, p in results["summary"]["predicted"].items() if "by_category" in p}
-        if predicted:  # results.json of runs before the report had it do not hold it
+        if predicted:  # a results.json whose report did not predict by category holds none
             print("The run's own report, predicted speedup by category (same cost model, its counted rounds): "
                   + "; ".join(f"{m}: " + " ".join(f"{k} {x:.2f}" for k, x in predicted[m].items())
                               for m in ("draft", "pld") if m in predicted) + "\n")
@@ -200,8 +206,9 @@ def main(paths: list[str]) -> None:
             return lambda probs: math.prod(probs) < p
 
         # Check of the replay: rounds + 1 (the prefill) against the run's target forwards (greedy
-        # acceptance does not depend on timing). What a label ran depends on the defaults of the
-        # commit that ran it: `draft` is confidence 0.5 before 73caf26, 0.6 with alternatives 0.6 since.
+        # acceptance does not depend on timing). A label ran with the defaults of the speclm that
+        # ran the bench: `draft` with confidence 0.5, or with confidence 0.6 and alternatives 0.6
+        # (speclm.defaults: CONFIDENCE_INT4, ALTERNATIVES_INT4); both are replayed.
         measured = {}
         for x in results["runs"]:
             if x["method"] != "none" and not x["method"].startswith("hf"):
@@ -256,4 +263,8 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", help="results.json of `speclm bench` runs with methods none and draft")
+    parser.add_argument("--smoke", action="store_true", help="1 thread (the inputs set the run's size)")
+    args = parser.parse_args()
+    main(args.results, 1 if args.smoke else 2)

@@ -1,14 +1,20 @@
-"""How much of what the target writes a restricted draft vocabulary can propose: the share of
-`none`'s greedy tokens in a bench run that lie among the N lowest token ids, alone and with the
-prompt's tokens and EOS added (what speclm.proposers.draft_vocab scores), for several N.
+"""Justifies the draft vocabulary's size (speclm.defaults.DRAFT_VOCAB): how much of what the
+target writes a restricted draft vocabulary can propose, the share of `none`'s greedy tokens in a
+bench run that lie among the N lowest token ids, alone and with the prompt's tokens and EOS
+added (what speclm.proposers.draft_vocab scores), for several N.
 
 Run: .venv/bin/python benchmarks/draft_vocab_coverage.py benchmarks/epyc/reference-int8-qwen1.5b/results.json \
-         > benchmarks/draft-vocab-coverage.txt
+         > benchmarks/epyc/draft-vocab-coverage.txt
+Committed output: benchmarks/epyc/draft-vocab-coverage.txt (AMD EPYC machine).
+`--smoke`: one torch thread; the run's size is that of the results.json given
+(tests/test_benchmark_scripts.py passes a tiny model's `speclm bench` run).
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+
+import torch
 
 from speclm.bench.dataset import load_prompts
 from speclm.engine import SpecEngine
@@ -40,4 +46,10 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="results.json of a `speclm bench` run with method none")
+    parser.add_argument("--smoke", action="store_true", help="1 thread (the input sets the run's size)")
+    args = parser.parse_args()
+    if args.smoke:
+        torch.set_num_threads(1)
+    main(args.results)

@@ -1,17 +1,23 @@
-"""int8 against int4 weights for the draft model (speclm.quant.Int4Linear): the GEMMs of one
-0.5B step (random weights of its shapes, one row, interleaved, best of 3 medians of 5; beside
-them torch's own int4 CPU GEMM, `_weight_int4pack_mm_for_cpu`, groups of 64, with bf16
-activations: with fp32 ones it is some 40x slower still), a real
+"""Justifies int4 weights for the draft model (speclm.quant.Int4Linear, groups of
+speclm.quant.INT4_GROUP inputs: what `--draft-quantize int4` runs): int8 against int4 weights
+for the draft. The GEMMs of one 0.5B step (random weights of its shapes, one row, interleaved,
+best of 3 medians of 5; beside them torch's own int4 CPU GEMM, `_weight_int4pack_mm_for_cpu`,
+groups of 64, with bf16 activations: with fp32 ones it is some 40x slower still), a real
 draft step (qwen2.5-coder-0.5b over a 300-token cache, median of 13), the draft's prefill of a
 700-token prompt (median of 3; `draft` pays it once per request), and what the draft's
 weights do to acceptance: tokens per target forward of `draft` (k = 3, no confidence stop) with the int8
 qwen2.5-coder-1.5b target over 2 Spec-Bench prompts per task kind (chat, 64 new tokens),
-every output checked against plain decoding.
+every output checked against plain decoding. Needs speclm's compiled kernels.
 
-Run: .venv/bin/python benchmarks/int4_draft.py > benchmarks/int4-draft-cpu.txt
+Run: .venv/bin/python benchmarks/int4_draft.py > benchmarks/intel/int4-draft-cpu.txt
+Committed output: benchmarks/intel/int4-draft-cpu.txt (Intel Xeon machine; one section per run).
+`--smoke --target FOLDER --draft FOLDER`: the same code path on a tiny model's GEMM shapes,
+a 30-token cache, a 40-token prefill and 1 qa prompt with 8 new tokens, 1 repeat each, one torch thread.
 """
 from __future__ import annotations
 
+import argparse
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +25,7 @@ import speclm
 from speclm import kernels
 from speclm.bench.dataset import load_prompts
 from speclm.kv import StaticKV
-from speclm.quant import _int4_groups, _int4_layout, _vnni_layout
+from speclm.quant import int4_groups, int4_layout, vnni_layout
 
 from timing import median_ms  # benchmarks/timing.py
 
@@ -27,11 +33,32 @@ LAYERS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24  # (out, in): 
 HEAD = [(151936, 896)]
 
 
-def gemms(shapes):
+@dataclass(frozen=True)
+class Sizes:
+    layers: list  # GEMM shapes of one step's layers
+    head: list  # and of its output head
+    rounds: int  # interleaved rounds of the GEMM timings (best of them)
+    reps: int  # timed calls per GEMM median
+    cache: range  # token ids in the cache of a timed draft step
+    step_reps: int
+    prefill_tokens: int
+    prefill_ids: tuple[int, int]  # the prefill's random token ids lie in [low, high)
+    prefill_reps: int
+    categories: list[str] | None  # Spec-Bench prompts of the acceptance check
+    per_category: int
+    new_tokens: int
+
+
+FULL = Sizes(LAYERS, HEAD, 3, 5, range(1000, 1300), 13, 700, (100, 20000), 3, None, 2, 64)
+SMOKE = Sizes([(128, 64), (64, 64), (256, 64), (64, 128)] * 2, [(320, 64)], 1, 1, range(10, 40), 1, 40, (10, 200), 1,
+              ["qa"], 1, 8)
+
+
+def gemms(shapes, sizes: Sizes):
     compiled = kernels.compiled()
     torch.manual_seed(0)
-    int8 = [(_vnni_layout(torch.randint(-127, 128, s, dtype=torch.int8)), torch.ones(s[0])) for s in shapes]
-    int4 = [_int4_layout(*_int4_groups(torch.randn(s), 64)) for s in shapes]
+    int8 = [(vnni_layout(torch.randint(-127, 128, s, dtype=torch.int8)), torch.ones(s[0])) for s in shapes]
+    int4 = [int4_layout(*int4_groups(torch.randn(s), 64)) for s in shapes]
     x = {k: torch.randn(1, k) for k in {s[1] for s in shapes}}
 
     def run8():
@@ -51,57 +78,67 @@ def gemms(shapes):
             torch.ops.aten._weight_int4pack_mm_for_cpu(xb[s[1]], packed, 64, scales_zeros)
 
     a, b, c = [], [], []
-    for _ in range(3):  # interleaved: this VM's memory bandwidth drifts by tens of percent
-        a.append(median_ms(run8))
-        b.append(median_ms(run4))
-        c.append(median_ms(run_torch))
+    for _ in range(sizes.rounds):  # interleaved: this VM's memory bandwidth drifts by tens of percent
+        a.append(median_ms(run8, reps=sizes.reps))
+        b.append(median_ms(run4, reps=sizes.reps))
+        c.append(median_ms(run_torch, reps=sizes.reps))
     return min(a), min(b), min(c)
 
 
-def draft_step_ms(model):
-    kv = StaticKV(model, 1, 400)
-    kv.forward([list(range(1000, 1300))], 1)
+def draft_step_ms(model, sizes: Sizes):
+    kv = StaticKV(model, 1, len(sizes.cache) + 100)
+    kv.forward([list(sizes.cache)], 1)
     base = kv.lengths_list()[0]
 
     def step():
         kv.forward([[5]], 1)
         kv.truncate([base])
 
-    return median_ms(step, reps=13)
+    return median_ms(step, reps=sizes.step_reps)
 
 
-def prefill_ms(model, tokens=700):
-    prompt = torch.randint(100, 20000, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+def prefill_ms(model, sizes: Sizes):
+    tokens = sizes.prefill_tokens
+    prompt = torch.randint(*sizes.prefill_ids, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 
     def prefill():
         StaticKV(model, 1, tokens + 1).forward([prompt], 1)
 
-    return median_ms(prefill, reps=3)
+    return median_ms(prefill, reps=sizes.prefill_reps)
 
 
 def main():
-    speclm.set_threads()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="catalog name or model folder")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="catalog name or model folder")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and prompts, 1 repeat, 1 thread")
+    args = parser.parse_args()
+    sizes = SMOKE if args.smoke else FULL
+    speclm.set_threads(1 if args.smoke else None)
     print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
     print("| GEMMs of one 0.5B step, 1 row | speclm int8 ms | speclm int4 ms | torch int4 (bf16 activations) ms |")
     print("|---|---|---|---|")
-    for label, shapes in (("24 layers", LAYERS), ("output head", HEAD)):
-        a, b, c = gemms(shapes)
+    for label, shapes in (("24 layers", sizes.layers), ("output head", sizes.head)):
+        a, b, c = gemms(shapes, sizes)
         print(f"| {label} | {a:.1f} | {b:.1f} | {c:.1f} |", flush=True)
-    target = speclm.load_model("qwen2.5-coder-1.5b", quantize="int8", progress=False)
-    prompts = load_prompts("spec-bench", None, 2)
+    target = speclm.load_model(args.target, quantize="int8", progress=False)
+    prompts = load_prompts("spec-bench", sizes.categories, sizes.per_category)
     plain = speclm.SpecEngine(target)
-    reference = {p.prompt_id: plain.generate(p.text, max_new_tokens=64, chat=True).token_ids for p in prompts}
+    reference = {p.prompt_id: plain.generate(p.text, max_new_tokens=sizes.new_tokens, chat=True).token_ids
+                 for p in prompts}
     print()
-    print("| draft weights | draft step ms | prefill of 700 tokens ms | tokens per target forward (k = 3) | outputs equal to plain |")
+    print(f"| draft weights | draft step ms | prefill of {sizes.prefill_tokens} tokens ms "
+          "| tokens per target forward (k = 3) | outputs equal to plain |")
     print("|---|---|---|---|---|")
     for mode in ("int8", "int4"):
-        draft = speclm.load_model("qwen2.5-coder-0.5b", quantize=mode, progress=False)
-        step = draft_step_ms(draft.model)
-        prefill = prefill_ms(draft.model)
+        draft = speclm.load_model(args.draft, quantize=mode, progress=False)
+        step = draft_step_ms(draft.model, sizes)
+        prefill = prefill_ms(draft.model, sizes)
         engine = speclm.SpecEngine(target, draft=draft)
         forwards = tokens = same = 0
         for p in prompts:
-            out = engine.generate(p.text, method="draft", k=3, confidence=0.0, max_new_tokens=64, chat=True)
+            out = engine.generate(p.text, method="draft", k=3, confidence=0.0, max_new_tokens=sizes.new_tokens,
+                                  chat=True)
             forwards += out.stats.target_forwards
             tokens += out.stats.new_tokens
             same += out.token_ids == reference[p.prompt_id]

@@ -1,41 +1,59 @@
-"""Whole-model int8 GEMM cost by number of rows: speclm's compiled VNNI kernel
-(speclm/csrc/cpu_kernels.cpp, activation quantization and rescale included), oneDNN's packed
-int8 GEMM and `torch._int_mm` (GEMM alone), over weights of the shapes of one decode step of
-Qwen2.5-1.5B (q/k/v and gate/up fused, output head included; 1.54 GB of int8). Interleaved,
-median of 5; the weights are far larger than the caches, as in a real step. It is why
-speclm.quant.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS (16) rows and oneDNN beyond (or, without
-the compiled kernel, `_int_mm` for one row and oneDNN for more).
+"""Justifies where int8 GEMMs switch from speclm's kernel to oneDNN's (speclm.defaults.VNNI_MAX_ROWS;
+the kernel as built, with its WEIGHT_PREFETCH_BYTES): whole-model int8 GEMM cost by number of
+rows, speclm's compiled VNNI kernel (speclm/csrc/cpu_kernels.cpp, activation quantization and
+rescale included), oneDNN's packed int8 GEMM and `torch._int_mm` (GEMM alone), over weights of
+the shapes of one decode step of Qwen2.5-1.5B (q/k/v and gate/up fused, output head included;
+1.54 GB of int8). Interleaved, best of 2 medians of 5; the weights are far larger than the
+caches, as in a real step. speclm.quant.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS
+rows and oneDNN beyond (or, without the compiled kernel, `_int_mm` for one row and oneDNN for
+more). Without the compiled kernels its column reads n/a.
 
-Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/int8-gemm-rows-cpu.txt
+Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/epyc/int8-gemm-rows.txt
+Committed output: benchmarks/epyc/int8-gemm-rows.txt (AMD EPYC machine) and
+benchmarks/intel/int8-gemm-rows-cpu.txt (Intel Xeon machine).
+`--smoke`: the same code path over a tiny model's shapes (hidden size 64), rows 1, 2, 16 and
+32, 1 repeat, one torch thread.
 """
 from __future__ import annotations
 
+import argparse
 
 import torch
 
 from speclm import kernels
-from speclm.quant import _vnni_layout
+from speclm.quant import vnni_layout
 
 from timing import median_ms  # benchmarks/timing.py
 
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28 + [(151936, 1536)]  # (out, in)
+ROWS = (1, 2, 4, 6, 7, 8, 12, 16, 32, 64)
+SMOKE_SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128)] * 2 + [(320, 64)]
+SMOKE_ROWS = (1, 2, 16, 32)
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 4 row counts, 1 repeat, 1 thread")
+    args = parser.parse_args()
+    shapes, row_counts = (SMOKE_SHAPES, SMOKE_ROWS) if args.smoke else (SHAPES, ROWS)
+    rounds, reps = (1, 1) if args.smoke else (2, 5)
+    if args.smoke:
+        torch.set_num_threads(1)
+    in_features = sorted({s[1] for s in shapes})
     torch.manual_seed(0)
-    weights = [torch.randint(-127, 128, shape, dtype=torch.int8) for shape in SHAPES]
+    weights = [torch.randint(-127, 128, shape, dtype=torch.int8) for shape in shapes]
     gigabytes = sum(w.numel() for w in weights) / 1e9
     packed = [torch.ops.onednn.qlinear_prepack(w, None) for w in weights]
     scales = [torch.ones(w.shape[0]) for w in weights]
     zeros = [torch.zeros(w.shape[0], dtype=torch.long) for w in weights]
     compiled = kernels.compiled()
-    vnni = [_vnni_layout(w) for w in weights] if compiled is not None else []
+    vnni = [vnni_layout(w) for w in weights] if compiled is not None else []
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} int8 weights={gigabytes:.2f} GB")
     print("| rows | speclm VNNI ms | onednn.qlinear_pointwise ms | torch._int_mm ms |")
     print("|---|---|---|---|")
-    for rows in (1, 2, 4, 6, 7, 8, 12, 16, 32, 64):
-        xu = {k: torch.randint(1, 255, (rows, k), dtype=torch.uint8) for k in (1536, 8960)}
-        xs = {k: torch.randint(-127, 128, (rows, k), dtype=torch.int8) for k in (1536, 8960)}
+    for rows in row_counts:
+        xu = {k: torch.randint(1, 255, (rows, k), dtype=torch.uint8) for k in in_features}
+        xs = {k: torch.randint(-127, 128, (rows, k), dtype=torch.int8) for k in in_features}
 
         def onednn():
             for w, p, s, z in zip(weights, packed, scales, zeros):
@@ -46,18 +64,18 @@ def main():
             for w in weights:
                 torch._int_mm(xs[w.shape[1]], w.t())
 
-        xf = {k: torch.randn(rows, k) for k in (1536, 8960)}
+        xf = {k: torch.randn(rows, k) for k in in_features}
 
         def speclm_vnni():
             for w, (packed_w, colsum), s in zip(weights, vnni, scales):
                 compiled.linear_rows(xf[w.shape[1]], packed_w, colsum, s, None)
 
         a, b, c = [], [], []
-        for _ in range(2):  # interleaved: the machine's bandwidth drifts
+        for _ in range(rounds):  # interleaved: the machine's bandwidth drifts
             if compiled is not None:
-                c.append(median_ms(speclm_vnni))
-            a.append(median_ms(onednn))
-            b.append(median_ms(int_mm) if rows <= 16 else float("nan"))  # _int_mm re-lays out: slow, skipped
+                c.append(median_ms(speclm_vnni, reps=reps))
+            a.append(median_ms(onednn, reps=reps))
+            b.append(median_ms(int_mm, reps=reps) if rows <= 16 else float("nan"))  # _int_mm re-lays out: slow, skipped
         vnni_ms = f"{min(c):.1f}" if c else "n/a"
         print(f"| {rows} | {vnni_ms} | {min(a):.1f} | {min(b):.1f} |", flush=True)
 

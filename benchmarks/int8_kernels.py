@@ -1,13 +1,20 @@
-"""Measure the CPU int8 linear-layer options for one Qwen2.5-1.5B MLP layer (8960 x 1536).
+"""Justifies speclm's int8 kernel (speclm.quant.Int8Linear: W8A8 with per-row activation scales,
+batch-invariant, which speculative exactness needs): the CPU int8 linear-layer options measured
+on one Qwen2.5-1.5B MLP layer (8960 x 1536).
 
 For each path: median time at k = 1, 4, 8, 16 rows, whether row 0 computed alone is
-bit-identical to row 0 inside a batch of 16 (batch invariance, which speculative exactness
-needs), and the relative error against fp64. torchao's CPU int8 configurations are
-included when torchao is installed (speclm does not depend on it).
-Run: .venv/bin/python benchmarks/int8_kernels.py > benchmarks/int8-kernels-cpu.txt
+bit-identical to row 0 inside a batch of 16 (batch invariance), and the relative error against
+fp64. torchao's CPU int8 configurations are included when torchao is installed (speclm does not
+depend on it).
+
+Run: .venv/bin/python benchmarks/int8_kernels.py > benchmarks/intel/int8-kernels-cpu.txt
+Committed output: benchmarks/intel/int8-kernels-cpu.txt (Intel Xeon machine).
+`--smoke`: the same code path on a 256 x 128 layer, 1 timed call per point, one torch thread;
+torchao's rows are left out where it is not installed.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import warnings
 
@@ -19,11 +26,12 @@ from timing import median_ms  # benchmarks/timing.py
 warnings.filterwarnings("ignore")
 torch.manual_seed(0)
 OUT, IN = 8960, 1536
+SMOKE_OUT, SMOKE_IN = 256, 128
 ROWS = (1, 4, 8, 16)
 
 
-def timed(fn, x, reps=20):
-    return median_ms(lambda: fn(x), reps=reps, warmup=3)
+def timed(fn, x, reps=20, warmup=3):
+    return median_ms(lambda: fn(x), reps=reps, warmup=warmup)
 
 
 def int8pack(weight: torch.Tensor):
@@ -58,8 +66,13 @@ def torchao_path(layer: torch.nn.Linear, config, dtype):
 
 
 def main() -> None:
-    torch.set_num_threads(torch.get_num_threads())
-    layer = torch.nn.Linear(IN, OUT, bias=False)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a small layer, 1 timed call per point, 1 thread")
+    args = parser.parse_args()
+    out_f, in_f = (SMOKE_OUT, SMOKE_IN) if args.smoke else (OUT, IN)
+    reps, warmup = (1, 1) if args.smoke else (20, 3)
+    torch.set_num_threads(1 if args.smoke else torch.get_num_threads())
+    layer = torch.nn.Linear(in_f, out_f, bias=False)
     with torch.no_grad():
         layer.weight.normal_(0, 0.02)
     w = layer.weight.detach()
@@ -78,10 +91,13 @@ def main() -> None:
         paths["torchao Int8WeightOnly, bf16"] = torchao_path(layer, Int8WeightOnlyConfig(), torch.bfloat16)
         paths["torchao Int8WeightOnly, fp32"] = torchao_path(layer, Int8WeightOnlyConfig(), torch.float32)
         paths["torchao Int8DynActInt8Weight, fp32"] = torchao_path(layer, Int8DynamicActivationInt8WeightConfig(), torch.float32)
-    except Exception as exc:  # torchao missing or its CPU path unavailable
+    except ModuleNotFoundError as exc:
+        if not args.smoke or exc.name != "torchao":  # the smoke run leaves a missing torchao out quietly
+            print(f"torchao: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # torchao's CPU path unavailable
         print(f"torchao: {type(exc).__name__}: {exc}")
 
-    x16 = torch.randn(16, IN)
+    x16 = torch.randn(16, in_f)
     ref = F.linear(x16.double(), w.double()).float()
     print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
     print("| path | " + " | ".join(f"k={k} ms" for k in ROWS) + " | batch-invariant | rel. error vs fp64 |")
@@ -89,7 +105,7 @@ def main() -> None:
     with torch.inference_mode():
         for name, fn in paths.items():
             try:
-                times = [timed(fn, x16[:k].contiguous()) for k in ROWS]
+                times = [timed(fn, x16[:k].contiguous(), reps, warmup) for k in ROWS]
                 alone = fn(x16[:1].contiguous())[0]
                 inside = fn(x16)[0]
                 invariant = torch.equal(alone, inside)

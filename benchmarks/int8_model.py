@@ -1,15 +1,21 @@
-"""Whole-model comparison of the CPU int8 paths on a real target, all through transformers'
-forward and DynamicCache (the kernels compare on equal terms; speclm's own forward is
-leaner): cost of a forward over k new tokens (v(k)), and agreement of the next-token argmax with fp32 (teacher-forced on
-Spec-Bench prompts). The per-layer picture is in int8_kernels.py; a single layer fits in
-the L3 cache and flatters the kernels, so the choice is made on whole-model numbers.
+"""Justifies the int8 kernel on whole models (speclm.quant.Int8Linear, W8A8 per-row, against
+int8 weight-only with bf16 activations): the CPU int8 paths on a real target, all through
+transformers' forward and DynamicCache (the kernels compare on equal terms; speclm's own forward
+is leaner): cost of a forward over k new tokens (v(k)), and agreement of the next-token argmax
+with fp32 (teacher-forced on Spec-Bench prompts). The per-layer picture is in int8_kernels.py; a
+single layer fits in the L3 cache and flatters the kernels, so the choice is made on whole-model
+numbers.
 
-Run: .venv/bin/python benchmarks/int8_model.py [model [fp32,w8a8,int8pack]] > benchmarks/int8-model-cpu.txt
+Run: .venv/bin/python benchmarks/int8_model.py [--target NAME_OR_FOLDER] [--modes fp32,w8a8,int8pack] \
+         > benchmarks/intel/int8-model-cpu.txt
+Committed output: benchmarks/intel/int8-model-cpu.txt (Intel Xeon machine).
+`--smoke --target FOLDER`: the same code path on a tiny model, 2 short prompts, 1 timed
+forward per k, one torch thread.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 import warnings
 
@@ -18,7 +24,7 @@ from torch import nn
 
 from speclm.bench.dataset import load_prompts
 from speclm.models.loading import load_model
-from speclm.quant import Int8Linear, _int8_per_channel
+from speclm.quant import Int8Linear, int8_per_channel
 
 warnings.filterwarnings("ignore")
 
@@ -28,7 +34,7 @@ class Int8WeightOnlyBf16(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        q, scale = _int8_per_channel(linear.weight)
+        q, scale = int8_per_channel(linear.weight)
         self.q, self.scale, self.out_features = q, scale.to(torch.bfloat16), linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
@@ -46,16 +52,15 @@ def swap(model, cls):
 
 
 @torch.inference_mode()
-def step_costs(model, context_ids, ks=(1, 2, 3, 4, 5, 6, 8), reps=5):
+def step_costs(model, context_ids, ks=(1, 2, 3, 4, 5, 6, 8), reps=5, token_ids=(100, 1000)):
     from transformers import DynamicCache
     cache = DynamicCache(config=model.config)
     model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    base = cache.get_seq_length()
     out = {}
     for k in ks:
         ts = []
         for _ in range(reps + 1):
-            ids = torch.randint(100, 1000, (1, k))
+            ids = torch.randint(*token_ids, (1, k))  # random draft tokens
             t = time.perf_counter()
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=k)
             ts.append(time.perf_counter() - t)
@@ -70,10 +75,16 @@ def argmaxes(model, prompts_ids):
 
 
 def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b"
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. fp32,w8a8
-    torch.set_num_threads(torch.get_num_threads())
-    prompts = [p.text for p in load_prompts("spec-bench", None, 1)]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="catalog name or model folder")
+    parser.add_argument("--modes", help="comma list of fp32, w8a8, int8pack (default: all; fp32 always runs)")
+    parser.add_argument("--smoke", action="store_true", help="2 short prompts, 1 timed forward per k, 1 thread")
+    args = parser.parse_args()
+    name = args.target
+    only = args.modes.split(",") if args.modes else None  # e.g. fp32,w8a8
+    categories, reps, token_ids = (["qa", "translation"], 1, (10, 200)) if args.smoke else (None, 5, (100, 1000))
+    torch.set_num_threads(1 if args.smoke else torch.get_num_threads())
+    prompts = [p.text for p in load_prompts("spec-bench", categories, 1)]
     print(f"model={name} threads={torch.get_num_threads()} torch={torch.__version__} prompts={len(prompts)}")
     ref = None
     modes = {"fp32": "fp32", "w8a8": "int8 W8A8 per-row (speclm.quant.Int8Linear, oneDNN)",
@@ -96,7 +107,7 @@ def main() -> None:
         if ref is None:
             ref = tops
         agree = sum(int((a == b).sum()) for a, b in zip(tops, ref)) / sum(len(a) for a in ref)
-        costs = step_costs(model, ids[0])
+        costs = step_costs(model, ids[0], reps=reps, token_ids=token_ids)
         v = " ".join(f"v({k})={ms / costs[1]:.2f}" for k, ms in costs.items())
         print(f"{mode}: load {load_s:.1f} s, quantize {quant_s:.1f} s; 1-token step {costs[1]:.0f} ms; {v}; "
               f"argmax agreement with fp32 {agree:.2%} over {sum(len(a) for a in ref)} positions", flush=True)

@@ -1,24 +1,28 @@
-"""Spec-Bench's prompt lengths in tokens per task kind, with the target's chat template (one user
-message, as `bench --chat` encodes them): what draft+pld's prompt-length rule
-(`--draft-prompt-ratio`, speclm.proposers.draft_lookup) sees.
+"""Justifies draft+pld's prompt-length rule (speclm.defaults.DRAFT_PROMPT_RATIO,
+`--draft-prompt-ratio`, speclm.proposers.draft_lookup) by what it sees: Spec-Bench's prompt
+lengths in tokens per task kind, with the target's chat template (one user message, as
+`bench --chat` encodes them), and how many lie above the cut at 128 new tokens.
 
-Run: .venv/bin/python benchmarks/prompt_lengths.py qwen2.5-coder-1.5b > benchmarks/spec-bench-prompt-lengths.txt
+Run: .venv/bin/python benchmarks/prompt_lengths.py --target qwen2.5-coder-1.5b > benchmarks/spec-bench-prompt-lengths.txt
+Committed output: benchmarks/spec-bench-prompt-lengths.txt.
+`--smoke --target FOLDER`: the same code path over 2 prompts per task kind, one torch thread.
 """
 from __future__ import annotations
 
-import sys
+import argparse
 
 import numpy as np
+import torch
 
 from speclm.bench.dataset import load_prompts
+from speclm.defaults import DRAFT_PROMPT_RATIO
 from speclm.engine import SpecEngine
-from speclm.methods import DRAFT_PROMPT_RATIO
 from speclm.models.loading import load_model
 
 
-def main(model: str) -> None:
+def main(model: str, per_category: int | None) -> None:
     engine = SpecEngine(load_model(model))  # the tokenizer and chat template; the weights are not run
-    prompts = load_prompts("spec-bench", None, None)
+    prompts = load_prompts("spec-bench", None, per_category)
     lengths: dict[str, list[int]] = {}
     for p, ids in zip(prompts, engine.encode([p.text for p in prompts], chat=True)):
         lengths.setdefault(p.category, []).append(len(ids))
@@ -33,4 +37,10 @@ def main(model: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="catalog name or model folder")
+    parser.add_argument("--smoke", action="store_true", help="2 prompts per task kind, 1 thread")
+    args = parser.parse_args()
+    if args.smoke:
+        torch.set_num_threads(1)
+    main(args.target, 2 if args.smoke else None)

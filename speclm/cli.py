@@ -8,8 +8,8 @@ import os
 import sys
 
 from speclm.errors import PullError, SpeclmError, UsageError
-from speclm.methods import DRAFT_LOOKUP_NGRAM_MIN, DRAFT_METHODS, DRAFT_PROMPT_RATIO, METHODS
-from speclm.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
+from speclm import defaults
+from speclm.defaults import DRAFT_METHODS, METHODS, PREFIX_CACHE_TOKENS
 from speclm.runtime import QUANTIZE_MODES, keep_freed_memory, set_threads
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
@@ -58,10 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
     b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default %(default)s)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, every output checked against none's; > 0: sampling")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i samples with seed + i (default %(default)s)")
+    b.add_argument("--repeats", type=int, default=1, help="runs of each method on each prompt (default %(default)s)")
     b.add_argument("--chat", action="store_true", help="apply the target's chat template")
     b.add_argument("--cost-repeats", type=int, default=5, help="samples per point of the cost model (0: skip it)")
     b.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
@@ -74,11 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two runs side by side and exit")
 
     d = sub.add_parser("demo", help="speculative vs plain decoding with the default Qwen pair, one prompt")
-    d.add_argument("--target", default="qwen2.5-coder-1.5b")
-    d.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    d.add_argument("--prompt", default=DEMO_PROMPT)
-    d.add_argument("--k", type=int, default=None, help="draft tokens per round (default 2)")
-    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--target", default="qwen2.5-coder-1.5b", help="target model (default %(default)s)")
+    d.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model (default %(default)s)")
+    d.add_argument("--prompt", default=DEMO_PROMPT, help="the prompt (default: a short Python task)")
+    d.add_argument("--k", type=int, default=None, help=defaults.k_help("draft"))
+    d.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated (default %(default)s)")
     d.add_argument("--quantize", choices=QUANTIZE_MODES, default="int8",
                    help="int8 (default): int8 weights, the fast path on CPU; none: the weights as published")
     d.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None,
@@ -89,33 +90,37 @@ def build_parser() -> argparse.ArgumentParser:
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("list", help="catalog models and what is cached")
     pull = msub.add_parser("pull", help="download, verify and convert a catalog model")
-    pull.add_argument("name")
+    pull.add_argument("name", help="a catalog name (speclm models list)")
     pull.add_argument("--force", action="store_true", help="pull again even if cached")
     return p
 
 
 def _add_decoding_options(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--k", type=int, default=None, help="draft tokens per round (default: 2; pld on int8 weights 4; measured best on CPU)")
+    g.add_argument("--k", type=int, default=None, help=defaults.k_help(None))
     g.add_argument("--confidence", type=float, default=None,
                    help="draft: stop a round's drafting after a token the draft gave less probability than this "
-                        "(0: never; default 0.6 with an int4 draft, else 0)")
+                        f"(0: never; default {defaults.CONFIDENCE_INT4:g} with an int4 draft, else 0)")
     g.add_argument("--alternatives", type=float, default=None,
                    help="draft: verify the draft's second choice beside each drafted token it gave less probability "
-                        "than this (a tree whose extra branches are leaves; 0: never; default 0.6 with an int4 draft, else 0)")
+                        f"than this (a tree whose extra branches are leaves; 0: never; default {defaults.ALTERNATIVES_INT4:g} "
+                        "with an int4 draft, else 0)")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
-                        "(0: the whole vocabulary; default 65536)")
-    g.add_argument("--ngram-max", type=int, default=3, help="pld, draft+pld: longest n-gram matched (default 3)")
+                        f"(0: the whole vocabulary; default {defaults.DRAFT_VOCAB})")
+    g.add_argument("--ngram-max", type=int, default=defaults.NGRAM_MAX,
+                   help="pld, draft+pld: longest n-gram matched (default %(default)s)")
     g.add_argument("--ngram-min", type=int, default=None,
-                   help=f"pld, draft+pld: shortest n-gram matched (default 1 for pld, {DRAFT_LOOKUP_NGRAM_MIN} for draft+pld)")
-    g.add_argument("--draft-prompt-ratio", type=float, default=DRAFT_PROMPT_RATIO,
+                   help=f"pld, draft+pld: shortest n-gram matched (default {defaults.ngram_min('pld')} for pld, "
+                        f"{defaults.ngram_min('draft+pld')} for draft+pld)")
+    g.add_argument("--draft-prompt-ratio", type=float, default=defaults.DRAFT_PROMPT_RATIO,
                    help="draft+pld: prompt lookup alone (no draft model) for prompts longer than this times "
-                        f"--max-new-tokens (default {DRAFT_PROMPT_RATIO:g}; 0: never the model, inf: always)")
+                        "--max-new-tokens (default %(default)g; 0: never the model, inf: always)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches this (default 1: all)")
     g.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
     g.add_argument("--seed", type=int, default=None, help="row i samples with seed + i")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most (default %(default)s)")
     g.add_argument("--chat", action="store_true", help="apply the target's chat template (one user message)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 

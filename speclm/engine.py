@@ -34,54 +34,15 @@ import torch
 
 from speclm.errors import UsageError
 from speclm.kv import StaticKV
-from speclm.methods import DRAFT_LOOKUP_NGRAM_MIN, DRAFT_METHODS, DRAFT_PROMPT_RATIO, METHODS
+from speclm import defaults
+from speclm.defaults import DRAFT_METHODS, METHODS
 from speclm.models.loading import LoadedModel
-from speclm.prefix_cache import DEFAULT_TOKENS, PrefixCaches
+from speclm.prefix_cache import PrefixCaches
 from speclm.proposers import Draft, DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
 from speclm.sampling import SamplingParams
 from speclm.stats import RequestStats
 from speclm.text import IncrementalText, final_text, stop_cut
 from speclm.verify import verify
-
-# Default draft length per target weights, from measurements on a 2-core CPU:
-# - fp32 (benchmarks/cpu-fp32-qwen1.5b-1x6*): a forward over 3 new tokens costs 1.0-1.2x one
-#   token but 5 cost 1.9-2.1x, so k = 2 beat k = 4 for both methods (1.17x / 1.21x vs 0.92x / 0.97x).
-# - int8 (benchmarks/reference-cpu-int8-qwen1.5b-d6f1c9f): v(k) = 1.03, 1.07, 1.19, 1.25 for k = 2..5
-#   new tokens and 1.37-1.6 beyond 6; prompt lookup with k = 4 beat k = 6 (1.28x vs 1.22x over
-#   the six task kinds); a draft-model step costs c = 0.35 target steps, so k = 2 is its trade.
-# - an int4 draft (speclm.quant.Int4Linear) costs about half an int8 one (c = 0.2), so it drafts
-#   further and stops a round where it is unsure: in quick runs (one prompt per task kind,
-#   benchmarks/int4-draft-k234-cpu, int4-draft-k-cpu) k = 2, 3, 4 without a stop gave 1.23-1.33x,
-#   k = 6 at confidence 0.3 / 0.6 and k = 8 at 0.5 gave 1.32-1.39x; k = 6 at 0.5 then gave 1.37x
-#   in benchmarks/reference-cpu-int8-qwen1.5b, as did k = 8 at 0.5.
-# - alternatives (speclm.verify): with an int4 draft (in practice beside an int8 target, whose
-#   forward over up to 7 new tokens costs about one step), a drafted token the draft gave less
-#   than 0.6 gets its second choice verified beside it, and the round stops there. Replays of
-#   greedy speculation over three AMD bench runs' outputs (benchmarks/draft_policy.py,
-#   benchmarks/epyc/draft-policy.txt) predict +3-5% decode speed over confidence 0.5 without
-#   alternatives in each of the three (confidence 0.6 alone: -0.4% to +1.4%).
-# Pass k for other hardware.
-DEFAULT_K = {"none": {"draft": 2, "pld": 2}, "int8": {"draft": 2, "pld": 4}}
-INT4_DRAFT_K, INT4_DRAFT_CONFIDENCE, INT4_DRAFT_ALTERNATIVES = 6, 0.6, 0.6
-# The draft's output head scores the first 65536 token ids (+ the prompt's and EOS): with the 0.5B
-# Qwen draft a draft step cost 9-11% less (c 0.182 -> 0.166, 0.141 -> 0.125) for 0.6% fewer tokens
-# per target forward (3.13 -> 3.11) in benchmarks/epyc/reference-int8-qwen1.5b and its -run1.
-DRAFT_VOCAB = 65536
-
-
-def default_k(method: str, quantize: str = "none", draft_quantize: str | None = None) -> int:
-    if method in DRAFT_METHODS and draft_quantize == "int4":
-        return INT4_DRAFT_K
-    return DEFAULT_K.get(quantize, DEFAULT_K["none"]).get("draft" if method in DRAFT_METHODS else method, 0)
-
-
-def default_confidence(draft_quantize: str | None) -> float:
-    return INT4_DRAFT_CONFIDENCE if draft_quantize == "int4" else 0.0
-
-
-def default_alternatives(draft_quantize: str | None) -> float:
-    return INT4_DRAFT_ALTERNATIVES if draft_quantize == "int4" else 0.0
-
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -96,20 +57,20 @@ class GenerationOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     chat: bool = False  # apply the target's chat template to each prompt as one user message
-    ngram_max: int = 3  # pld, draft+pld: longest n-gram to match
+    ngram_max: int = defaults.NGRAM_MAX  # pld, draft+pld: longest n-gram to match
     ngram_min: int | None = None  # pld, draft+pld: shortest n-gram to match (None: the method's default)
     # draft: stop a round after a token the draft gave less probability than this (0: never;
-    # None: 0.6 with an int4 draft, else 0)
+    # None: speclm.defaults.confidence, 0.6 with an int4 draft, else 0)
     confidence: float | None = None
     # draft: a drafted token the draft gave less probability than this gets a second candidate
-    # verified beside it (0: never; None: 0.6 with an int4 draft, else 0)
+    # verified beside it (0: never; None: speclm.defaults.alternatives, 0.6 with an int4 draft, else 0)
     alternatives: float | None = None
     # draft: score only the this many lowest token ids, the prompt's tokens and EOS
-    # (speclm.proposers.draft_vocab; 0: the whole vocabulary; None: the default, DRAFT_VOCAB)
+    # (speclm.proposers.draft_vocab; 0: the whole vocabulary; None: speclm.defaults.DRAFT_VOCAB)
     draft_vocab: int | None = None
     # draft+pld: no draft model for a batch whose every prompt is longer than this times its
     # max_new_tokens (prompt lookup alone); 0: never the model, inf: always
-    draft_prompt_ratio: float = DRAFT_PROMPT_RATIO
+    draft_prompt_ratio: float = defaults.DRAFT_PROMPT_RATIO
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -136,25 +97,22 @@ class GenerationOptions:
 
     def draft_length(self, quantize: str = "none", draft_quantize: str | None = None) -> int:
         """k, or the method's default for target weights `quantize` (and the draft's)."""
-        return self.k if self.k is not None else default_k(self.method, quantize, draft_quantize)
+        return self.k if self.k is not None else defaults.k(self.method, quantize, draft_quantize)
 
     @property
     def lookup_ngram_min(self) -> int:
-        """ngram_min, or the method's default: any match for pld, a longer one where a draft model
-        is the alternative (DRAFT_LOOKUP_NGRAM_MIN)."""
-        if self.ngram_min is not None:
-            return self.ngram_min
-        return DRAFT_LOOKUP_NGRAM_MIN if self.method == "draft+pld" else 1
+        """ngram_min, or the method's default (speclm.defaults.ngram_min)."""
+        return self.ngram_min if self.ngram_min is not None else defaults.ngram_min(self.method)
 
     def draft_vocabulary(self) -> int:
         """draft_vocab, or the default."""
-        return DRAFT_VOCAB if self.draft_vocab is None else self.draft_vocab
+        return defaults.DRAFT_VOCAB if self.draft_vocab is None else self.draft_vocab
 
     def draft_confidence(self, draft_quantize: str | None = None) -> float:
-        return self.confidence if self.confidence is not None else default_confidence(draft_quantize)
+        return self.confidence if self.confidence is not None else defaults.confidence(draft_quantize)
 
     def draft_alternatives(self, draft_quantize: str | None = None) -> float:
-        return self.alternatives if self.alternatives is not None else default_alternatives(draft_quantize)
+        return self.alternatives if self.alternatives is not None else defaults.alternatives(draft_quantize)
 
 
 @dataclass
@@ -197,7 +155,7 @@ class SpecEngine:
     >>> engine.generate("def fib(n):", method="draft", max_new_tokens=64).text
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, prefix_cache: int = DEFAULT_TOKENS):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, prefix_cache: int = defaults.PREFIX_CACHE_TOKENS):
         """prefix_cache: tokens of recent prompts whose keys and values each model keeps for later
         prompts that begin alike (speclm.prefix_cache; 0: none). Only on quantized CPU weights,
         where reusing them gives the same bits as reading the prompt whole."""
@@ -267,7 +225,7 @@ class SpecEngine:
                          alternatives=opts.draft_alternatives(self.draft.quantize))
             if opts.method == "draft":
                 return DraftModelProposer(self.draft.model, **model, prefix_cache=self.prefix.draft)
-            lookup_k = opts.k if opts.k is not None else default_k("pld", self.target.quantize)
+            lookup_k = opts.k if opts.k is not None else defaults.k("pld", self.target.quantize)
             return DraftLookupProposer(self.draft.model, **model, ngram_max=opts.ngram_max,
                                        ngram_min=opts.lookup_ngram_min, prompt_ratio=opts.draft_prompt_ratio,
                                        lookup_k=lookup_k, prefix_cache=self.prefix.draft)

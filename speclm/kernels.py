@@ -1,7 +1,7 @@
 """speclm's compiled CPU kernels (speclm/csrc/cpu_kernels.cpp), built once per machine.
 
 torch's int8 kernels read the weights of a decode step slower than this CPU can at more than
-one row (benchmarks/int8-gemm-rows-cpu.txt), which is what speculation needs: a k-token
+one row (benchmarks/intel/int8-gemm-rows-cpu.txt), which is what speculation needs: a k-token
 verification that costs about one step; and a decode step's few rows make every small aten op
 (an RMSNorm is several) cost more than its arithmetic. The kernels are built with torch's own extension
 builder (the machine's C++ compiler, ninja) on first use and cached in torch's extension
@@ -23,11 +23,14 @@ import platform
 import sys
 from pathlib import Path
 
+from speclm.defaults import KERNEL_MACROS
+
 NAME = "speclm_cpu_kernels"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
          "-ffp-contract=off",  # no FMA contraction: the rescale must round as torch's does
-         "-fopenmp"]  # at::parallel_for runs on torch's own OpenMP pool (same libgomp)
+         "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp)
+         *(f"-D{name}={value}" for name, value in KERNEL_MACROS.items())]  # tuned sizes (speclm.defaults)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 

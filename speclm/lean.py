@@ -25,16 +25,17 @@ from torch import nn
 
 from speclm import kernels
 from speclm.attention import attend_each_query, is_prefill
+from speclm.defaults import PREFILL_ROW_BLOCK
 from speclm.quant import Int8Slice, QuantLinear
 
 Rows = Callable[[torch.Tensor], torch.Tensor]  # (R, in) -> (R, out), row by row
 
 SUPPORTED = ("llama", "qwen2")
-# Row-wise work (norms, projections, MLP) of a long feed runs in blocks of this many rows: a
+# Row-wise work (norms, projections, MLP) of a long feed runs in blocks of ROW_BLOCK rows: a
 # block's activations, (rows, intermediate) floats, then stay in the CPU's cache, where the
-# elementwise passes between the GEMMs run several times faster than over a prompt-long tensor
-# (measured in benchmarks/prefill-cpu.txt). Rows are independent, so the bits do not change.
-ROW_BLOCK = 256
+# elementwise passes between the GEMMs run several times faster than over a prompt-long tensor.
+# Rows are independent, so the bits do not change.
+ROW_BLOCK = PREFILL_ROW_BLOCK
 
 
 def supports(model) -> bool:

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# per model: about 230 MB of fp32 keys and values for Qwen2.5-1.5B, 100 MB for the 0.5B
-DEFAULT_TOKENS = 4096
+from speclm.defaults import PREFIX_CACHE_TOKENS as DEFAULT_TOKENS
 
 
 @dataclass

@@ -5,25 +5,27 @@ token's logits must not depend on how many other tokens share the forward. The k
 here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
 activation row quantized to int8 with its own scale, products accumulated in int32 (exact
 integer arithmetic: speclm's AVX-512 VNNI kernel for the few rows of a decode step or a
-verification, oneDNN's int8 GEMM for a prefill's many, `torch._int_mm` where neither runs),
-then rescaled elementwise. Nothing couples the rows, so the
+verification, oneDNN's int8 GEMM for a prefill's many where it sums exactly (a CPU with
+VNNI), `torch._int_mm` otherwise), then rescaled elementwise. Nothing couples the rows, so the
 result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
 activation scale for the whole batch and is *not* batch-invariant; the weight-only
 `_weight_int8pack_mm` path is invariant but its cost grows with the rows. The measurements
 behind the choice are in benchmarks/int8_kernels.py, benchmarks/int8_model.py and
 benchmarks/int8_gemm_rows.py.
 
-Quantizing happens at load (19 s for the 1.5B on 2 cores, measured before the VNNI layout
-was added; that layout is one more permuted copy); oneDNN's packed layout is opaque, so
-nothing is cached on disk.
+Quantizing happens at load; oneDNN's packed layout is opaque, so nothing is cached on disk.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import torch
 from torch import nn
 
 from speclm import kernels
+from speclm.defaults import VNNI_MAX_ROWS
 from speclm.errors import UsageError
 from speclm.runtime import QUANTIZE_MODES
 
@@ -32,7 +34,7 @@ from speclm.runtime import QUANTIZE_MODES
 _MAGIC = 12582912.0
 
 
-def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (out, in) -> int8 (out, in) and fp32 scale (out,), symmetric, max-abs."""
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
@@ -55,8 +57,28 @@ def _quantized_rows(x: torch.Tensor, features: int, signed: bool = False) -> tup
     return scaled.add_(_MAGIC).sub_(_MAGIC - 128.0).to(torch.uint8), step  # round(scaled) + 128: 1..255
 
 
+@functools.lru_cache(maxsize=None)
 def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    """oneDNN's int8 GEMM is used only where it computes exact integer sums. On a CPU without VNNI
+    it multiplies u8 by s8 with vpmaddubsw, whose pairwise sums saturate at int16, and its results
+    would then differ from the other kernels' (and a prefill's keys from a decode step's): probed
+    once with the worst case (255 x 127 in every pair) and random values."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=gen)  # (out, in)
+    q[0] = 127
+    xu = torch.randint(1, 256, (3, 256), dtype=torch.uint8, generator=gen)  # u8 rows, zero point 128
+    xu[0] = 255
+    exact = (xu.long() - 128) @ q.long().t()  # (3, out), in int64
+    got = torch.ops.onednn.qlinear_pointwise(
+        xu, 1.0, 128, torch.ops.onednn.qlinear_prepack(q, None), torch.ones(64), torch.zeros(64, dtype=torch.long),
+        None, 1.0, 0, torch.float32, "none", [], "")
+    if torch.equal(got, exact.float()):  # every sum here is below 2**24: exact in fp32
+        return True
+    print("speclm: oneDNN's int8 GEMM is not exact on this CPU (no VNNI: its u8*s8 pairs saturate); "
+          "int8 layers use torch._int_mm instead (exact, slower prefills)", file=sys.stderr)
+    return False
 
 
 def _vnni_kernel():
@@ -64,9 +86,8 @@ def _vnni_kernel():
     return kernels.compiled()
 
 
-# Up to this many rows speclm's kernel is faster than oneDNN's (about even at 16); beyond, the
-# GEMM is compute-bound and oneDNN's blocking wins (benchmarks/int8-gemm-rows-cpu.txt).
-VNNI_MAX_ROWS = 16
+# Up to VNNI_MAX_ROWS rows speclm's kernel is faster than oneDNN's; beyond, the GEMM is
+# compute-bound and oneDNN's blocking wins.
 _GROUP = 64  # output columns the kernel packs side by side (speclm/csrc/cpu_kernels.cpp)
 
 
@@ -79,7 +100,7 @@ def _gather_columns(layout: torch.Tensor, ids: torch.Tensor, pad: int) -> torch.
     return padded.view(-1, _GROUP, *picked.shape[1:]).transpose(1, 2).contiguous()
 
 
-def _vnni_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def vnni_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 (out, in) -> the kernel's layout (out/64, in/4, 64, 4), zero-padded, and each output
     column's sum of weights (int32, padded), which undoes the u8 zero point of 128."""
     out_f, in_f = q.shape
@@ -145,19 +166,20 @@ class Int8Linear(QuantLinear):
       VNNI kernel (speclm.kernels), which reads each weight once for all the rows;
     - more rows (prefill): oneDNN's int8 GEMM on the weight packed once
       (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with
-      zero point 128;
+      zero point 128, where it sums exactly (`_onednn_available`: not on a CPU without VNNI);
     - where the VNNI kernel cannot run: `torch._int_mm` for one row (its one-row path streams
-      the weight at read bandwidth) and oneDNN for more.
-    Each kernel has its own copy of the int8 weights (measured in benchmarks/int8-gemm-rows-cpu.txt).
+      the weight at read bandwidth) and oneDNN for more, or `_int_mm` for every row count
+      where oneDNN is not exact.
+    Each kernel has its own copy of the int8 weights (measured in benchmarks/intel/int8-gemm-rows-cpu.txt).
     """
 
     def __init__(self, *linears: nn.Linear):
         super().__init__(linears)
-        q, scale = _int8_per_channel(torch.cat([lin.weight.detach() for lin in linears]))
+        q, scale = int8_per_channel(torch.cat([lin.weight.detach() for lin in linears]))
         self.wscale = scale  # (out,) fp32
         self.vnni = _vnni_kernel()
         if self.vnni is not None:
-            self.vnni_weight, self.colsum = _vnni_layout(q)
+            self.vnni_weight, self.colsum = vnni_layout(q)
         else:
             self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
         self.onednn = _onednn_available()
@@ -225,11 +247,11 @@ class Int8Linear(QuantLinear):
 
 # int4 weights: symmetric per output channel and group of this many input features. As the
 # 0.5B draft of the int8 1.5B (chat, Spec-Bench, k = 3): 2.797 tokens per target forward against
-# 2.840 with int8 weights (benchmarks/int4-draft-cpu.txt).
+# 2.840 with int8 weights (benchmarks/intel/int4-draft-cpu.txt).
 INT4_GROUP = 64
 
 
-def _int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (out, in) -> u = w + 8 in 0..15 (uint8, (out, in)) and fp16 scales (out, in / group):
     w = round(weight / scale) in -7..7, scale = max |weight| over the group / 7 (as fp16)."""
     w = weight.detach().float()
@@ -241,7 +263,7 @@ def _int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     return (q + 8).to(torch.uint8).view(out_f, in_f), scale
 
 
-def _int4_layout(u: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_layout(u: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """u (out, in) uint8 0..15, scale (out, in / G) fp16 -> the kernel's layouts: packed (out/64,
     in/8, 64, 4) uint8, byte (p, col, j) = u[col, 8p + j] | u[col, 8p + 4 + j] << 4, and scales
     (out/64, in/G, 64); output columns padded to 64 with zero weights (u = 8) and zero scales."""
@@ -271,8 +293,8 @@ class Int4Linear(QuantLinear):
         if self.in_features % group:
             raise ValueError(f"in_features {self.in_features} is not a multiple of the int4 group {group}")
         self.group = group
-        u, scale = _int4_groups(torch.cat([lin.weight.detach() for lin in linears]), group)
-        self.packed, self.scales = _int4_layout(u, scale)
+        u, scale = int4_groups(torch.cat([lin.weight.detach() for lin in linears]), group)
+        self.packed, self.scales = int4_layout(u, scale)
 
     def first_outputs(self, n: int) -> "Int4Linear":
         sub = self._restricted(slice(0, n))

@@ -6,7 +6,7 @@ import pytest
 
 from speclm import SpecEngine
 from speclm.engine import GenerationOptions
-from speclm.methods import DRAFT_LOOKUP_NGRAM_MIN
+from speclm.defaults import NGRAM_MIN_DRAFT_PLD as DRAFT_LOOKUP_NGRAM_MIN
 from speclm.proposers import DraftLookupProposer, lookup
 from speclm.sampling import SamplingParams
 

@@ -8,7 +8,8 @@ import torch
 import speclm.quant as quant
 from chisq import ALPHA, chisq_pvalue
 from speclm import SpecEngine
-from speclm.engine import DRAFT_VOCAB, GenerationOptions
+from speclm.defaults import DRAFT_VOCAB
+from speclm.engine import GenerationOptions
 from speclm.proposers import DraftModelProposer
 from speclm.proposers.draft_vocab import RestrictedHead
 from speclm.quant import Int4Linear, Int8Linear, quantize_model

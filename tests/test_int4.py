@@ -23,7 +23,7 @@ def _int4_needs_the_compiled_kernels():
 def _exact(layer_weight, bias, x):
     """What the kernel must compute, in float64 from the same integers: per row step and int8
     activations, per group int4 weights times their fp16 scale."""
-    u, scale = quant._int4_groups(layer_weight, INT4_GROUP)
+    u, scale = quant.int4_groups(layer_weight, INT4_GROUP)
     rows, out_f = x.shape[0], u.shape[0]
     step = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
     xq = torch.round(x / step)  # half to even, as the kernel
@@ -56,7 +56,7 @@ def test_int4_linear_computes_the_exact_integer_sums(out_f, in_f, rows, bias):
 def test_int4_weights_round_half_to_even_within_their_group():
     w = torch.zeros(1, INT4_GROUP)
     w[0, 0], w[0, 1], w[0, 2] = 7.0, 2.5, -3.5  # scale 1: 2.5 -> 2, -3.5 -> -4
-    u, scale = quant._int4_groups(w, INT4_GROUP)
+    u, scale = quant.int4_groups(w, INT4_GROUP)
     assert scale.item() == 1.0
     assert (u[0, :3].int() - 8).tolist() == [7, 2, -4]
 
@@ -104,7 +104,7 @@ def test_int4_draft_and_int4_target_keep_output_exact(tok, k):
 def test_int4_logits_follow_fp32(tok):
     """Sanity of the int4 weights on a tiny random model (whose weights are all noise, the
     hardest case for 15 levels): its logits stay far nearer fp32's than another model's do.
-    What int4 does to a real draft's acceptance is measured in benchmarks/int4-draft-cpu.txt."""
+    What int4 does to a real draft's acceptance is measured in benchmarks/intel/int4-draft-cpu.txt."""
     model = tiny_model(len(tok), seed=0)
     ids = torch.tensor([tok(PROMPTS[2]).input_ids])
     with torch.inference_mode():
@@ -119,7 +119,8 @@ def test_int4_logits_follow_fp32(tok):
 
 
 def test_an_int4_draft_drafts_further_and_stops_when_unsure_by_default(tok):
-    from speclm.engine import INT4_DRAFT_ALTERNATIVES, INT4_DRAFT_CONFIDENCE, INT4_DRAFT_K, GenerationOptions
+    from speclm.defaults import ALTERNATIVES_INT4 as INT4_DRAFT_ALTERNATIVES, CONFIDENCE_INT4 as INT4_DRAFT_CONFIDENCE, K_DRAFT_INT4 as INT4_DRAFT_K
+    from speclm.engine import GenerationOptions
 
     target = loaded(quantize_model(tiny_model(len(tok), seed=0), "int8"), tok, name="t")
     target.quantize = "int8"

@@ -174,7 +174,7 @@ def test_weight_rounding_equals_torch_round():
     w = torch.randn(64, 96) * 0.05
     w[0, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0]) * (0.05 / 127)  # ties at the scale of row 0's max
     w[0, 4:] = 0
-    q, scale = quant._int8_per_channel(w)
+    q, scale = quant.int8_per_channel(w)
     ref = torch.round(w / (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0)[:, None]).clamp(-127, 127)
     assert torch.equal(q, ref.to(torch.int8))
 

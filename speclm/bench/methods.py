@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speclm.engine import SpecEngine
-from speclm.methods import DRAFT_METHODS, METHODS
+from speclm.defaults import DRAFT_METHODS, METHODS
 from speclm.errors import UsageError
 from speclm.quant import QUANTIZE_MODES
 from speclm.stats import RequestStats

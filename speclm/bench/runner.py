@@ -35,7 +35,7 @@ from speclm.bench.dataset import BenchPrompt
 from speclm.bench.machine import machine_facts
 from speclm.bench.methods import MethodSpec, run_method
 from speclm.engine import GenerationOptions, SpecEngine
-from speclm.methods import DRAFT_METHODS
+from speclm.defaults import DRAFT_METHODS
 from speclm.prefix_cache import DEFAULT_TOKENS, PrefixCaches
 
 SCHEMA_VERSION = 1

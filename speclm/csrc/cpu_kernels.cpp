@@ -1,10 +1,10 @@
-// speclm's CPU kernels (built by speclm/kernels.py; docs/design.md, "Compiled CPU kernels"):
+// speclm's CPU kernels (built by speclm/kernels.py; docs/cpu-fast-path.md, "The compiled kernels"):
 // linear_rows, the int8 GEMM for a few rows; linear_rows_w4, its int4-weight twin for draft
 // models; rms_norm; silu_mul; decode_attention.
 //
 // linear_rows: int8 W8A8 linear for a few rows (decode steps, verification, draft steps) with
 // AVX-512 VNNI. Decoding at batch 1 is bound by reading the weights, and torch's int8 kernels read them
-// slower than the machine can at more than one row (benchmarks/int8-gemm-rows-cpu.txt). Here
+// slower than the machine can at more than one row (benchmarks/intel/int8-gemm-rows-cpu.txt). Here
 // every 64-byte block of weights is loaded once and multiplied into all the rows (up to
 // CHUNK at a time), so a few rows cost about what one does.
 //
@@ -35,9 +35,8 @@ inline void dpbusd(__m512i& acc, const __m512i x, const int8_t* w) {
 
 constexpr int64_t BLOCK = 16;   // output columns per 512-bit accumulator
 // Software prefetch this many bytes ahead in the weight stream: the hardware prefetchers alone
-// left the kernel slower, more so at several rows (benchmarks/int8-gemm-rows-cpu.txt has the
-// kernel as committed; the comparison without prefetch was not committed).
-constexpr int64_t PREFETCH = 2048;
+// left the kernel slower, more so at several rows.
+constexpr int64_t PREFETCH = SPECLM_PREFETCH;  // speclm.defaults.WEIGHT_PREFETCH_BYTES
 constexpr int64_t GROUP = 64;   // columns packed together: 4 blocks side by side per k-quad
 
 // acc[r * CB + c] = sum over k of xu[r, k] * w[block c, k] for CB of a group's 4 blocks, from
@@ -390,11 +389,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 
 // Slots per block in decode_attention: a block of keys or values (SLOT_BLOCK x D floats, 16 KB at
 // D = 128) stays in the 32 KB L1 cache while every query of the kv head goes through it.
-constexpr int64_t SLOT_BLOCK = 32;
+constexpr int64_t SLOT_BLOCK = SPECLM_SLOT_BLOCK;  // speclm.defaults.ATTENTION_SLOT_BLOCK
 // Queries per tile in decode_attention (its default query_tile): a tile's scores (64 x its slots
 // floats, 180 KB at 700 slots) stay in the per-core L2 cache. A decode forward's queries (its
 // tokens times the query heads of a kv head) fit in one tile.
-constexpr int64_t QUERY_TILE = 64;
+constexpr int64_t QUERY_TILE = SPECLM_QUERY_TILE;  // speclm.defaults.ATTENTION_QUERY_TILE
 
 // Lane j of the result: the sum of a[j]'s 16 lanes, by a fixed tree for each j (halves, then
 // quarters, ...; the additions of 16 one-by-one reductions, in a quarter of the instructions).

@@ -13,7 +13,7 @@ A batch whose every prompt is longer than `prompt_ratio` times its budget of new
 starts the draft model: its prefill costs in proportion to the prompt and its gain over lookup
 in proportion to the tokens generated, and long prompts are where lookup finds most to copy
 (Spec-Bench's summarization and RAG prompts: prompt lookup beat the draft model on each of the
-six measured; docs/design.md). Lookup then drafts alone with pld's settings.
+six measured; docs/methods.md). Lookup then drafts alone with pld's settings.
 
 Every choice depends on the context and the request alone, never on the target, so the
 verifier's rejection sampling stays exact.

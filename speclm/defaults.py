@@ -1,0 +1,123 @@
+"""Every tuned default of speclm, in one table.
+
+The engine (`GenerationOptions`), the kernels, the CLI's help, `bench` and docs/defaults.md all
+read this module, so they cannot drift apart (tests/test_docs.py checks the docs' table against
+`markdown_table()`). Each value names, in one line, the committed benchmark that chose it; the
+runs' folders hold the command, the machine and the date. Pass the option to override a value on
+other hardware. No torch import: the CLI parses its arguments before loading anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("none", "draft", "pld", "draft+pld")
+DRAFT_METHODS = ("draft", "draft+pld")  # methods that run a draft model
+
+
+@dataclass(frozen=True)
+class Tuned:
+    name: str  # the constant's name in this module
+    value: int | float
+    option: str  # the CLI option (or the part of speclm) it sets
+    applies: str  # where it applies
+    run: str  # the committed benchmark that chose it: a path under benchmarks/
+    result: str  # what that run measured, in a few words
+
+
+TABLE: tuple[Tuned, ...] = (
+    Tuned("K_DRAFT", 2, "--k", "`draft`, `draft+pld`: tokens drafted per round (fp32 or int8 draft)",
+          "benchmarks/intel/cpu-fp32-qwen1.5b-1x6-k2", "k=2 1.17x; k=4 0.92x in cpu-fp32-qwen1.5b-1x6"),
+    Tuned("K_DRAFT_INT4", 6, "--k", "the same with an int4 draft",
+          "benchmarks/intel/int4-draft-k-cpu", "k=6 at confidence 0.6: 1.39x; k=4: 1.31x"),
+    Tuned("CONFIDENCE_INT4", 0.6, "--confidence", "int4 draft: a round stops after a token drafted below this "
+          "probability (else 0: never)", "benchmarks/epyc/draft-policy.txt", "replayed over three runs"),
+    Tuned("ALTERNATIVES_INT4", 0.6, "--alternatives", "int4 draft: such a token gets its second choice verified "
+          "beside it (else 0: never)", "benchmarks/epyc/draft-policy.txt", "measured in alternatives-int8-qwen1.5b-73caf26"),
+    Tuned("DRAFT_VOCAB", 65536, "--draft-vocab", "`draft`, `draft+pld`: the draft scores this many lowest ids + the "
+          "prompt's + EOS (0: all)", "benchmarks/epyc/reference-int8-qwen1.5b", "draft:vocab=0 beside it; c 0.182 -> 0.166"),
+    Tuned("K_PLD", 2, "--k", "`pld`: tokens looked up per round, fp32 weights",
+          "benchmarks/intel/cpu-fp32-qwen1.5b-1x6-k2", "k=2 1.21x; k=4 0.97x"),
+    Tuned("K_PLD_QUANTIZED", 4, "--k", "`pld` on int8 or int4 weights, and `draft+pld`'s lookup there",
+          "benchmarks/intel/reference-cpu-int8-qwen1.5b-d6f1c9f", "k=4 1.28x, k=6 1.22x"),
+    Tuned("NGRAM_MAX", 3, "--ngram-max", "`pld`, `draft+pld`: longest trailing n-gram matched",
+          "benchmarks/epyc/draft-policy.txt", "n-grams 2-3 and 1-5 within a few percent"),
+    Tuned("NGRAM_MIN_DRAFT_PLD", 2, "--ngram-min", "`draft+pld`: a row drafts by lookup when this many trailing "
+          "tokens recur (`pld`: 1)", "benchmarks/epyc/methods-int8-qwen1.5b-d395ee1", "and its run2, other18"),
+    Tuned("DRAFT_PROMPT_RATIO", 3.0, "--draft-prompt-ratio", "`draft+pld`: no draft model for prompts longer than "
+          "this times max_new_tokens", "benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1", "18 prompts outside the rule's sample"),
+    Tuned("PREFIX_CACHE_TOKENS", 4096, "--prefix-cache", "keys and values of recent prompts kept per model "
+          "(about 230 MB for the 1.5B)", "benchmarks/epyc/prefix-cache.txt", "what a cached chat head saves"),
+    Tuned("PREFILL_ROW_BLOCK", 256, "speclm.lean", "a long feed's row-wise work (norms, projections, MLP) runs in "
+          "blocks of this many rows", "benchmarks/intel/prefill-cpu.txt", "1000 tokens: 5.2 s against 6.9 s unblocked"),
+    Tuned("VNNI_MAX_ROWS", 16, "speclm.quant", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
+          "on oneDNN's", "benchmarks/epyc/int8-gemm-rows.txt", "about even at 16 rows"),
+    Tuned("ATTENTION_QUERY_TILE", 64, "speclm/csrc", "queries of a kv head per tile in the compiled attention",
+          "benchmarks/epyc/prefill-kernels.txt", "969 tokens: 0.60 s against 0.92 s untiled"),
+    Tuned("ATTENTION_SLOT_BLOCK", 32, "speclm/csrc", "cached slots per block in the compiled attention (16 KB of "
+          "keys at head size 128: L1)", "benchmarks/intel/decode-attention-cpu.txt", "the kernel as built"),
+    Tuned("WEIGHT_PREFETCH_BYTES", 2048, "speclm/csrc", "software prefetch distance in the int8 kernel's weight "
+          "stream", "benchmarks/epyc/int8-gemm-rows.txt", "the kernel as built; the run without it is not committed"),
+)
+
+_BY_NAME = {t.name: t.value for t in TABLE}
+K_DRAFT: int = _BY_NAME["K_DRAFT"]
+K_DRAFT_INT4: int = _BY_NAME["K_DRAFT_INT4"]
+CONFIDENCE_INT4: float = _BY_NAME["CONFIDENCE_INT4"]
+ALTERNATIVES_INT4: float = _BY_NAME["ALTERNATIVES_INT4"]
+DRAFT_VOCAB: int = _BY_NAME["DRAFT_VOCAB"]
+K_PLD: int = _BY_NAME["K_PLD"]
+K_PLD_QUANTIZED: int = _BY_NAME["K_PLD_QUANTIZED"]
+NGRAM_MAX: int = _BY_NAME["NGRAM_MAX"]
+NGRAM_MIN_DRAFT_PLD: int = _BY_NAME["NGRAM_MIN_DRAFT_PLD"]
+DRAFT_PROMPT_RATIO: float = _BY_NAME["DRAFT_PROMPT_RATIO"]
+PREFIX_CACHE_TOKENS: int = _BY_NAME["PREFIX_CACHE_TOKENS"]
+PREFILL_ROW_BLOCK: int = _BY_NAME["PREFILL_ROW_BLOCK"]
+VNNI_MAX_ROWS: int = _BY_NAME["VNNI_MAX_ROWS"]
+ATTENTION_QUERY_TILE: int = _BY_NAME["ATTENTION_QUERY_TILE"]
+ATTENTION_SLOT_BLOCK: int = _BY_NAME["ATTENTION_SLOT_BLOCK"]
+WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
+
+# The compiled kernels take their tuned sizes as macros (speclm.kernels adds them to the build).
+KERNEL_MACROS = {
+    "SPECLM_QUERY_TILE": ATTENTION_QUERY_TILE,
+    "SPECLM_SLOT_BLOCK": ATTENTION_SLOT_BLOCK,
+    "SPECLM_PREFETCH": WEIGHT_PREFETCH_BYTES,
+}
+
+
+def k(method: str, quantize: str = "none", draft_quantize: str | None = None) -> int:
+    """Draft length per round of `method` on target weights `quantize` (and the draft's)."""
+    if method in DRAFT_METHODS:
+        return K_DRAFT_INT4 if draft_quantize == "int4" else K_DRAFT
+    if method == "pld":
+        return K_PLD if quantize == "none" else K_PLD_QUANTIZED
+    return 0
+
+
+def confidence(draft_quantize: str | None) -> float:
+    return CONFIDENCE_INT4 if draft_quantize == "int4" else 0.0
+
+
+def alternatives(draft_quantize: str | None) -> float:
+    return ALTERNATIVES_INT4 if draft_quantize == "int4" else 0.0
+
+
+def ngram_min(method: str) -> int:
+    """Shortest n-gram prompt lookup matches: any for `pld`, a longer one where a draft model is
+    the alternative."""
+    return NGRAM_MIN_DRAFT_PLD if method == "draft+pld" else 1
+
+
+def k_help(method: str | None) -> str:
+    """--k's help for one method, or for all (None)."""
+    text = f"draft tokens per round (default {K_DRAFT}, {K_DRAFT_INT4} with an int4 draft"
+    return text + (")" if method == "draft" else f"; pld: {K_PLD}, {K_PLD_QUANTIZED} on int8/int4 weights)")
+
+
+def markdown_table() -> str:
+    """The table as docs/defaults.md shows it (links relative to docs/)."""
+    rows = ["| default | value | option | applies to | chosen by |", "|---|---|---|---|---|"]
+    rows += [f"| `{t.name}` | {t.value:g} | `{t.option}` | {t.applies} | [{t.run.removeprefix('benchmarks/')}](../{t.run}): "
+             f"{t.result} |" for t in TABLE]
+    return "\n".join(rows)
