@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default %(default)s)")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy, every output checked against none's; > 0: sampling")
-    b.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i samples with seed + i (default %(default)s)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed; repeat r of every prompt samples with seed + r (default %(default)s)")
     b.add_argument("--repeats", type=int, default=1, help="runs of each method on each prompt (default %(default)s)")
     b.add_argument("--chat", action="store_true", help="apply the target's chat template")
     b.add_argument("--cost-repeats", type=int, default=5, help="samples per point of the cost model (0: skip it)")
