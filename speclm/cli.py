@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from speclm.errors import PullError, SpeclmError, UsageError
+from speclm.errors import PullError, SpeclmError, StoreError, UsageError
 from speclm import defaults
 from speclm.defaults import DRAFT_METHODS, METHODS, PREFIX_CACHE_TOKENS
 from speclm.runtime import QUANTIZE_MODES, keep_freed_memory, set_threads
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull = msub.add_parser("pull", help="download, verify and convert a catalog model")
     pull.add_argument("name", help="a catalog name (speclm models list)")
     pull.add_argument("--force", action="store_true", help="pull again even if cached")
+    verify = msub.add_parser("verify", help="check a cached model's weights against the sha256 recorded at conversion")
+    verify.add_argument("name", help="a cached model's name (speclm models list)")
     return p
 
 
@@ -150,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _progress() -> bool:
+    """Progress bars (a pull's, a conversion's, bench's) on a terminal only: in a log or a pipe
+    they are noise around the one line an error prints."""
+    return sys.stderr.isatty()
+
+
 def _quiet_transformers() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import huggingface_hub
@@ -170,10 +178,19 @@ def _models(args) -> int:
             print(f"{name:<22} {'yes' if name in cached else 'no':<7} {entry.description}")
         print(f"cache: {store.models_dir()}")
         return 0
+    if args.models_command == "verify":
+        if args.name not in CATALOG and args.name not in store.cached_models():
+            raise UsageError(f"'{args.name}' is neither in the catalog nor in the cache ({store.models_dir()})")
+        try:
+            print(store.verify(args.name))
+        except StoreError as exc:
+            print(f"speclm: verify failed: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if args.name not in CATALOG:
         raise UsageError(f"'{args.name}' is not in the catalog ({', '.join(CATALOG)})")
     try:
-        path = store.pull(args.name, force=args.force)
+        path = store.pull(args.name, force=args.force, progress=_progress())
     except PullError as exc:
         print(f"speclm: pull failed: {exc}", file=sys.stderr)
         return 1
@@ -203,10 +220,12 @@ def _generate(args) -> int:
     check_model_name(args.target)  # fail fast, before minutes of loading
     if uses_draft:
         check_model_name(args.draft)
-    target = load_model(args.target, quantize=args.quantize)
-    draft = load_model(args.draft, quantize=args.draft_quantize or args.quantize) if uses_draft else None
+    target = load_model(args.target, quantize=args.quantize, progress=_progress())
+    draft = (load_model(args.draft, quantize=args.draft_quantize or args.quantize, progress=_progress())
+             if uses_draft else None)
     engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
     encoded = engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
+    weights = _weights_note(target, draft)
 
     if not args.json and args.batch_size == 1:
         for i, ids in enumerate(encoded):
@@ -214,7 +233,7 @@ def _generate(args) -> int:
             for delta in stream:
                 print(delta, end="", flush=True)
             print()
-            _print_stats(stream.completion.stats, sys.stderr)
+            _print_stats(stream.completion.stats, weights, sys.stderr)
         return 0
     for start in range(0, len(prompts), args.batch_size):
         chunk = encoded[start : start + args.batch_size]
@@ -225,7 +244,7 @@ def _generate(args) -> int:
                 print(json.dumps(r.to_dict(), ensure_ascii=False), flush=True)
             else:
                 print(r.text)
-                _print_stats(r.stats, sys.stderr)
+                _print_stats(r.stats, weights, sys.stderr)
     return 0
 
 
@@ -238,7 +257,19 @@ def _as_kwargs(opts, seed_offset: int) -> dict:
     return kw
 
 
-def _print_stats(stats, file) -> None:
+def _weights_note(target, draft) -> str:
+    """Which weights and int8 kernels ran, for the statistics line: they decide the speed."""
+    from speclm.quant import int8_kernels
+
+    def one(model) -> str:
+        if model.quantize == "none":
+            return f"{str(next(model.model.parameters()).dtype).replace('torch.', '')} weights"
+        return f"{model.quantize} weights" + (f" on {int8_kernels()}" if model.quantize == "int8" else "")
+
+    return f"target {one(target)}" + (f", draft {one(draft)}" if draft is not None else "")
+
+
+def _print_stats(stats, weights: str, file) -> None:
     d = stats.to_dict()
     print(
         f"[{d['new_tokens']} tokens, {d['tokens_per_second']:.2f} tok/s, {d['target_forwards']} target forwards, "
@@ -246,7 +277,8 @@ def _print_stats(stats, file) -> None:
         f"draft {d['draft_seconds']:.2f}s"
         + (f" (its prefill {d['draft_prefill_seconds']:.2f}s)" if d["draft_prefill_seconds"] else "")
         + f", verify {d['verify_seconds']:.2f}s"
-        + (f", {d['cached_tokens']} prompt tokens from the prefix cache" if d.get("cached_tokens") else "") + "]",
+        + (f", {d['cached_tokens']} prompt tokens from the prefix cache" if d.get("cached_tokens") else "")
+        + f"; {weights}]",
         file=file,
     )
 
@@ -258,7 +290,7 @@ def _bench(args) -> int:
     from speclm.bench.dataset import load_prompts
     from speclm.bench.methods import parse_methods
     from speclm.bench.runner import BenchConfig, load_results, run_bench
-    from speclm.engine import SpecEngine
+    from speclm.engine import GenerationOptions, SpecEngine
     from speclm.models.loading import check_model_name, load_model
     from speclm.sampling import SamplingParams
 
@@ -274,13 +306,17 @@ def _bench(args) -> int:
     if not args.target or not args.out:
         raise UsageError("bench needs --target and --out (or --compare A.json B.json)")
     specs = parse_methods(args.methods)
+    for s in specs:  # every method's options, before anything is loaded
+        if not s.is_hf:
+            GenerationOptions(method=s.name, **s.decoding_options)
     if any(s.needs_draft for s in specs) and not args.draft:
         raise UsageError("methods draft, draft+pld and hf-assisted need --draft MODEL")
     for name, value, low in (("max-new-tokens", args.max_new_tokens, 1), ("repeats", args.repeats, 1),
-                             ("per-category", args.per_category or 1, 1), ("cost-repeats", args.cost_repeats, 0),
-                             ("prefix-cache", args.prefix_cache, 0)):
+                             ("cost-repeats", args.cost_repeats, 0), ("prefix-cache", args.prefix_cache, 0)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}")
+    if args.per_category is not None and args.per_category < 1:  # 0 is not "all": leave the option out for that
+        raise UsageError(f"per-category must be >= 1, got {args.per_category} (leave it out for every prompt)")
     SamplingParams(temperature=args.temperature)  # validates
     check_model_name(args.target)
     if args.draft:
@@ -293,9 +329,11 @@ def _bench(args) -> int:
     engines = {}  # quantize mode -> engine over those weights; the default mode's first
     for mode in dict.fromkeys([args.quantize] + [s.quantize for s in specs if s.quantize]):
         needs_draft = args.draft and any(s.needs_draft and (s.quantize or args.quantize) == mode for s in specs)
-        engines[mode] = SpecEngine(load_model(args.target, quantize=mode),
-                                   draft=load_model(args.draft, quantize=args.draft_quantize or mode) if needs_draft else None)
+        engines[mode] = SpecEngine(
+            load_model(args.target, quantize=mode, progress=_progress()),
+            draft=load_model(args.draft, quantize=args.draft_quantize or mode, progress=_progress()) if needs_draft else None)
     engine = engines[args.quantize]
+    engine.encode([p.text for p in prompts], args.chat)  # every prompt fits and templates, before --out is made
     target, draft = engine.target, engine.draft
     config = BenchConfig(
         target=args.target, draft=args.draft if draft else None, methods=[s.label for s in specs], dataset=args.dataset,
@@ -304,7 +342,16 @@ def _bench(args) -> int:
         dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""), cost_repeats=args.cost_repeats,
         quantize=args.quantize, draft_quantize=args.draft_quantize, prefix_cache=args.prefix_cache,
     )
-    results = run_bench(engine, specs, prompts, config, out, measure_cost_model=args.cost_repeats > 0, engines=engines)
+    created = not out.exists()
+    try:
+        results = run_bench(engine, specs, prompts, config, out, measure_cost_model=args.cost_repeats > 0, engines=engines,
+                            progress=_progress())
+    except SpeclmError:
+        if created and not _finished_runs(out):  # e.g. a KV cache that does not fit: no half-written folder
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     print((out / "report.md").read_text() if (out / "report.md").exists() else "no run finished")
     print(f"results in {out}/", file=sys.stderr)
     bad = [r for r in results["runs"] if r["lossless"] is False]
@@ -313,17 +360,27 @@ def _bench(args) -> int:
     return 0 if results["complete"] else 130
 
 
+def _finished_runs(out) -> int:
+    try:
+        return len(json.loads((out / "results.json").read_text())["runs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def _demo(args) -> int:
     from speclm.engine import GenerationOptions, SpecEngine
     from speclm.models.loading import load_model
 
     from speclm import kernels
 
+    if args.k is not None:
+        GenerationOptions(method="draft", k=args.k)  # validates k before minutes of loading
     draft_mode = args.draft_quantize or (
         "int4" if args.quantize == "int8" and kernels.compiled() is not None else args.quantize)
     print(f"loading {args.target} (target, weights {args.quantize}) and {args.draft} (draft, weights {draft_mode})...",
           file=sys.stderr)
-    engine = SpecEngine(load_model(args.target, quantize=args.quantize), draft=load_model(args.draft, quantize=draft_mode))
+    engine = SpecEngine(load_model(args.target, quantize=args.quantize, progress=_progress()),
+                        draft=load_model(args.draft, quantize=draft_mode, progress=_progress()))
     common = dict(max_new_tokens=args.max_new_tokens, chat=True)
     k = args.k or GenerationOptions(method="draft").draft_length(args.quantize, draft_mode)
     for method in ("none", "draft"):  # warm-up of both runs' paths: first-call allocations

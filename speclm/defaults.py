@@ -78,6 +78,9 @@ ATTENTION_QUERY_TILE: int = _BY_NAME["ATTENTION_QUERY_TILE"]
 ATTENTION_SLOT_BLOCK: int = _BY_NAME["ATTENTION_SLOT_BLOCK"]
 WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 
+# --k's bound: acceptance decays with draft position (the tuned k are 2-6), so more drafts only widen verification
+MAX_K = 64
+
 # The compiled kernels take their tuned sizes as macros (speclm.kernels adds them to the build).
 KERNEL_MACROS = {
     "SPECLM_QUERY_TILE": ATTENTION_QUERY_TILE,

@@ -77,6 +77,8 @@ class GenerationOptions:
             raise UsageError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.k is not None and self.k < 1:
             raise UsageError(f"k must be >= 1, got {self.k}")
+        if self.k is not None and self.k > defaults.MAX_K:
+            raise UsageError(f"k must be <= {defaults.MAX_K} (tokens drafted per round), got {self.k}")
         if self.max_new_tokens < 1:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.lookup_ngram_min <= self.ngram_max:

@@ -12,3 +12,9 @@ class UsageError(SpeclmError):
 
 class PullError(SpeclmError):
     """A model could not be downloaded, assembled, verified or converted."""
+
+
+class StoreError(UsageError):
+    """The model cache cannot be used: its folder cannot be created or written, the disk filled
+    up, or a cached model's weights are not the files converted. Exit status 2, like bad input:
+    the fix is on the user's side (SPECLM_HOME, free space, `speclm models pull NAME --force`)."""

@@ -15,13 +15,51 @@ needs are gathered from its own last columns.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from speclm import lean
 from speclm.attention import is_prefill, per_query, use_exact_attention
+from speclm.errors import UsageError
 from speclm.lean import LeanForward
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device` without swapping: the kernel's MemAvailable
+    (free pages plus reclaimable cache) on the CPU, free memory on a CUDA GPU; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(nbytes: int, device: torch.device, what: str) -> None:
+    """A KV cache that does not fit is a UsageError before it is allocated: torch.zeros would
+    either fail with a traceback or, with overcommit, have the process killed as it fills."""
+    free = available_memory(device)
+    if free is not None and nbytes > free:
+        raise UsageError(f"the KV cache ({what}) needs {_size(nbytes)} but {_size(free)} of memory is "
+                         "available; lower --batch-size, --max-new-tokens or --k")
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
 
 
 class _SlotWriter:
@@ -65,6 +103,9 @@ class StaticKV:
         # survive it (NaN + -inf = NaN)
         shape = (batch_size, heads, capacity, head_dim)
         dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+        # keys and values of every layer: layers x 2 x B x H_kv x capacity x D elements
+        check_memory(cfg.num_hidden_layers * 2 * batch_size * heads * capacity * head_dim * dtype.itemsize,
+                     self.device, f"{batch_size} row(s) x {capacity} tokens x {cfg.num_hidden_layers} layers")
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) valid slots per row

@@ -11,26 +11,51 @@ from speclm.errors import UsageError
 
 def read_prompt_file(path: str | Path) -> list[str]:
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise UsageError(f"cannot read prompt file {path}: {exc.strerror or exc}") from exc
-    prompts = [prompt_of(line, f"{path}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
+    prompts = [prompt_of(record, f"{path}:{n}") for n, record in read_json_lines(path, "prompt file")]
     if not prompts:
         raise UsageError(f"prompt file {path} holds no prompts")
     return prompts
 
 
-def prompt_of(line: str, where: str) -> str:
+def read_json_lines(path: Path, what: str) -> list[tuple[int, object]]:
+    """(line number, parsed JSON value) for every non-blank line of a UTF-8 file; a file that
+    cannot be read, is not UTF-8 or holds a line that is not JSON is a UsageError naming the line."""
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{where}: not JSON ({exc.msg})") from exc
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UsageError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8") from exc
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append((n, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path}:{n}: not JSON ({exc.msg} at column {exc.colno})") from exc
+    return records
+
+
+def prompt_of(record, where: str) -> str:
+    """The prompt of one parsed JSON line: its "prompt" string, else the first of its "turns"."""
     if isinstance(record, dict) and isinstance(record.get("prompt"), str):
         return record["prompt"]
-    if isinstance(record, dict) and record.get("turns") and isinstance(record["turns"][0], str):
-        return record["turns"][0]
+    if isinstance(record, dict) and "turns" in record:
+        turns = record["turns"]
+        if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+            return turns[0]
+        raise UsageError(f'{where}: "turns" must be a non-empty list of strings, got {_shape(turns)}')
     raise UsageError(f'{where}: expected an object with a "prompt" string or a "turns" list')
+
+
+def _shape(value) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {', '.join(kinds)}" if value else "an empty list"
+    return f"a {type(value).__name__}"
 
 
 def spec_bench() -> list[dict]:

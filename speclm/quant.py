@@ -57,6 +57,16 @@ def _quantized_rows(x: torch.Tensor, features: int, signed: bool = False) -> tup
     return scaled.add_(_MAGIC).sub_(_MAGIC - 128.0).to(torch.uint8), step  # round(scaled) + 128: 1..255
 
 
+def int8_kernels(vnni: bool | None = None, onednn: bool | None = None) -> str:
+    """The int8 GEMM kernels a layer runs (by default: what this process picks), in words; said in
+    `generate`'s statistics line and bench reports, since the path decides the speed."""
+    vnni = _vnni_kernel() is not None if vnni is None else vnni
+    onednn = _onednn_available() if onednn is None else onednn
+    if vnni:
+        return f"speclm VNNI up to {VNNI_MAX_ROWS} rows, onednn for more" if onednn else "speclm VNNI"
+    return "_int_mm for one row, onednn for more" if onednn else "_int_mm"
+
+
 @functools.lru_cache(maxsize=None)
 def _onednn_available() -> bool:
     """oneDNN's int8 GEMM is used only where it computes exact integer sums. On a CPU without VNNI
@@ -238,10 +248,7 @@ class Int8Linear(QuantLinear):
         return y if residual is None else y.add_(residual)
 
     def extra_repr(self) -> str:
-        if self.vnni is not None:
-            kernel = f"speclm VNNI up to {VNNI_MAX_ROWS} rows, onednn for more" if self.onednn else "speclm VNNI"
-        else:
-            kernel = "_int_mm for one row, onednn for more" if self.onednn else "_int_mm"
+        kernel = int8_kernels(self.vnni is not None, self.onednn)
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 per-row ({kernel})"
 
 

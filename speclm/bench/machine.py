@@ -10,6 +10,8 @@ def machine_facts() -> dict:
     import torch
     import transformers
 
+    from speclm.quant import int8_kernels
+
     cpu = platform.processor() or "unknown"
     try:
         for line in open("/proc/cpuinfo", encoding="utf-8"):
@@ -27,4 +29,5 @@ def machine_facts() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "int8_kernels": int8_kernels(),  # what int8 layers run here: it decides their speed
     }

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speclm.defaults import DRAFT_METHODS, MAX_K, METHODS
 from speclm.engine import SpecEngine
-from speclm.defaults import DRAFT_METHODS, METHODS
 from speclm.errors import UsageError
 from speclm.quant import QUANTIZE_MODES
 from speclm.stats import RequestStats
@@ -70,6 +70,8 @@ def parse_methods(text: str) -> list[MethodSpec]:
             raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)} in method '{label}'")
         if options.get("k", 1) < 1:
             raise UsageError(f"k must be >= 1 in method '{label}'")
+        if options.get("k", 1) > MAX_K:
+            raise UsageError(f"k must be <= {MAX_K} (tokens drafted per round) in method '{label}', got {options['k']}")
         specs.append(MethodSpec(label, name, options))
     if not specs:
         raise UsageError("no methods given")

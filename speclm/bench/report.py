@@ -178,7 +178,8 @@ def markdown(results: dict, summary: dict) -> str:
         *_prefix_cache_line(results),
         f"Machine: {mach['cpu']}, {mach['cpu_count']} CPUs, {mach['torch_threads']} torch threads"
         f"{', GPU ' + mach['cuda'] if mach.get('cuda') else ''}; torch {mach['torch']}, transformers {mach['transformers']}, "
-        f"Python {mach['python']}.",
+        f"Python {mach['python']}"
+        f"{'; int8 kernels: ' + mach['int8_kernels'] if mach.get('int8_kernels') else ''}.",
         "",
         "## Overall (all categories)",
         "",

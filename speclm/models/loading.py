@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from speclm.catalog import CATALOG
-from speclm.errors import UsageError
+from speclm.errors import PullError, UsageError
 from speclm.models import store
 
 
@@ -40,10 +41,36 @@ def check_model_name(name: str) -> None:
     elif path.exists():
         if not (path / "config.json").is_file():
             raise UsageError(f"'{name}' is not a model folder (no config.json)")
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"'{name}' is not a model folder: cannot read its config.json ({exc})") from exc
+        check_causal_lm(config, name)
     elif name.count("/") != 1 or name.startswith((".", "/")):
         raise UsageError(
             f"unknown model '{name}': not a catalog name ({', '.join(CATALOG)}), hub id, model folder or .gguf file"
         )
+
+
+def check_causal_lm(config: dict, name: str) -> None:
+    """speclm decodes with causal language models only: a config whose architectures (else its
+    model_type) name no causal LM class of transformers, such as a BERT encoder
+    (BertForMaskedLM: transformers would build a BertLMHeadModel from it), is a UsageError."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not isinstance(config, dict):
+        raise UsageError(f"'{name}' is not a model: its config.json is not a JSON object")
+    causal = {c for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in ((v,) if isinstance(v, str) else v)}
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if archs and isinstance(archs, list):
+        if any(isinstance(a, str) and (a in causal or a.endswith("ForCausalLM")) for a in archs):
+            return
+        raise UsageError(f"'{name}' is not a causal language model (architectures: {', '.join(map(str, archs))}); "
+                         "speclm needs a decoder that predicts the next token")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(f"'{name}' is not a causal language model (model_type: {model_type}); "
+                         "speclm needs a decoder that predicts the next token")
 
 
 def resolve_model(name: str, *, progress: bool = True) -> str:
@@ -53,12 +80,17 @@ def resolve_model(name: str, *, progress: bool = True) -> str:
     a hub id is passed on, and transformers decides whether it can be had.
     """
     check_model_name(name)
-    if name in CATALOG:
-        return str(store.cached_path(name) or store.pull(name, progress=progress))
     path = Path(name).expanduser()
-    if path.suffix == ".gguf":
-        return str(_converted_gguf(path, progress))
-    return str(path) if path.exists() else name
+    if name in CATALOG:
+        folder = store.cached_path(name) or store.pull(name, progress=progress)
+    elif path.suffix == ".gguf":
+        folder = _converted_gguf(path, progress)
+    elif path.exists():
+        folder = path
+    else:
+        return name  # a hub id
+    store.check_weights(folder, name)  # a store folder's weights as converted (sizes; `models verify` hashes)
+    return str(folder)
 
 
 def _converted_gguf(path: Path, progress: bool) -> Path:
@@ -72,7 +104,10 @@ def _converted_gguf(path: Path, progress: bool) -> Path:
         store.convert_gguf(path, work / "model", progress=progress)
         return work / "model"
 
-    return store.publish_model_folder(final, f"gguf-{key}", build, {"name": path.name, "source": str(path.resolve())})
+    try:
+        return store.publish_model_folder(final, f"gguf-{key}", build, {"name": path.name, "source": str(path.resolve())})
+    except PullError as exc:  # the user's file does not convert: bad input
+        raise UsageError(str(exc)) from exc
 
 
 def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quantize: str = "none",
@@ -88,17 +123,22 @@ def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quanti
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not '{quantize}'")
     if quantize != "none" and device != "cpu":
         raise UsageError(f"quantize={quantize} is a CPU path (speclm's and oneDNN's int8 kernels); on a GPU use quantize=none")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     source = resolve_model(name, progress=progress)
     torch_dtype = getattr(torch, dtype)
     hf_logging.disable_progress_bar()  # a cached safetensors folder loads in seconds
     try:
+        # the config first (a hub id's too): no weights are read for a model that is not a causal LM
+        check_causal_lm(AutoConfig.from_pretrained(source).to_dict(), name)
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
-    except OSError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except UsageError:
+        raise
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, TypeError... for what it cannot load
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
         raise UsageError(f"cannot load model '{name}': {first}") from exc
     finally:
         hf_logging.enable_progress_bar()

@@ -2,27 +2,39 @@
 safetensors folder per converted model.
 
 A folder counts as a model only once it holds `speclm-model.json`, and it appears under its
-final name by one `rename`, so an interrupted or failed pull can leave at most a
-`.partial-*` folder behind, which nothing loads and the next pull removes.
+final name by one `rename`, so an interrupted or failed pull (SIGKILL included) can leave at
+most a `.partial-*` folder behind, which nothing loads and the next pull of that model removes.
+
+Pulls and conversions of one model are serialised by a file lock (`locks/NAME.lock` under the
+cache root, the `filelock` library: an flock the kernel releases when its process dies), so two
+processes pulling the same model at once both end with the same complete folder: the second
+waits, then finds it. A `.partial-NAME-*` folder is removed only under that lock, when its owner
+can no longer be running. The marker records each weights file's size and sha256 at conversion:
+loading compares sizes, `speclm models verify NAME` the checksums.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from tqdm.auto import tqdm
 
 from speclm.catalog import CATALOG, CatalogEntry
-from speclm.errors import PullError
+from speclm.errors import PullError, StoreError
 
 MARKER = "speclm-model.json"
 
@@ -42,7 +54,10 @@ def models_dir() -> Path:
 
 
 def is_model_folder(path: Path) -> bool:
-    return (path / MARKER).is_file() and (path / "config.json").is_file()
+    try:
+        return (path / MARKER).is_file() and (path / "config.json").is_file()
+    except OSError:  # an unreadable cache holds no model we can load
+        return False
 
 
 def cached_path(name: str) -> Path | None:
@@ -52,9 +67,13 @@ def cached_path(name: str) -> Path | None:
 
 def cached_models() -> dict[str, Path]:
     root = models_dir()
-    if not root.is_dir():
-        return {}
-    return {p.name: p for p in sorted(root.iterdir()) if not p.name.startswith(".") and is_model_folder(p)}
+    try:
+        if not root.is_dir():
+            return {}
+        entries = sorted(root.iterdir())
+    except OSError as exc:
+        raise _cache_error(exc, root) from exc
+    return {p.name: p for p in entries if not p.name.startswith(".") and is_model_folder(p)}
 
 
 def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
@@ -65,7 +84,6 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
     final = models_dir() / name
     if is_model_folder(final) and not force:
         return final
-    _remove_stale_partials(final.parent, name)
 
     def build(work: Path) -> Path:
         gguf = fetch_gguf(entry, work, progress)
@@ -74,23 +92,153 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
         return work / "model"
 
     marker = {"name": name, "source": "catalog", "hub_id": entry.hub_id, "gguf_sha256": entry.sha256}
-    return publish_model_folder(final, name, build, marker)
+    return publish_model_folder(final, name, build, marker, force=force)
 
 
-def publish_model_folder(final: Path, partial_name: str, build: Callable[[Path], Path], marker: dict) -> Path:
-    """Run build(work) -> folder inside a `.partial-{partial_name}-*` folder beside `final`, mark
-    the folder and rename it to `final`; whatever happens, the partial folder is removed."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".partial-{partial_name}-", dir=final.parent))
+def publish_model_folder(final: Path, partial_name: str, build: Callable[[Path], Path], marker: dict, *,
+                         force: bool = False) -> Path:
+    """Under the model's lock: unless `final` is a model already (and not `force`), run
+    build(work) -> folder inside a `.partial-{partial_name}-*` folder beside `final`, record its
+    weights' sizes and checksums in the marker, and rename it to `final`; whatever happens, the
+    partial folder is removed. An OSError writing the cache (no space, not writable) is a
+    StoreError, with nothing left behind."""
+    root = final.parent
     try:
-        folder = build(work)
-        (folder / MARKER).write_text(json.dumps(marker, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        folder.rename(final)
-        return final
+        root.mkdir(parents=True, exist_ok=True)
+        with _model_lock(partial_name):
+            if is_model_folder(final) and not force:
+                return final  # another process finished it while this one waited
+            _remove_stale_partials(root, partial_name)  # their owners held this lock: they are gone
+            work = Path(tempfile.mkdtemp(prefix=f".partial-{partial_name}-", dir=root))
+            try:
+                folder = build(work)
+                marker = {**marker, "weights": _weights_record(folder)}
+                (folder / MARKER).write_text(json.dumps(marker, indent=2))
+                _test_pause("publish")
+                if final.exists():
+                    final.rename(work / "replaced")  # the old model leaves by one rename, removed below
+                folder.rename(final)
+                return final
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    except OSError as exc:
+        raise _cache_error(exc, root) from exc
+    except Exception as exc:
+        if _disk_full(exc):  # safetensors' and tokenizers' writers (Rust) raise no OSError
+            raise StoreError(_DISK_FULL.format(root=root)) from exc
+        raise
+
+
+_DISK_FULL = "no space left on device while writing the model into {root}; nothing was kept (free space, or set SPECLM_HOME to another disk)"
+
+
+def _disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(s in str(exc) for s in ("No space left on device", "os error 28", "Disk quota exceeded"))
+
+
+def _cache_error(exc: OSError, root: Path) -> StoreError:
+    """One line for an OSError in the cache: a full disk, or a folder that cannot be made or written."""
+    if _disk_full(exc):
+        return StoreError(_DISK_FULL.format(root=root))
+    where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != root else ""
+    return StoreError(f"model cache {root} is not usable: {exc.strerror or exc}{where}; "
+                      "set SPECLM_HOME to a folder this user can write")
+
+
+@contextmanager
+def _model_lock(key: str) -> Iterator[None]:
+    """One process at a time pulls or converts model `key`. The lock file stays (removing a lock
+    file others may be waiting on would let two hold it); the kernel drops the lock of a process
+    that dies, SIGKILL included."""
+    from filelock import FileLock, Timeout
+
+    locks = model_home() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(locks / f"{key}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"speclm: waiting for another process pulling or converting '{key}'...", file=sys.stderr, flush=True)
+        lock.acquire()
+    try:
+        yield
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        lock.release()
+
+
+def _test_pause(stage: str) -> None:
+    """Tests only: SPECLM_TEST_PAUSE=STAGE:SECONDS sleeps at STAGE ("convert": the config and
+    tokenizer written, not the weights; "publish": the marker written, not yet renamed), so a
+    test can run two pulls at once or kill one mid-way (tests/test_store.py)."""
+    at, _, seconds = os.environ.get("SPECLM_TEST_PAUSE", "").partition(":")
+    if at == stage:
+        time.sleep(float(seconds))
+
+
+# ------------------------------------------------------------------ weights checksums
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _weights_record(folder: Path) -> dict:
+    """{file: {"bytes", "sha256"}} for each weights file of a converted folder."""
+    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.glob("*.safetensors"))}
+
+
+def _read_marker(folder: Path, name: str) -> dict:
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"model '{name}': cannot read its marker {folder / MARKER} ({exc}); {_repair(folder)}") from exc
+
+
+def _repair(folder: Path) -> str:
+    if folder.name in CATALOG:
+        return f"run `speclm models pull {folder.name} --force`"
+    return f"delete {folder} and load the model again"
+
+
+def check_weights(folder: Path, name: str) -> None:
+    """A store folder's weights files have the sizes recorded at conversion (cheap: one stat
+    each); a truncated or replaced file is a StoreError. A folder without a marker, or a marker
+    from before speclm recorded weights, is not checked."""
+    if not (folder / MARKER).is_file():
+        return
+    for file, rec in (_read_marker(folder, name).get("weights") or {}).items():
+        path = folder / file
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise StoreError(f"model '{name}': its weights file {path} is missing; {_repair(folder)}") from None
+        if size != (rec or {}).get("bytes"):
+            raise StoreError(f"model '{name}': {path} is {size} bytes, {(rec or {}).get('bytes')} when converted "
+                             f"(truncated or replaced); {_repair(folder)}")
+
+
+def verify(name: str) -> str:
+    """Check cached model `name`'s weights against the sizes and sha256 its marker recorded at
+    conversion; return a one-line summary, or raise StoreError saying what differs."""
+    folder = models_dir() / name
+    if not is_model_folder(folder):
+        raise StoreError(f"'{name}' is not in the cache ({models_dir()}); `speclm models list` shows what is")
+    weights = _read_marker(folder, name).get("weights")
+    if not weights:
+        raise StoreError(f"'{name}' has no recorded checksum (converted by an older speclm); {_repair(folder)} to record one")
+    check_weights(folder, name)
+    for file, rec in weights.items():
+        got = _sha256(folder / file)
+        if got != rec.get("sha256"):
+            raise StoreError(f"model '{name}': {folder / file} has sha256 {got}, {rec.get('sha256')} when converted "
+                             f"(modified); {_repair(folder)}")
+    total = sum(rec["bytes"] for rec in weights.values())
+    return f"ok: {name}: {len(weights)} weights file(s), {total} bytes, sha256 as converted"
 
 
 def fetch_gguf(entry: CatalogEntry, dest: Path, progress: bool = True) -> Path:
@@ -103,8 +251,12 @@ def fetch_gguf(entry: CatalogEntry, dest: Path, progress: bool = True) -> Path:
 
 
 def _remove_stale_partials(root: Path, name: str) -> None:
+    """`.partial-{name}-XXXXXXXX` folders (mkdtemp's suffix has no '-', so another model's, such
+    as `name-2`'s, never match). Call only under the model's lock."""
+    pattern = re.compile(rf"\.partial-{re.escape(name)}-[a-z0-9_]+")
     for p in root.glob(f".partial-{name}-*"):
-        shutil.rmtree(p, ignore_errors=True)
+        if pattern.fullmatch(p.name):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _download(entry: CatalogEntry, dest: Path, progress: bool) -> list[Path]:
@@ -160,16 +312,24 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    plain_tqdm = getattr(gguf_utils, "tqdm", None)
     if not progress:
         hf_logging.disable_progress_bar()
+        if plain_tqdm is not None:  # its de-quantizing bar is tqdm's own, which hf_logging does not switch off
+            gguf_utils.tqdm = functools.partial(plain_tqdm, disable=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many kinds here
-        raise PullError(f"could not convert {gguf.name}: {exc}") from exc
+        text = str(exc).strip()
+        raise PullError(f"could not convert {gguf.name}: {text.splitlines()[0] if text else type(exc).__name__}") from exc
     finally:
         if not progress:
             hf_logging.enable_progress_bar()
+            if plain_tqdm is not None:
+                gguf_utils.tqdm = plain_tqdm
     folder.mkdir(parents=True)
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -183,6 +343,7 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
     gen.eos_token_id = sorted(set(eos))
     gen.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    _test_pause("convert")
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 

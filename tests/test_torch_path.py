@@ -1,0 +1,29 @@
+"""The exactness tests on torch's ops alone: SPECLM_KERNELS=torch turns every compiled kernel off
+(speclm.kernels), and int8 then runs on oneDNN and torch._int_mm, RMSNorm, silu and attention on
+torch's ops. Where the compiled kernels run, this file runs the greedy-equality, kernel-agreement
+and alternatives tests again in a process with them off; where they do not run, the whole suite
+is already on that path and this test is skipped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from speclm import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+EXACTNESS_TESTS = ["tests/test_engine_greedy.py", "tests/test_quant.py", "tests/test_alternatives.py",
+                   "tests/test_draft_lookup.py", "tests/test_draft_vocab.py", "tests/test_prefix_cache.py"]
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="no compiled kernels here: the whole suite runs on torch's ops")
+def test_exactness_tests_pass_with_the_compiled_kernels_off():
+    env = {**os.environ, "SPECLM_KERNELS": "torch"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EXACTNESS_TESTS],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1]
