@@ -61,8 +61,10 @@ def test_summary_arithmetic():
         fake_run("none", "b", 50, 10.0, forwards=50),
         fake_run("pld", "a", 100, 5.0, forwards=40, drafted=80, accepted=60, lossless=True),
         fake_run("pld", "b", 50, 10.0, forwards=50, drafted=10, accepted=0, lossless=False),
+        # the hf baseline's totals differ from none's (150 tokens in 12 s, not 20 s), so a speedup
+        # computed against the wrong baseline shows
         fake_run("hf", "a", 100, 8.0),
-        fake_run("hf", "b", 50, 12.0),
+        fake_run("hf", "b", 50, 4.0),
     ]
     s = report.summarize({"runs": runs, "cost_model": None})
     none_all = s["methods"]["none"]["all"]
@@ -70,7 +72,15 @@ def test_summary_arithmetic():
     pld = s["methods"]["pld"]
     assert pld["a"]["speedup_vs_none"] == pytest.approx(20 / 10)
     assert pld["all"]["speedup_vs_none"] == pytest.approx((150 / 15) / (150 / 20))
-    assert pld["all"]["speedup_vs_hf"] == pytest.approx((150 / 15) / (150 / 20))
+    # against hf: pld's 10 tokens/s over hf's 150 / 12 = 12.5; per category (100/5) / (100/8) and
+    # (50/10) / (50/4); none's 7.5 over 12.5
+    assert pld["all"]["speedup_vs_hf"] == pytest.approx(0.8)
+    assert pld["a"]["speedup_vs_hf"] == pytest.approx(1.6)
+    assert pld["b"]["speedup_vs_hf"] == pytest.approx(0.4)
+    assert none_all["speedup_vs_hf"] == pytest.approx(0.6)
+    hf_all = s["methods"]["hf"]["all"]
+    assert hf_all["tokens_per_second"] == pytest.approx(12.5)
+    assert hf_all["speedup_vs_none"] == pytest.approx(12.5 / 7.5) and hf_all["speedup_vs_hf"] == pytest.approx(1.0)
     assert pld["all"]["mean_accepted_tokens"] == pytest.approx(150 / 90)
     assert pld["all"]["acceptance_rate"] == pytest.approx(60 / 90)
     assert pld["all"]["target_forwards_per_token"] == pytest.approx(90 / 150)
