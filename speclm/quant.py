@@ -64,7 +64,31 @@ def int8_kernels(vnni: bool | None = None, onednn: bool | None = None) -> str:
     onednn = _onednn_available() if onednn is None else onednn
     if vnni:
         return f"speclm VNNI up to {VNNI_MAX_ROWS} rows, onednn for more" if onednn else "speclm VNNI"
-    return "_int_mm for one row, onednn for more" if onednn else "_int_mm"
+    if onednn:
+        return "_int_mm for one row, onednn for more"
+    return "_int_mm for one row, exact fp32 GEMM for more" if EXACT_FLOAT_GEMM else "_int_mm"
+
+
+# Where neither speclm's kernel nor an exact oneDNN runs (a CPU without VNNI), torch._int_mm is a
+# plain loop (about 6 G int8 operations/s on 2 AVX2 cores: a 256-row prefill block of one MLP
+# matrix takes 1.2 s) and its cost grows with the rows. An fp32 GEMM over int8 values is exact in
+# chunks of EXACT_CHUNK input features: every product and partial sum is an integer below
+# 127 * 127 * 1024 < 2**24, so any order of additions gives the same integer; the chunks' sums are
+# added in int32. It computes _int_mm's very integers (tested) at MKL's speed, for an fp32 copy of
+# the weights. One row keeps _int_mm, which reads a quarter of the bytes.
+EXACT_FLOAT_GEMM = True
+EXACT_CHUNK = 1024
+
+
+def _exact_float_gemm(xq: torch.Tensor, fweight: torch.Tensor) -> torch.Tensor:
+    """xq (R, in) int8, fweight (in, out) fp32 holding int8 values -> (R, out) int32, exactly
+    xq @ fweight."""
+    xf = xq.float()
+    acc = None
+    for lo in range(0, xf.shape[1], EXACT_CHUNK):
+        part = (xf[:, lo : lo + EXACT_CHUNK] @ fweight[lo : lo + EXACT_CHUNK]).to(torch.int32)  # exact integers
+        acc = part if acc is None else acc.add_(part)
+    return acc
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,7 +111,7 @@ def _onednn_available() -> bool:
     if torch.equal(got, exact.float()):  # every sum here is below 2**24: exact in fp32
         return True
     print("speclm: oneDNN's int8 GEMM is not exact on this CPU (no VNNI: its u8*s8 pairs saturate); "
-          "int8 layers use torch._int_mm instead (exact, slower prefills)", file=sys.stderr)
+          "int8 layers use torch._int_mm and an exact fp32 GEMM instead", file=sys.stderr)
     return False
 
 
@@ -196,6 +220,8 @@ class Int8Linear(QuantLinear):
         if self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # opaque blocked layout
             self.wzero = torch.zeros(self.out_features, dtype=torch.long)
+        elif self.vnni is None and EXACT_FLOAT_GEMM:
+            self.fweight = q.t().float().contiguous()  # (in, out) fp32 of int8 values, for several rows
 
     def first_outputs(self, n: int) -> "Int8Linear":
         sub = self._restricted(slice(0, n))
@@ -204,6 +230,8 @@ class Int8Linear(QuantLinear):
             sub.vnni_weight, sub.colsum = self.vnni_weight[: n // _GROUP], self.colsum[:n]
         else:
             sub.qweight_t = self.qweight_t[:, :n]
+        if "fweight" in self.__dict__:
+            sub.fweight = self.fweight[:, :n]
         return sub._without_onednn()
 
     def _without_onednn(self) -> "Int8Linear":
@@ -222,12 +250,16 @@ class Int8Linear(QuantLinear):
             sub.colsum[: len(ids)] = self.colsum[ids]
         else:
             sub.qweight_t = self.qweight_t[:, ids].t().contiguous().t()  # (in, S) column-major, as _int_mm wants
+        if "fweight" in self.__dict__:
+            sub.fweight = self.fweight[:, ids].contiguous()
         return sub._without_onednn()
 
     def kernel_for(self, rows: int) -> str:
         if self.vnni is not None and (rows <= VNNI_MAX_ROWS or not self.onednn):
             return "vnni"
-        return "onednn" if self.onednn and rows > 1 else "int_mm"
+        if rows > 1 and self.onednn:
+            return "onednn"
+        return "float" if rows > 1 and "fweight" in self.__dict__ else "int_mm"
 
     def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x (R, in) fp32 -> (R, out) fp32, plus `residual` (R, out) if given: the forward without
@@ -235,11 +267,13 @@ class Int8Linear(QuantLinear):
         kernel = self.kernel_for(x.shape[0])
         if kernel == "vnni":  # quantizes, multiplies, rescales and adds in one call
             return self.vnni.linear_rows(x, self.vnni_weight, self.colsum, self.wscale, self.bias, residual)
-        xq, step = _quantized_rows(x, self.in_features, signed=kernel == "int_mm")  # (R, in), (R, 1)
+        xq, step = _quantized_rows(x, self.in_features, signed=kernel != "onednn")  # (R, in), (R, 1)
         if kernel == "onednn":
             acc = torch.ops.onednn.qlinear_pointwise(
                 xq, 1.0, 128, self.packed, self.wscale, self.wzero, None, 1.0, 0, torch.float32, "none", [], "",
             )  # (R, out) = fp32(integer dot products) * wscale
+        elif kernel == "float":
+            acc = _exact_float_gemm(xq, self.fweight).mul(self.wscale)  # the same int32, the same rescale
         else:
             acc = torch._int_mm(xq, self.qweight_t).mul(self.wscale)  # int32 * fp32: fp32(int32) * wscale
         y = acc.mul_(step)  # the row's own activation scale

@@ -15,8 +15,8 @@ PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy
 
 
 def _only(monkeypatch, kernel):
-    """Make Int8Linear built from here on use only `kernel` (and, for int_mm, oneDNN for >1 row as
-    where the VNNI kernel cannot run)."""
+    """Make Int8Linear built from here on use only `kernel` (and, for int_mm, oneDNN or the exact
+    fp32 GEMM for >1 row as where the VNNI kernel cannot run; int_mm_only: _int_mm for every row)."""
     if kernel == "vnni":
         require_compiled_kernels()
         monkeypatch.setattr(quant, "_onednn_available", lambda: False)
@@ -24,11 +24,13 @@ def _only(monkeypatch, kernel):
     monkeypatch.setattr(quant, "_vnni_kernel", lambda: None)
     if kernel == "onednn" and not quant._onednn_available():
         pytest.skip("torch built without oneDNN")
-    if kernel == "int_mm":
+    if kernel in ("int_mm", "int_mm_only"):
         monkeypatch.setattr(quant, "_onednn_available", lambda: False)
+    if kernel == "int_mm_only":
+        monkeypatch.setattr(quant, "EXACT_FLOAT_GEMM", False)
 
 
-@pytest.fixture(params=["vnni", "onednn", "int_mm"])
+@pytest.fixture(params=["vnni", "onednn", "int_mm", "int_mm_only"])
 def kernel(request, monkeypatch):
     _only(monkeypatch, request.param)
     return request.param
@@ -39,7 +41,8 @@ def test_int8_linear_is_batch_invariant_and_close_to_fp32(kernel, bias):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 200, bias=bias)
     q = Int8Linear(linear)
-    assert q.kernel_for(5) == kernel if kernel != "int_mm" else q.kernel_for(1) == "int_mm"
+    expected = {"int_mm": "float", "int_mm_only": "int_mm"}.get(kernel, kernel)
+    assert q.kernel_for(5) == expected and (kernel not in ("int_mm", "int_mm_only") or q.kernel_for(1) == "int_mm")
     x = torch.randn(3, 7, 96)  # (batch, tokens, features)
     with torch.inference_mode():
         full = q(x)
@@ -60,24 +63,35 @@ def test_kernels_agree_bit_for_bit(shape, monkeypatch):
     torch.manual_seed(1)
     linear = torch.nn.Linear(*shape)
     built = {}
-    for kernel in ("vnni", "onednn", "int_mm"):
+    for kernel in ("vnni", "onednn", "int_mm", "int_mm_only"):
         with monkeypatch.context() as m:
             try:
                 _only(m, kernel)
             except pytest.skip.Exception:
                 continue
             built[kernel] = Int8Linear(linear)
-    if len(built) < 2:
-        pytest.skip("only torch._int_mm runs here: nothing to compare")
     with torch.inference_mode():
         for rows in (1, 2, 5, 7, 8, 15, 40):
             x = torch.randn(rows, shape[0]) * 3
             h = torch.randn(rows, shape[1])  # a residual, added last
-            ref, ref_h = built["int_mm"].rows(x), built["int_mm"].rows(x, h)
+            ref, ref_h = built["int_mm_only"].rows(x), built["int_mm_only"].rows(x, h)
             assert torch.equal(ref_h, h + ref)
             for kernel, layer in built.items():
                 assert torch.equal(layer.rows(x), ref), (kernel, rows)
                 assert torch.equal(layer.rows(x, h), ref_h), (kernel, rows)
+
+
+@pytest.mark.parametrize("chunk, exact", [(quant.EXACT_CHUNK, True), (4096, False)])
+def test_the_fp32_gemm_of_int8_values_is_exact_in_chunks(chunk, exact, monkeypatch):
+    """Sums of 4096 products of 127 x 127 pass 2**24, where fp32 stops holding every integer: in
+    chunks of EXACT_CHUNK features the fp32 GEMM still gives _int_mm's integers; in one chunk it
+    does not (the check has power)."""
+    monkeypatch.setattr(quant, "EXACT_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(100, 128, (64, 4096), dtype=torch.int8, generator=gen)  # (out, in)
+    x = torch.randint(100, 128, (5, 4096), dtype=torch.int8, generator=gen)  # sums near 5e7, past 2**24
+    got = quant._exact_float_gemm(x, w.t().float().contiguous())
+    assert torch.equal(got, torch._int_mm(x, w.t())) == exact
 
 
 def test_quantize_model_covers_every_linear_and_leaves_a_tied_embedding(tok):
