@@ -135,9 +135,9 @@ def test_tokens_follow_target_distribution(small, case):
 
 # ---------------------------------------------------------------- mutations: the check has power
 
-def bonus_from_previous_position(monkeypatch):
-    """Rows whose whole draft was accepted draw the bonus from the last draft position's
-    distribution (an off-by-one) instead of the next position's."""
+def _redraw_after_verify(monkeypatch, position):
+    """Wrap the verifier: where position(accepted, drafted) names a position, a row's token after
+    its accepted ones is drawn again from the target's processed distribution at that position."""
     real = verify_mod.verify
 
     def verify(target_logits, draft, params, generators):
@@ -145,27 +145,23 @@ def bonus_from_previous_position(monkeypatch):
         probs = processed_probs(target_logits.cpu(), params)
         for b, g in enumerate(generators):
             n = int(verdict.num_accepted[b])
-            if n == int(draft.lengths[b]) > 0:
-                verdict.tokens[b, n] = torch.multinomial(probs[b, n - 1], 1, generator=g).item()
+            at = position(n, int(draft.lengths[b]))
+            if at is not None:
+                verdict.tokens[b, n] = torch.multinomial(probs[b, at], 1, generator=g).item()
         return verdict
 
     monkeypatch.setattr("speclm.engine.verify", verify)
+
+
+def bonus_from_previous_position(monkeypatch):
+    """Rows whose whole draft was accepted draw the bonus from the last draft position's
+    distribution (an off-by-one) instead of the next position's."""
+    _redraw_after_verify(monkeypatch, lambda n, drafted: n - 1 if n == drafted > 0 else None)
 
 
 def no_residual(monkeypatch):
     """After a rejection the token is drawn from the target's distribution, not the residual."""
-    real = verify_mod.verify
-
-    def verify(target_logits, draft, params, generators):
-        verdict = real(target_logits, draft, params, generators)
-        probs = processed_probs(target_logits.cpu(), params)
-        for b, g in enumerate(generators):
-            n = int(verdict.num_accepted[b])
-            if n < int(draft.lengths[b]):
-                verdict.tokens[b, n] = torch.multinomial(probs[b, n], 1, generator=g).item()
-        return verdict
-
-    monkeypatch.setattr("speclm.engine.verify", verify)
+    _redraw_after_verify(monkeypatch, lambda n, drafted: n if n < drafted else None)
 
 
 def residual_not_normalised(monkeypatch):
