@@ -315,8 +315,6 @@ def _bench(args) -> int:
                              ("cost-repeats", args.cost_repeats, 0), ("prefix-cache", args.prefix_cache, 0)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}")
-    if args.per_category is not None and args.per_category < 1:  # 0 is not "all": leave the option out for that
-        raise UsageError(f"per-category must be >= 1, got {args.per_category} (leave it out for every prompt)")
     SamplingParams(temperature=args.temperature)  # validates
     check_model_name(args.target)
     if args.draft:
