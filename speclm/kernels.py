@@ -1,18 +1,22 @@
-"""speclm's compiled CPU kernels (speclm/csrc/cpu_kernels.cpp), built once per machine.
+"""speclm's compiled CPU kernels, built once per machine: speclm/csrc/cpu_kernels.cpp on a CPU with
+AVX-512 VNNI, speclm/csrc/cpu_kernels_avx2.cpp on one with AVX2, FMA and F16C only.
 
 torch's int8 kernels read the weights of a decode step slower than this CPU can at more than
 one row (benchmarks/intel/int8-gemm-rows-cpu.txt), which is what speculation needs: a k-token
 verification that costs about one step; and a decode step's few rows make every small aten op
-(an RMSNorm is several) cost more than its arithmetic. The kernels are built with torch's own extension
+(an RMSNorm is several) cost more than its arithmetic. On an AVX2-only CPU torch has no fast
+exact int8 kernel at all (speclm.quant). The kernels are built with torch's own extension
 builder (the machine's C++ compiler, ninja) on first use and cached in torch's extension
 folder (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions); a changed source
-rebuilds them. They need AVX-512 VNNI; elsewhere, or if the build fails (said once on
-stderr), speclm runs torch's kernels: the same bits for the int8 GEMM, its own RMSNorm (a
+rebuilds them. Both builds compute the same integers and the same int4 and RMSNorm bits, with
+the same weight layouts. Where neither runs (another CPU, no compiler, a failed build: said once
+on stderr), speclm runs torch's kernels: the same bits for the int8 GEMM, its own RMSNorm (a
 model's forward is then exact with itself either way; it never mixes the two). int4 weights
 (speclm.quant.Int4Linear, for drafts) have no torch fallback: asking for them there is a
 usage error.
 
-SPECLM_KERNELS=torch turns the compiled kernels off.
+SPECLM_KERNELS=torch turns the compiled kernels off; SPECLM_KERNELS=avx2 builds the AVX2 ones on
+a CPU that could run either (to test them there).
 """
 
 from __future__ import annotations
@@ -25,28 +29,55 @@ from pathlib import Path
 
 from speclm.defaults import KERNEL_MACROS
 
-NAME = "speclm_cpu_kernels"
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-         "-ffp-contract=off",  # no FMA contraction: the rescale must round as torch's does
-         "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp)
-         *(f"-D{name}={value}" for name, value in KERNEL_MACROS.items())]  # tuned sizes (speclm.defaults)
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_COMMON = ["-O3",
+           "-ffp-contract=off",  # no FMA contraction: the rescale must round as torch's does
+           "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp)
+           *(f"-D{name}={value}" for name, value in KERNEL_MACROS.items())]  # tuned sizes (speclm.defaults)
+# instruction set -> (module name, source, compiler flags, /proc/cpuinfo flags it needs)
+BUILDS = {
+    "avx512": ("speclm_cpu_kernels", "cpu_kernels.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+               ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    "avx2": ("speclm_cpu_kernels_avx2", "cpu_kernels_avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
+}
+NAME, _source, _flags, _ = BUILDS["avx512"]
+SOURCE = Path(__file__).with_name("csrc") / _source
+FLAGS = [*_COMMON, *_flags]  # the AVX-512 build's (benchmarks/decode_attention.py builds variants with them)
 
 
-def cpu_supports_vnni() -> bool:
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> tuple[str, ...]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return ()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(f in flags for f in CPU_FLAGS)
+        return ()
+    return tuple(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def isa() -> str | None:
+    """Which build runs here: "avx512", "avx2", or None (SPECLM_KERNELS=torch, or a CPU with neither)."""
+    choice = os.environ.get("SPECLM_KERNELS", "auto")
+    if choice == "torch":
+        return None
+    flags = _cpu_flags()
+    for name in (("avx2",) if choice == "avx2" else ("avx512", "avx2")):
+        if all(f in flags for f in BUILDS[name][3]):
+            return name
+    return None
+
+
+def cpu_supports_vnni() -> bool:
+    return all(f in _cpu_flags() for f in BUILDS["avx512"][3])
 
 
 def enabled() -> bool:
-    return os.environ.get("SPECLM_KERNELS", "auto") != "torch" and cpu_supports_vnni()
+    return isa() is not None
+
+
+def describe() -> str:
+    """The compiled kernels' name in reports: "speclm VNNI", "speclm AVX2", or "" where none run."""
+    return {"avx512": "speclm VNNI", "avx2": "speclm AVX2"}.get(isa() or "", "") if compiled() is not None else ""
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +86,8 @@ def compiled():
     where it cannot run here."""
     if not enabled():
         return None
+    name, source_name, flags, _ = BUILDS[isa()]
+    source = Path(__file__).with_name("csrc") / source_name
     from torch.utils import cpp_extension
 
     try:  # the ninja package's binary, for a virtual environment that is not on PATH
@@ -65,14 +98,14 @@ def compiled():
     except (ImportError, AttributeError):
         pass  # a system ninja, if any
     try:  # only to say that a build is coming (a private torch helper: best effort)
-        build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False))
-        built = [so.stat().st_mtime for so in build_dir.glob(NAME + "*.so")]
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        built = [so.stat().st_mtime for so in build_dir.glob(name + "*.so")]
     except Exception:
         built = [0.0]
-    if not built or max(built) < SOURCE.stat().st_mtime:
+    if not built or max(built) < source.stat().st_mtime:
         print("speclm: building its CPU kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
     try:
-        return cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS,
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=[*_COMMON, *flags],
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, a broken toolchain: torch's kernels still work
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -4,9 +4,10 @@ Speculative output equals plain output only if the target's forward is batch-inv
 token's logits must not depend on how many other tokens share the forward. The kernel kept
 here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
 activation row quantized to int8 with its own scale, products accumulated in int32 (exact
-integer arithmetic: speclm's AVX-512 VNNI kernel for the few rows of a decode step or a
-verification, oneDNN's int8 GEMM for a prefill's many where it sums exactly (a CPU with
-VNNI), `torch._int_mm` otherwise), then rescaled elementwise. Nothing couples the rows, so the
+integer arithmetic: speclm's compiled kernel (AVX-512 VNNI or AVX2, speclm.kernels) for the few
+rows of a decode step or a verification, and on AVX2 for every row count; oneDNN's int8 GEMM for
+a prefill's many rows where it sums exactly (a CPU with VNNI); `torch._int_mm` where nothing
+compiled runs), then rescaled elementwise. Nothing couples the rows, so the
 result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
 activation scale for the whole batch and is *not* batch-invariant; the weight-only
 `_weight_int8pack_mm` path is invariant but its cost grows with the rows. The measurements
@@ -57,19 +58,21 @@ def _quantized_rows(x: torch.Tensor, features: int, signed: bool = False) -> tup
     return scaled.add_(_MAGIC).sub_(_MAGIC - 128.0).to(torch.uint8), step  # round(scaled) + 128: 1..255
 
 
-def int8_kernels(vnni: bool | None = None, onednn: bool | None = None) -> str:
+def int8_kernels(compiled: bool | None = None, onednn: bool | None = None) -> str:
     """The int8 GEMM kernels a layer runs (by default: what this process picks), in words; said in
     `generate`'s statistics line and bench reports, since the path decides the speed."""
-    vnni = _vnni_kernel() is not None if vnni is None else vnni
+    compiled = _compiled_kernel() is not None if compiled is None else compiled
     onednn = _onednn_available() if onednn is None else onednn
-    if vnni:
-        return f"speclm VNNI up to {VNNI_MAX_ROWS} rows, onednn for more" if onednn else "speclm VNNI"
+    if compiled:
+        name = kernels.describe() or "speclm's kernel"
+        return f"{name} up to {VNNI_MAX_ROWS} rows, onednn for more" if onednn else name
     if onednn:
         return "_int_mm for one row, onednn for more"
     return "_int_mm for one row, exact fp32 GEMM for more" if EXACT_FLOAT_GEMM else "_int_mm"
 
 
-# Where neither speclm's kernel nor an exact oneDNN runs (a CPU without VNNI), torch._int_mm is a
+# Where neither speclm's kernel nor an exact oneDNN runs (SPECLM_KERNELS=torch on a CPU without
+# VNNI, or a failed build), torch._int_mm is a
 # plain loop (about 6 G int8 operations/s on 2 AVX2 cores: a 256-row prefill block of one MLP
 # matrix takes 1.2 s) and its cost grows with the rows. An fp32 GEMM over int8 values is exact in
 # chunks of EXACT_CHUNK input features: every product and partial sum is an integer below
@@ -110,12 +113,13 @@ def _onednn_available() -> bool:
         None, 1.0, 0, torch.float32, "none", [], "")
     if torch.equal(got, exact.float()):  # every sum here is below 2**24: exact in fp32
         return True
-    print("speclm: oneDNN's int8 GEMM is not exact on this CPU (no VNNI: its u8*s8 pairs saturate); "
-          "int8 layers use torch._int_mm and an exact fp32 GEMM instead", file=sys.stderr)
+    if _compiled_kernel() is None:  # else speclm's kernel takes every row count: nothing changes for the user
+        print("speclm: oneDNN's int8 GEMM is not exact on this CPU (no VNNI: its u8*s8 pairs saturate); "
+              "int8 layers use torch._int_mm and an exact fp32 GEMM instead", file=sys.stderr)
     return False
 
 
-def _vnni_kernel():
+def _compiled_kernel():
     """speclm's compiled kernel (speclm.kernels), or None where it does not run."""
     return kernels.compiled()
 
@@ -196,12 +200,13 @@ class Int8Linear(QuantLinear):
     Three kernels compute the same int32 dot products and the same fp32 rescale (int32 ->
     fp32, times the weight scale, times the row's step), so they give the same bits (tested)
     and each call takes the fastest here:
-    - up to VNNI_MAX_ROWS rows (decode steps, draft steps, verification): speclm's AVX-512
-      VNNI kernel (speclm.kernels), which reads each weight once for all the rows;
+    - up to VNNI_MAX_ROWS rows (decode steps, draft steps, verification), and every row count
+      where oneDNN is not exact: speclm's compiled kernel (AVX-512 VNNI or AVX2,
+      speclm.kernels), which reads each weight once for all the rows;
     - more rows (prefill): oneDNN's int8 GEMM on the weight packed once
       (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with
       zero point 128, where it sums exactly (`_onednn_available`: not on a CPU without VNNI);
-    - where the VNNI kernel cannot run: `torch._int_mm` for one row (its one-row path streams
+    - where no compiled kernel runs: `torch._int_mm` for one row (its one-row path streams
       the weight at read bandwidth) and oneDNN for more, or `_int_mm` for every row count
       where oneDNN is not exact.
     Each kernel has its own copy of the int8 weights (measured in benchmarks/intel/int8-gemm-rows-cpu.txt).
@@ -211,8 +216,8 @@ class Int8Linear(QuantLinear):
         super().__init__(linears)
         q, scale = int8_per_channel(torch.cat([lin.weight.detach() for lin in linears]))
         self.wscale = scale  # (out,) fp32
-        self.vnni = _vnni_kernel()
-        if self.vnni is not None:
+        self.compiled = _compiled_kernel()
+        if self.compiled is not None:
             self.vnni_weight, self.colsum = vnni_layout(q)
         else:
             self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
@@ -220,13 +225,13 @@ class Int8Linear(QuantLinear):
         if self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # opaque blocked layout
             self.wzero = torch.zeros(self.out_features, dtype=torch.long)
-        elif self.vnni is None and EXACT_FLOAT_GEMM:
+        elif self.compiled is None and EXACT_FLOAT_GEMM:
             self.fweight = q.t().float().contiguous()  # (in, out) fp32 of int8 values, for several rows
 
     def first_outputs(self, n: int) -> "Int8Linear":
         sub = self._restricted(slice(0, n))
         sub.wscale = self.wscale[:n]
-        if self.vnni is not None:
+        if self.compiled is not None:
             sub.vnni_weight, sub.colsum = self.vnni_weight[: n // _GROUP], self.colsum[:n]
         else:
             sub.qweight_t = self.qweight_t[:, :n]
@@ -244,7 +249,7 @@ class Int8Linear(QuantLinear):
     def outputs(self, ids: torch.Tensor) -> "Int8Linear":
         sub = self._restricted(ids)
         sub.wscale = self.wscale[ids]
-        if self.vnni is not None:
+        if self.compiled is not None:
             sub.vnni_weight = _gather_columns(self.vnni_weight, ids, 0)
             sub.colsum = torch.zeros(sub.vnni_weight.shape[0] * _GROUP, dtype=torch.int32)
             sub.colsum[: len(ids)] = self.colsum[ids]
@@ -255,8 +260,8 @@ class Int8Linear(QuantLinear):
         return sub._without_onednn()
 
     def kernel_for(self, rows: int) -> str:
-        if self.vnni is not None and (rows <= VNNI_MAX_ROWS or not self.onednn):
-            return "vnni"
+        if self.compiled is not None and (rows <= VNNI_MAX_ROWS or not self.onednn):
+            return "compiled"
         if rows > 1 and self.onednn:
             return "onednn"
         return "float" if rows > 1 and "fweight" in self.__dict__ else "int_mm"
@@ -265,8 +270,8 @@ class Int8Linear(QuantLinear):
         """x (R, in) fp32 -> (R, out) fp32, plus `residual` (R, out) if given: the forward without
         reshapes (speclm.lean's hot path; the residual is a decoder's h + f(h), added last)."""
         kernel = self.kernel_for(x.shape[0])
-        if kernel == "vnni":  # quantizes, multiplies, rescales and adds in one call
-            return self.vnni.linear_rows(x, self.vnni_weight, self.colsum, self.wscale, self.bias, residual)
+        if kernel == "compiled":  # quantizes, multiplies, rescales and adds in one call
+            return self.compiled.linear_rows(x, self.vnni_weight, self.colsum, self.wscale, self.bias, residual)
         xq, step = _quantized_rows(x, self.in_features, signed=kernel != "onednn")  # (R, in), (R, 1)
         if kernel == "onednn":
             acc = torch.ops.onednn.qlinear_pointwise(
@@ -282,7 +287,7 @@ class Int8Linear(QuantLinear):
         return y if residual is None else y.add_(residual)
 
     def extra_repr(self) -> str:
-        kernel = int8_kernels(self.vnni is not None, self.onednn)
+        kernel = int8_kernels(self.compiled is not None, self.onednn)
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 per-row ({kernel})"
 
 
@@ -330,7 +335,8 @@ class Int4Linear(QuantLinear):
         super().__init__(linears)
         self.kernel = kernels.compiled()
         if self.kernel is None:
-            raise UsageError("int4 weights need speclm's compiled CPU kernels (AVX-512 VNNI and a C++ compiler)")
+            raise UsageError("int4 weights need speclm's compiled CPU kernels (an x86 CPU with AVX2 or AVX-512 VNNI, "
+                             "and a C++ compiler)")
         if self.in_features % group:
             raise ValueError(f"in_features {self.in_features} is not a multiple of the int4 group {group}")
         self.group = group
@@ -357,7 +363,7 @@ class Int4Linear(QuantLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int4 W4A8, groups of {self.group} (speclm VNNI)")
+                f"int4 W4A8, groups of {self.group} ({kernels.describe()})")
 
 
 def _quantized_linear(mode: str, *linears: nn.Linear) -> QuantLinear:

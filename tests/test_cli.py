@@ -188,7 +188,7 @@ def test_generate_reuses_a_shared_head_through_the_prefix_cache(folders, tmp_pat
     assert [r["stats"]["cached_tokens"] for r in outs["0"]] == [0, 0]
     assert [r["token_ids"] for r in outs["4096"]] == [r["token_ids"] for r in outs["0"]]
     code, _, err = run(base, capsys)
-    assert code == 0 and f"{len(head)} prompt tokens from the prefix cache]" in err.splitlines()[-1]
+    assert code == 0 and f"{len(head)} prompt tokens from the prefix cache" in err.splitlines()[-1]
 
 
 def test_quantize_and_threads_errors(folders, capsys):

@@ -27,7 +27,7 @@ def _layer(kind: str, linear: torch.nn.Linear, monkeypatch) -> torch.nn.Module:
     if kind in ("int4", "int8-vnni"):
         require_compiled_kernels()
         return Int4Linear(linear) if kind == "int4" else Int8Linear(linear)
-    monkeypatch.setattr(quant, "_vnni_kernel", lambda: None)  # torch's int8 kernels (_int_mm)
+    monkeypatch.setattr(quant, "_compiled_kernel", lambda: None)  # torch's int8 kernels (_int_mm)
     return Int8Linear(linear)
 
 

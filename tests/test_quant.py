@@ -17,11 +17,11 @@ PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy
 def _only(monkeypatch, kernel):
     """Make Int8Linear built from here on use only `kernel` (and, for int_mm, oneDNN or the exact
     fp32 GEMM for >1 row as where the VNNI kernel cannot run; int_mm_only: _int_mm for every row)."""
-    if kernel == "vnni":
+    if kernel == "compiled":
         require_compiled_kernels()
         monkeypatch.setattr(quant, "_onednn_available", lambda: False)
         return
-    monkeypatch.setattr(quant, "_vnni_kernel", lambda: None)
+    monkeypatch.setattr(quant, "_compiled_kernel", lambda: None)
     if kernel == "onednn" and not quant._onednn_available():
         pytest.skip("torch built without oneDNN")
     if kernel in ("int_mm", "int_mm_only"):
@@ -30,7 +30,7 @@ def _only(monkeypatch, kernel):
         monkeypatch.setattr(quant, "EXACT_FLOAT_GEMM", False)
 
 
-@pytest.fixture(params=["vnni", "onednn", "int_mm", "int_mm_only"])
+@pytest.fixture(params=["compiled", "onednn", "int_mm", "int_mm_only"])
 def kernel(request, monkeypatch):
     _only(monkeypatch, request.param)
     return request.param
@@ -63,7 +63,7 @@ def test_kernels_agree_bit_for_bit(shape, monkeypatch):
     torch.manual_seed(1)
     linear = torch.nn.Linear(*shape)
     built = {}
-    for kernel in ("vnni", "onednn", "int_mm", "int_mm_only"):
+    for kernel in ("compiled", "onednn", "int_mm", "int_mm_only"):
         with monkeypatch.context() as m:
             try:
                 _only(m, kernel)
@@ -218,3 +218,18 @@ def test_compiled_silu_mul_matches_torch_and_is_row_invariant():
         ref = torch.nn.functional.silu(both[:, :inner]) * both[:, inner:]
         assert torch.allclose(got, ref, rtol=2e-6, atol=1e-6) and torch.isfinite(got).all()
         assert torch.equal(compiled.silu_mul(both[7:9].clone()), got[7:9])  # 40 rows threaded, 2 serial
+
+
+def test_the_kernel_build_follows_the_cpu_and_speclm_kernels(monkeypatch):
+    """AVX-512 VNNI: cpu_kernels.cpp; AVX2 with FMA and F16C: cpu_kernels_avx2.cpp; neither, or
+    SPECLM_KERNELS=torch: torch's ops. SPECLM_KERNELS=avx2 picks the AVX2 build where both run."""
+    avx2 = ("sse4_2", "avx", "avx2", "fma", "f16c")
+    cases = [(avx2 + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "auto", "avx512"),
+             (avx2 + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "avx2", "avx2"),
+             (avx2 + ("avx512f", "avx512bw", "avx512vl"), "auto", "avx2"),  # AVX-512 without VNNI
+             (avx2, "auto", "avx2"), (avx2, "torch", None), (("sse4_2", "avx", "avx2"), "auto", None), ((), "auto", None)]
+    for flags, choice, expected in cases:
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setenv("SPECLM_KERNELS", choice)
+        assert kernels.isa() == expected, (flags, choice)
+        assert kernels.enabled() == (expected is not None)

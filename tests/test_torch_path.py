@@ -2,7 +2,8 @@
 (speclm.kernels), and int8 then runs on oneDNN and torch._int_mm, RMSNorm, silu and attention on
 torch's ops. Where the compiled kernels run, this file runs the greedy-equality, kernel-agreement
 and alternatives tests again in a process with them off; where they do not run, the whole suite
-is already on that path and this test is skipped."""
+is already on that path and this test is skipped. On a CPU with AVX-512 VNNI the same tests run
+once more on the AVX2 build (SPECLM_KERNELS=avx2), which the whole suite runs on an AVX2-only CPU."""
 
 from __future__ import annotations
 
@@ -20,10 +21,19 @@ EXACTNESS_TESTS = ["tests/test_engine_greedy.py", "tests/test_quant.py", "tests/
                    "tests/test_draft_lookup.py", "tests/test_draft_vocab.py", "tests/test_prefix_cache.py"]
 
 
-@pytest.mark.skipif(not kernels.enabled(), reason="no compiled kernels here: the whole suite runs on torch's ops")
-def test_exactness_tests_pass_with_the_compiled_kernels_off():
-    env = {**os.environ, "SPECLM_KERNELS": "torch"}
+def _run_exactness_tests(kernel_choice: str) -> None:
+    env = {**os.environ, "SPECLM_KERNELS": kernel_choice}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EXACTNESS_TESTS],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="no compiled kernels here: the whole suite runs on torch's ops")
+def test_exactness_tests_pass_with_the_compiled_kernels_off():
+    _run_exactness_tests("torch")
+
+
+@pytest.mark.skipif(not kernels.cpu_supports_vnni(), reason="an AVX2-only CPU: the whole suite runs on the AVX2 build")
+def test_exactness_tests_pass_on_the_avx2_build():
+    _run_exactness_tests("avx2")

@@ -57,8 +57,8 @@ def loaded(model, tokenizer, name: str = "tiny", eos: bool = True) -> LoadedMode
 
 
 def require_compiled_kernels() -> None:
-    """Skip where speclm's compiled kernels cannot run (no AVX-512 VNNI, or SPECLM_KERNELS=torch);
+    """Skip where speclm's compiled kernels cannot run (no AVX2, or SPECLM_KERNELS=torch);
     where they can, a failed build is a failure here, not a silent fallback."""
     if not kernels.enabled():
-        pytest.skip("CPU without AVX-512 VNNI (or SPECLM_KERNELS=torch): speclm's compiled kernels do not run")
+        pytest.skip("a CPU without AVX2 (or SPECLM_KERNELS=torch): speclm's compiled kernels do not run")
     assert kernels.compiled() is not None, "speclm's CPU kernels did not build"

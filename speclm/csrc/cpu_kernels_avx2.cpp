@@ -1,0 +1,548 @@
+// speclm's CPU kernels for x86 CPUs with AVX2, FMA and F16C but no AVX-512 VNNI (built by
+// speclm/kernels.py in place of cpu_kernels.cpp; docs/cpu-fast-path.md, "The compiled kernels"). The
+// same functions, the same weight layouts and the same arithmetic as cpu_kernels.cpp:
+// linear_rows, linear_rows_w4, rms_norm, silu_mul, decode_attention.
+//
+// The int8 dot products. AVX2 has no vpdpbusd, and vpmaddubsw (u8 x s8, pairs summed in int16)
+// saturates when one operand is u8 up to 255: oneDNN's AVX2 int8 GEMM is inexact for that
+// reason (speclm.quant probes it). Here both operands stay within 127 in magnitude: with w the
+// weights and x a row's int8 activations, |w| * (x with w's sign) = w * x (vpabsb, vpsignb), so
+// each pair sums to at most 2 * 127 * 127 = 32258 and vpmaddubsw is exact; vpmaddwd by ones
+// then adds the pairs into int32. Every integer is the exact dot product, as on the VNNI kernel
+// and torch._int_mm, so a layer's output bits are theirs. int4 weights (u = w + 8 in 0..15) need
+// no sign trick: u * x pairs reach 2 * 15 * 127.
+//
+// Every fp32 step (rescale, RMSNorm, SiLU, rotary, softmax) is computed per row in a fixed order,
+// so a row's bits do not depend on the other rows of the call. Built with -ffp-contract=off:
+// only the FMAs written here fuse.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t GROUP = 64;  // columns packed together (speclm.quant.vnni_layout, int4_layout)
+constexpr int64_t BLOCK = 8;   // output columns per 256-bit accumulator
+constexpr int64_t PREFETCH = SPECLM_PREFETCH;  // speclm.defaults.WEIGHT_PREFETCH_BYTES
+
+// One activation row quantized for the int8 dot products: step = max|x| / 127 (returned) and
+// out[i] = round(x[i] / step) (half to even), zero-padded to kp: torch's path in speclm.quant,
+// the same operations in the same fp32 roundings.
+inline float quantize_row(const float* row, int64_t k, int64_t kp, int8_t* out) {
+  float top = 0.0f;
+  for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(row[i]));
+  const float s = std::max(top, 1e-12f) / 127.0f;
+  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_roundevenf(row[i] / s)));
+  for (int64_t i = k; i < kp; ++i) out[i] = 0;
+  return s;
+}
+
+// acc (8 int32 lanes, one per column) += the 4-term dot products of x's quad (broadcast) with
+// each column's 4 int8 weights in w, exactly (see the top of this file).
+inline __m256i dot_quads(__m256i acc, __m256i x, __m256i w, __m256i wabs, __m256i ones) {
+  const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w));  // exact: |pair| <= 32258
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+}
+
+// acc[r * CB + c] = sum over k of x[r, k] * w[block c0 + c, k] for ROWS rows and CB of a group's
+// 8 blocks; w: the group's weights (quads, 64, 4) offset to block c0.
+template <int ROWS, int CB>
+void dot_group(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quads, __m256i* acc) {
+  __m256i a[ROWS * CB];
+  for (int i = 0; i < ROWS * CB; ++i) a[i] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t q = 0; q < quads; ++q) {
+    const int8_t* wq = w + q * GROUP * 4;
+    _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH), _MM_HINT_T0);
+    if (CB > 2) _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + 64), _MM_HINT_T0);
+    if (CB > 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + 192), _MM_HINT_T0);
+    }
+    __m256i xb[ROWS];
+    for (int r = 0; r < ROWS; ++r) xb[r] = _mm256_set1_epi32(x32[r * stride + q]);
+    for (int c = 0; c < CB; ++c) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + c * 32));
+      const __m256i wabs = _mm256_abs_epi8(wv);
+      for (int r = 0; r < ROWS; ++r) a[r * CB + c] = dot_quads(a[r * CB + c], xb[r], wv, wabs, ones);
+    }
+  }
+  for (int i = 0; i < ROWS * CB; ++i) acc[i] = a[i];
+}
+
+// The tail of a row's 8 columns: masked loads and stores of `valid` floats.
+inline __m256i lane_mask(int64_t valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline __m256 load8(const float* p, int64_t valid) {
+  return valid >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(valid));
+}
+
+inline void store8(float* p, __m256 v, int64_t valid) {
+  if (valid >= 8) _mm256_storeu_ps(p, v);
+  else _mm256_maskstore_ps(p, lane_mask(valid), v);
+}
+
+// Columns col .. col + valid - 1 of one row: fp32(dot) * wscale * step (+ bias) (+ residual),
+// in that order (speclm.quant.Int8Linear.rows).
+inline void rescale8(__m256i dots, const float* ws, float step, const float* bp, const float* rp, float* out,
+                     int64_t valid) {
+  __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), load8(ws, valid));
+  v = _mm256_mul_ps(v, _mm256_set1_ps(step));
+  if (bp) v = _mm256_add_ps(v, load8(bp, valid));
+  if (rp) v = _mm256_add_ps(load8(rp, valid), v);
+  store8(out, v, valid);
+}
+
+}  // namespace
+
+// The signature of cpu_kernels.cpp's: x (R, K) fp32; packed (N_pad / 64, K_pad / 4, 64, 4) int8
+// (speclm.quant.vnni_layout); colsum: unused here (activations stay signed, no zero point);
+// wscale (N,) fp32; bias (N,) or None; residual (R, N) fp32 or None. Returns (R, N) fp32.
+at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& colsum,
+                       const at::Tensor& wscale, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && wscale.scalar_type() == at::kFloat, "packed int8, wscale fp32");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 4 && packed.stride(3) == 1 &&
+              packed.stride(2) == 4 && packed.stride(1) == GROUP * 4, "packed must be (N/64, K/4, 64, 4), contiguous groups");
+  const int64_t rows = x.size(0), k = x.size(1), quads = packed.size(1);
+  const int64_t kp = quads * 4, n = wscale.size(0);
+  TORCH_CHECK(k <= kp && kp < k + 4 && n <= packed.size(0) * GROUP, "packed weight does not match x or wscale");
+  (void)colsum;
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == n), "bias must be fp32 (N,)");
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(!has_residual || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                                residual->size(0) == rows && residual->size(1) == n), "residual must be fp32 (R, N)");
+  if (rows == 0) return at::empty({0, n}, x.options());
+
+  std::vector<int8_t> xq(rows * kp);
+  std::vector<float> step(rows);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) step[r] = quantize_row(xp + r * k, k, kp, xq.data() + r * kp);
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
+
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t group_stride = packed.stride(0);
+  const float* ws = wscale.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  const float* rp = has_residual ? residual->data_ptr<float>() : nullptr;
+
+  // Rows in passes of up to 4, each over a group's 64 columns in 8, 4 or 2 blocks at a time (so
+  // that the accumulators fit the 16 registers); a group's weights come from memory for the
+  // first pass and from cache for the others.
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
+    __m256i acc[8];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* wg = wp + g * group_stride;
+      for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t left = rows - r0;
+        const int rc = left >= 4 ? 4 : static_cast<int>(left);
+        const int cb = rc == 1 ? 8 : (rc == 2 ? 4 : 2);
+        for (int c0 = 0; c0 < 8; c0 += cb) {
+          const int32_t* xr = x32 + r0 * (kp / 4);
+          const int8_t* wb = wg + c0 * 32;
+          switch (rc) {
+            case 1: dot_group<1, 8>(xr, kp / 4, wb, quads, acc); break;
+            case 2: dot_group<2, 4>(xr, kp / 4, wb, quads, acc); break;
+            case 3: dot_group<3, 2>(xr, kp / 4, wb, quads, acc); break;
+            default: dot_group<4, 2>(xr, kp / 4, wb, quads, acc); break;
+          }
+          for (int c = 0; c < cb; ++c) {
+            const int64_t col = g * GROUP + (c0 + c) * BLOCK;
+            if (col >= n) break;
+            const int64_t valid = std::min<int64_t>(BLOCK, n - col);
+            for (int r = 0; r < rc; ++r) {
+              const int64_t row = r0 + r;
+              rescale8(acc[r * cb + c], ws + col, step[row], bp ? bp + col : nullptr,
+                       rp ? rp + row * n + col : nullptr, yp + row * n + col, valid);
+            }
+          }
+        }
+        r0 += rc;
+      }
+    }
+  });
+  return y;
+}
+
+namespace {
+
+// For ROWS rows and CB of a group's 8 blocks: out[r * CB + c] = sum over scale groups of
+// fp32(sum x u - 8 sum x) * scale, fused multiply-add in group order, as cpu_kernels.cpp's
+// w4_columns (so the same bits). w: the group's packed weights (K/8, 64, 4) offset to block c0:
+// byte (p, col, j) holds u[col][8p + j] in its low nibble and u[col][8p + 4 + j] in its high one;
+// scales: (K/G, 64) fp16, offset likewise; x32: rows' int8 activations as 4-byte quads.
+template <int ROWS, int CB>
+void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, int64_t groups, const uint8_t* w,
+                const at::Half* scales, int64_t pairs_per_group, __m256* out) {
+  for (int i = 0; i < ROWS * CB; ++i) out[i] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i a[ROWS * CB];
+    for (int i = 0; i < ROWS * CB; ++i) a[i] = _mm256_setzero_si256();
+    for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; ++p) {
+      const uint8_t* wp = w + p * 256;
+      _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH), _MM_HINT_T0);
+      if (CB > 2) _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + 64), _MM_HINT_T0);
+      __m256i xa[ROWS], xb[ROWS];
+      for (int r = 0; r < ROWS; ++r) {
+        xa[r] = _mm256_set1_epi32(x32[r * quad_stride + 2 * p]);
+        xb[r] = _mm256_set1_epi32(x32[r * quad_stride + 2 * p + 1]);
+      }
+      for (int c = 0; c < CB; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 32));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < ROWS; ++r) {  // u * x pairs: at most 2 * 15 * 127 each, 4 * that in a sum
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[r]), _mm256_maddubs_epi16(hi, xb[r]));
+          a[r * CB + c] = _mm256_add_epi32(a[r * CB + c], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int c = 0; c < CB; ++c) {
+      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * GROUP + c * BLOCK)));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i exact = _mm256_sub_epi32(a[r * CB + c], _mm256_set1_epi32(8 * xsum[r * groups + g]));
+        out[r * CB + c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), sc, out[r * CB + c]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// cpu_kernels.cpp's linear_rows_w4: x (R, K) fp32; packed (N_pad / 64, K / 8, 64, 4) uint8;
+// scales (N_pad / 64, K / G, 64) fp16; n: output features; bias (n,) or None; residual (R, n) or
+// None. Returns (R, n).
+at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(1) * 8 == k &&
+              packed.size(2) == GROUP && packed.size(3) == 4 && packed.is_contiguous(),
+              "packed must be uint8 (N/64, K/8, 64, 4)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == packed.size(0) &&
+              scales.size(2) == GROUP && scales.is_contiguous() && k % scales.size(1) == 0 && (k / scales.size(1)) % 8 == 0,
+              "scales must be fp16 (N/64, K/G, 64), G a multiple of 8");
+  TORCH_CHECK(n <= packed.size(0) * GROUP && n > packed.size(0) * GROUP - GROUP, "n does not match packed");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == n), "bias must be fp32 (N,)");
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(!has_residual || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                                residual->size(0) == rows && residual->size(1) == n), "residual must be fp32 (R, N)");
+  if (rows == 0) return at::empty({0, n}, x.options());
+  const int64_t groups = scales.size(1), group = k / groups;
+
+  std::vector<int8_t> xq(rows * k);
+  std::vector<int32_t> xsum(rows * groups, 0);
+  std::vector<float> step(rows);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    int8_t* out = xq.data() + r * k;
+    step[r] = quantize_row(xp + r * k, k, k, out);
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
+      xsum[r * groups + g] = sum;
+    }
+  }
+
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  const float* rp = has_residual ? residual->data_ptr<float>() : nullptr;
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
+  const int64_t quad_stride = k / 4, pairs_per_group = group / 8;
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
+    __m256 acc[8];
+    for (int64_t cg = g0; cg < g1; ++cg) {
+      const uint8_t* wg = wp + cg * (k / 8) * 256;
+      const at::Half* sg = sp + cg * groups * GROUP;
+      for (int64_t r0 = 0; r0 < rows;) {
+        const int rc = rows - r0 >= 4 ? 4 : (rows - r0 >= 2 ? 2 : 1);
+        const int cb = rc == 1 ? 4 : (rc == 2 ? 2 : 1);
+        const int32_t* xr = x32 + r0 * quad_stride;
+        const int32_t* sr = xsum.data() + r0 * groups;
+        for (int c0 = 0; c0 < 8; c0 += cb) {
+          if (rc == 4) w4_columns<4, 1>(xr, quad_stride, sr, groups, wg + c0 * 32, sg + c0 * BLOCK, pairs_per_group, acc);
+          else if (rc == 2) w4_columns<2, 2>(xr, quad_stride, sr, groups, wg + c0 * 32, sg + c0 * BLOCK, pairs_per_group, acc);
+          else w4_columns<1, 4>(xr, quad_stride, sr, groups, wg + c0 * 32, sg + c0 * BLOCK, pairs_per_group, acc);
+          for (int c = 0; c < cb; ++c) {
+            const int64_t col = cg * GROUP + (c0 + c) * BLOCK;
+            if (col >= n) break;
+            const int64_t valid = std::min<int64_t>(BLOCK, n - col);
+            for (int r = 0; r < rc; ++r) {
+              const int64_t row = r0 + r;
+              __m256 v = _mm256_mul_ps(acc[r * cb + c], _mm256_set1_ps(step[row]));
+              if (bp) v = _mm256_add_ps(v, load8(bp + col, valid));
+              if (rp) v = _mm256_add_ps(load8(rp + row * n + col, valid), v);
+              store8(yp + row * n + col, v, valid);
+            }
+          }
+        }
+        r0 += rc;
+      }
+    }
+  });
+  return y;
+}
+
+namespace {
+
+// The sum of 16 lanes held as lo (lanes 0-7) and hi (8-15), in the order of GCC's
+// _mm512_reduce_add_ps, which cpu_kernels.cpp's rms_norm uses: the same bits on either build.
+inline float reduce_add16(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+// 8 lanes summed: halves, then pairs, then the last two.
+inline float reduce_add8(__m256 v) {
+  const __m128 t = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  const __m128 u = _mm_add_ps(t, _mm_shuffle_ps(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+}  // namespace
+
+// RMSNorm of each row of x (R, E) fp32: w * (x * 1 / sqrt(mean(x^2) + eps)), the sum of squares in
+// 16 lanes (x[i] in lane i % 16) as cpu_kernels.cpp's.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && weight.scalar_type() == at::kFloat && weight.numel() == x_in.size(1),
+              "x (R, E), weight fp32 (E,)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const int64_t rows = x.size(0), e = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float epsf = static_cast<float>(eps);
+  auto one_row = [&](int64_t r) {
+    const float* row = xp + r * e;
+    float* out = yp + r * e;
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t i = 0; i < e; i += 16) {
+      const __m256 a = load8(row + i, e - i);
+      const __m256 b = i + 8 < e ? load8(row + i + 8, e - i - 8) : _mm256_setzero_ps();
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
+    }
+    const float inv = 1.0f / std::sqrt(reduce_add16(lo, hi) / static_cast<float>(e) + epsf);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < e; i += 8) {
+      const int64_t valid = std::min<int64_t>(8, e - i);
+      store8(out + i, _mm256_mul_ps(load8(wp + i, valid), _mm256_mul_ps(load8(row + i, valid), vinv)), valid);
+    }
+  };
+  if (rows < 64) {
+    for (int64_t r = 0; r < rows; ++r) one_row(r);
+  } else {
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) one_row(r); });
+  }
+  return y;
+}
+
+namespace {
+
+// exp as cpu_kernels.cpp's exp512, lane for lane: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in
+// two parts, Cephes' degree-6 polynomial. 2^n is built from its exponent bits (n in -126..127 on
+// the clamped inputs), an exact scaling like vscalefps.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+}  // namespace
+
+// The gated MLP's middle: gate_up (R, 2 I) -> silu(gate) * up (R, I), silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const at::Tensor gu = gate_up_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate_up must be (R, 2 I)");
+  const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
+  at::Tensor y = at::empty({rows, inner}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f);
+  auto span = [&](int64_t r) {
+    const float* g = gp + r * 2 * inner;
+    const float* u = g + inner;
+    float* out = yp + r * inner;
+    for (int64_t i = 0; i < inner; i += 8) {
+      const int64_t valid = std::min<int64_t>(8, inner - i);
+      const __m256 gv = load8(g + i, valid);
+      const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+      store8(out + i, _mm256_mul_ps(silu, load8(u + i, valid)), valid);
+    }
+  };
+  if (rows * inner < 65536) {
+    for (int64_t r = 0; r < rows; ++r) span(r);
+  } else {
+    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) span(r); });
+  }
+  return y;
+}
+
+namespace {
+
+// q . k over dim features (a multiple of 8): 8 lanes, feature d in lane d % 8, a product then
+// FMAs in feature order, then reduce_add8. Depends on nothing but q and k.
+inline float dot(const float* q, const float* k, int64_t dim) {
+  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+  for (int64_t c = 8; c < dim; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), a);
+  return reduce_add8(a);
+}
+
+// acc (dim) += p * v, one FMA per feature.
+inline void weigh(float p, const float* v, int64_t dim, float* acc) {
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + c), _mm256_loadu_ps(acc + c)));
+}
+
+}  // namespace
+
+// cpu_kernels.cpp's decode_attention, same arguments and meaning: rotary on q and k, k and v
+// written to the cache at each row's slots, and each query attending on its own over exactly
+// the slots before it (a tree's alternative token at position p < slot: slots 0 .. p - 1, then
+// its own slot), every query's arithmetic its own and in slot order. query_tile: unused here
+// (each query is one task). Returns (B M, H D).
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
+                            at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                            int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions,
+                            int64_t query_tile) {
+  const int64_t batch = static_cast<int64_t>(starts.size());
+  TORCH_CHECK(query_tile >= 1, "query_tile must be >= 1");
+  TORCH_CHECK(batch >= 1 && counts.size() == starts.size() && keys.dim() == 4 && keys.size(0) == batch,
+              "one start and count per cache row");
+  const int64_t rows = qkv.size(0), width = rows / batch, dim = keys.size(3), capacity = keys.size(2), half = dim / 2;
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && rows == batch * width &&
+              qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv must be contiguous fp32 (B M, (H + 2 H_kv) D)");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.is_contiguous() &&
+              values.is_contiguous() && values.sizes() == keys.sizes() && keys.size(1) == kv_heads &&
+              heads % kv_heads == 0 && dim % 32 == 0, "cache (B, H_kv, capacity, D) fp32, D a multiple of 32");
+  const int64_t last = *std::max_element(starts.begin(), starts.end()) + width;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == dim && cos.size(0) >= last && sin.size(0) >= last &&
+              last <= capacity, "rotary tables or cache too short");
+  for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(starts[b] >= 0 && counts[b] >= 0 && counts[b] <= width, "bad count");
+  const bool tree = !positions.empty();
+  TORCH_CHECK(!tree || static_cast<int64_t>(positions.size()) == rows, "one position per token");
+  for (int64_t r = 0; tree && r < rows; ++r)
+    TORCH_CHECK(positions[r] >= 0 && positions[r] <= starts[r / width] + r % width, "a position past its slot");
+  auto position_of = [&](int64_t b, int64_t i) { return tree ? positions[b * width + i] : starts[b] + i; };
+  const int64_t stride = qkv.size(1), groups = heads / kv_heads;
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  std::vector<float> q(rows * heads * dim);
+
+  auto rotate = [&](const float* x, const float* c, const float* sn, float* out) {
+    for (int64_t d = 0; d < dim; d += 8) {  // x * cos + roll(x, D/2) * sin, three roundings
+      const int64_t o = d < half ? d + half : d - half;
+      const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(c + d));
+      const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + o), _mm256_loadu_ps(sn + d));
+      _mm256_storeu_ps(out + d, _mm256_add_ps(a, b));
+    }
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    float* kb = kp + b * kv_heads * capacity * dim;
+    float* vb = vp + b * kv_heads * capacity * dim;
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t r = b * width + i, slot = starts[b] + i, at = position_of(b, i);
+      const float* row = src + r * stride;
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, cp + at * dim, sp + at * dim, q.data() + (r * heads + h) * dim);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        rotate(row + (heads + g) * dim, cp + at * dim, sp + at * dim, kb + (g * capacity + slot) * dim);
+        std::copy_n(row + (heads + kv_heads + g) * dim, dim, vb + (g * capacity + slot) * dim);
+      }
+    }
+  }
+
+  at::Tensor out = at::empty({rows, heads * dim}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, rows * heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, acc(dim);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / heads, h = t % heads, b = r / width, i = r % width, g = h / groups;
+      float* oh = op + r * heads * dim + h * dim;
+      if (i >= counts[b]) {  // a padding column
+        std::fill_n(oh, dim, 0.0f);
+        continue;
+      }
+      const int64_t at = position_of(b, i), slot = starts[b] + i;
+      const int64_t reach = at == slot ? slot + 1 : at, own = at == slot ? -1 : slot;
+      const int64_t n = reach + (own >= 0);
+      const float* qh = q.data() + (r * heads + h) * dim;
+      const float* kg = kp + (b * kv_heads + g) * capacity * dim;
+      const float* vg = vp + (b * kv_heads + g) * capacity * dim;
+      scores.resize(n);
+      for (int64_t j = 0; j < reach; ++j) scores[j] = dot(qh, kg + j * dim, dim) * sc;
+      if (own >= 0) scores[reach] = dot(qh, kg + own * dim, dim) * sc;
+      float top = -INFINITY;  // a maximum does not depend on the order
+      for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
+      const __m256 vtop = _mm256_set1_ps(top);
+      __m256 vsum = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j < n; j += 8) {  // numerators in place, summed in 8 lanes (slot j in lane j % 8)
+        const int64_t valid = std::min<int64_t>(8, n - j);
+        const __m256 e = exp256(_mm256_sub_ps(load8(scores.data() + j, valid), vtop));
+        store8(scores.data() + j, e, valid);
+        vsum = _mm256_add_ps(vsum, valid >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(valid))));
+      }
+      const float inverse = 1.0f / reduce_add8(vsum);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (j = 0; j < reach; ++j) weigh(scores[j], vg + j * dim, dim, acc.data());
+      if (own >= 0) weigh(scores[reach], vg + own * dim, dim, acc.data());  // the own slot last
+      const __m256 inv = _mm256_set1_ps(inverse);
+      for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + c), inv));
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_rows", &linear_rows, "int8 W8A8 linear over rows (AVX2)", py::arg("x"), py::arg("packed"),
+        py::arg("colsum"), py::arg("wscale"), py::arg("bias"), py::arg("residual") = py::none());
+  m.def("linear_rows_w4", &linear_rows_w4, "int4-weight (W4A8, grouped scales) linear over rows (AVX2)",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("bias"),
+        py::arg("residual") = py::none());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over rows of gate | up, fp32");
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32", py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
+        py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
+        py::arg("positions") = std::vector<int64_t>(), py::arg("query_tile") = 64);
+}
