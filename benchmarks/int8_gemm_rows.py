@@ -1,7 +1,7 @@
 """Justifies where int8 GEMMs switch from speclm's kernel to oneDNN's (speclm.defaults.VNNI_MAX_ROWS;
 the kernel as built, with its WEIGHT_PREFETCH_BYTES): whole-model int8 GEMM cost by number of
-rows, speclm's compiled VNNI kernel (speclm/csrc/cpu_kernels.cpp, activation quantization and
-rescale included), oneDNN's packed int8 GEMM and `torch._int_mm` (GEMM alone), over weights of
+rows, speclm's compiled kernel (speclm/csrc/cpu_kernels.cpp, or cpu_kernels_avx2.cpp on an AVX2-only
+CPU; activation quantization and rescale included), oneDNN's packed int8 GEMM and `torch._int_mm` (GEMM alone), over weights of
 the shapes of one decode step of Qwen2.5-1.5B (q/k/v and gate/up fused, output head included;
 1.54 GB of int8). Interleaved, best of 2 medians of 5; the weights are far larger than the
 caches, as in a real step. speclm.quant.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS
@@ -9,8 +9,9 @@ rows and oneDNN beyond (or, without the compiled kernel, `_int_mm` for one row a
 more). Without the compiled kernels its column reads n/a.
 
 Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/epyc/int8-gemm-rows.txt
-Committed output: benchmarks/epyc/int8-gemm-rows.txt (AMD EPYC machine) and
-benchmarks/intel/int8-gemm-rows-cpu.txt (Intel Xeon machine).
+Committed output: benchmarks/epyc/int8-gemm-rows.txt (AMD EPYC machine),
+benchmarks/intel/int8-gemm-rows-cpu.txt (Intel Xeon machine) and benchmarks/avx2/int8-gemm-rows.txt
+(AVX2-only EPYC, where oneDNN's int8 GEMM is inexact: timed only).
 `--smoke`: the same code path over a tiny model's shapes (hidden size 64), rows 1, 2, 16 and
 32, 1 repeat, one torch thread.
 """
@@ -48,8 +49,9 @@ def main():
     zeros = [torch.zeros(w.shape[0], dtype=torch.long) for w in weights]
     compiled = kernels.compiled()
     vnni = [vnni_layout(w) for w in weights] if compiled is not None else []
-    print(f"threads={torch.get_num_threads()} torch={torch.__version__} int8 weights={gigabytes:.2f} GB")
-    print("| rows | speclm VNNI ms | onednn.qlinear_pointwise ms | torch._int_mm ms |")
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__} int8 weights={gigabytes:.2f} GB "
+          f"speclm kernel={kernels.describe() or 'n/a'}")
+    print("| rows | speclm kernel ms | onednn.qlinear_pointwise ms | torch._int_mm ms |")
     print("|---|---|---|---|")
     for rows in row_counts:
         xu = {k: torch.randint(1, 255, (rows, k), dtype=torch.uint8) for k in in_features}

@@ -50,21 +50,24 @@ inline __m256i dot_quads(__m256i acc, __m256i x, __m256i w, __m256i wabs, __m256
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
 }
 
-// acc[r * CB + c] = sum over k of x[r, k] * w[block c0 + c, k] for ROWS rows and CB of a group's
-// 8 blocks; w: the group's weights (quads, 64, 4) offset to block c0.
+// Quads (4 input features) per chunk of a group's weights: 32 x 256 bytes = 8 KB, read from memory
+// by a chunk's first pass and from the L1 cache by its others.
+constexpr int64_t KCHUNK = 32;
+
+// acc[r][c0 + c] += sum over the chunk's quads of x[r] . w[block c0 + c] for ROWS rows and CB of a
+// group's 8 blocks of 8 columns. w: the chunk's weights (quads, 64, 4) offset to block c0; acc: int32
+// (ROWS, 64) per row, offset likewise, loaded and stored around the loop. `prefetch`: the chunk's
+// first pass fetches the stream ahead for all the passes.
 template <int ROWS, int CB>
-void dot_group(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quads, __m256i* acc) {
+void dot_chunk(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quads, int32_t* acc, bool prefetch) {
   __m256i a[ROWS * CB];
-  for (int i = 0; i < ROWS * CB; ++i) a[i] = _mm256_setzero_si256();
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CB; ++c) a[r * CB + c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * GROUP + c * BLOCK));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t q = 0; q < quads; ++q) {
     const int8_t* wq = w + q * GROUP * 4;
-    _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH), _MM_HINT_T0);
-    if (CB > 2) _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + 64), _MM_HINT_T0);
-    if (CB > 4) {
-      _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + 192), _MM_HINT_T0);
-    }
+    if (prefetch)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + l * 64), _MM_HINT_T0);
     __m256i xb[ROWS];
     for (int r = 0; r < ROWS; ++r) xb[r] = _mm256_set1_epi32(x32[r * stride + q]);
     for (int c = 0; c < CB; ++c) {
@@ -73,7 +76,8 @@ void dot_group(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quad
       for (int r = 0; r < ROWS; ++r) a[r * CB + c] = dot_quads(a[r * CB + c], xb[r], wv, wabs, ones);
     }
   }
-  for (int i = 0; i < ROWS * CB; ++i) acc[i] = a[i];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CB; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * GROUP + c * BLOCK), a[r * CB + c]);
 }
 
 // The tail of a row's 8 columns: masked loads and stores of `valid` floats.
@@ -134,44 +138,48 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  const int64_t group_stride = packed.stride(0);
+  const int64_t group_stride = packed.stride(0), stride = kp / 4;
   const float* ws = wscale.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = has_residual ? residual->data_ptr<float>() : nullptr;
 
-  // Rows in passes of up to 4, each over a group's 64 columns in 8, 4 or 2 blocks at a time (so
-  // that the accumulators fit the 16 registers); a group's weights come from memory for the
-  // first pass and from cache for the others.
+  // Per group of 64 columns, chunk by chunk of its weights: rows in passes of up to 4, each over
+  // the 8 blocks of 8 columns in 8, 4 or 2 blocks at a time (so that the accumulators about fit
+  // the 16 registers). Only a chunk's first pass reads memory. Measured over 187 MB of the 1.5B's
+  // shapes: 4 rows cost 1.6x one row, against 2.2x for whole-group passes.
   at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
-    __m256i acc[8];
+    std::vector<int32_t> acc(rows * GROUP);
     for (int64_t g = g0; g < g1; ++g) {
       const int8_t* wg = wp + g * group_stride;
-      for (int64_t r0 = 0; r0 < rows;) {
-        const int64_t left = rows - r0;
-        const int rc = left >= 4 ? 4 : static_cast<int>(left);
-        const int cb = rc == 1 ? 8 : (rc == 2 ? 4 : 2);
-        for (int c0 = 0; c0 < 8; c0 += cb) {
-          const int32_t* xr = x32 + r0 * (kp / 4);
-          const int8_t* wb = wg + c0 * 32;
-          switch (rc) {
-            case 1: dot_group<1, 8>(xr, kp / 4, wb, quads, acc); break;
-            case 2: dot_group<2, 4>(xr, kp / 4, wb, quads, acc); break;
-            case 3: dot_group<3, 2>(xr, kp / 4, wb, quads, acc); break;
-            default: dot_group<4, 2>(xr, kp / 4, wb, quads, acc); break;
-          }
-          for (int c = 0; c < cb; ++c) {
-            const int64_t col = g * GROUP + (c0 + c) * BLOCK;
-            if (col >= n) break;
-            const int64_t valid = std::min<int64_t>(BLOCK, n - col);
-            for (int r = 0; r < rc; ++r) {
-              const int64_t row = r0 + r;
-              rescale8(acc[r * cb + c], ws + col, step[row], bp ? bp + col : nullptr,
-                       rp ? rp + row * n + col : nullptr, yp + row * n + col, valid);
+      std::fill(acc.begin(), acc.end(), 0);
+      for (int64_t q0 = 0; q0 < quads; q0 += KCHUNK) {
+        const int64_t qn = std::min(KCHUNK, quads - q0);
+        bool first = true;
+        for (int64_t r0 = 0; r0 < rows;) {
+          const int rc = static_cast<int>(std::min<int64_t>(4, rows - r0));
+          const int cb = rc == 1 ? 8 : (rc == 3 ? 2 : 4);
+          for (int c0 = 0; c0 < 8; c0 += cb, first = false) {
+            const int32_t* xr = x32 + r0 * stride + q0;
+            const int8_t* wb = wg + q0 * GROUP * 4 + c0 * 32;
+            int32_t* ar = acc.data() + r0 * GROUP + c0 * BLOCK;
+            switch (rc) {
+              case 1: dot_chunk<1, 8>(xr, stride, wb, qn, ar, first); break;
+              case 2: dot_chunk<2, 4>(xr, stride, wb, qn, ar, first); break;
+              case 3: dot_chunk<3, 2>(xr, stride, wb, qn, ar, first); break;
+              default: dot_chunk<4, 4>(xr, stride, wb, qn, ar, first); break;
             }
           }
+          r0 += rc;
         }
-        r0 += rc;
       }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < 8; ++c) {
+          const int64_t col = g * GROUP + c * BLOCK;
+          if (col >= n) break;
+          const __m256i dots = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc.data() + r * GROUP + c * BLOCK));
+          rescale8(dots, ws + col, step[r], bp ? bp + col : nullptr, rp ? rp + r * n + col : nullptr, yp + r * n + col,
+                   std::min<int64_t>(BLOCK, n - col));
+        }
     }
   });
   return y;
