@@ -102,12 +102,14 @@ def compiled():
         built = [so.stat().st_mtime for so in build_dir.glob(name + "*.so")]
     except Exception:
         built = [0.0]
-    if not built or max(built) < source.stat().st_mtime:
+    if not built or max(built) < max(path.stat().st_mtime for path in (source, source.with_name("checks.h"))):
         print("speclm: building its CPU kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=[*_COMMON, *flags],
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, a broken toolchain: torch's kernels still work
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        lines = str(exc).strip().splitlines()
+        errors = [line.strip() for line in lines if "error:" in line]  # the compiler's, not ninja's command line
+        reason = (errors or lines or [type(exc).__name__])[0]
         print(f"speclm: its CPU kernels did not build ({reason}); using torch's kernels", file=sys.stderr)
         return None

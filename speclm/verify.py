@@ -86,7 +86,13 @@ def verify(
         q_draft_tok = torch.ones_like(p_draft_tok)
     else:
         q_draft_tok = draft.draft_probs.cpu().gather(-1, tokens[..., None]).squeeze(-1)
-    uniform = torch.stack([torch.rand(width, generator=g) for g in generators]) if width else torch.zeros(batch, 0)
+    # each row draws one uniform per token it drafted, from its own generator: what a row draws does
+    # not depend on the other rows of the batch (their draft lengths set `width`)
+    uniform = torch.zeros(batch, width)
+    for b, g in enumerate(generators):
+        n = int(draft.lengths[b])
+        if n:
+            uniform[b, :n] = torch.rand(n, generator=g)
     accepted = (uniform * q_draft_tok < p_draft_tok) & in_draft  # u < p/q without dividing
     num_accepted = accepted.long().cumprod(1).sum(1)
 

@@ -233,3 +233,21 @@ def test_the_kernel_build_follows_the_cpu_and_speclm_kernels(monkeypatch):
         monkeypatch.setenv("SPECLM_KERNELS", choice)
         assert kernels.isa() == expected, (flags, choice)
         assert kernels.enabled() == (expected is not None)
+
+
+def test_compiled_kernels_reject_mismatched_arguments():
+    """The checks both builds share (speclm/csrc/checks.h) fail with an error, before anything is written."""
+    require_compiled_kernels()
+    compiled = kernels.compiled()
+    q, scale = quant.int8_per_channel(torch.randn(70, 64))
+    layout, colsum = quant.vnni_layout(q)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="bias must be fp32"):
+        compiled.linear_rows(x, layout, colsum, scale, torch.zeros(69))
+    with pytest.raises(RuntimeError, match="residual must be fp32"):
+        compiled.linear_rows(x, layout, colsum, scale, None, torch.zeros(2, 70))
+    u, s = quant.int4_groups(torch.randn(70, 128), 64)
+    packed, scales = quant.int4_layout(u, s)
+    with pytest.raises(RuntimeError, match="n does not match packed"):
+        compiled.linear_rows_w4(torch.randn(1, 128), packed, scales, 200, None)
+    assert compiled.linear_rows_w4(torch.randn(1, 128), packed, scales, 70, None).shape == (1, 70)

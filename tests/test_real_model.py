@@ -77,3 +77,52 @@ def test_gguf_file_loads_to_the_same_model(smollm, tmp_path):
     load_model(str(gguf), progress=False)  # second load: from the cache, no new conversion
     assert sorted(store.models_dir().glob("gguf-*")) == converted
     assert (converted[0] / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.fixture(scope="module")
+def quantized_pair(smollm):
+    """The model as an int8 target and as its own int4 draft (speclm's compiled kernels)."""
+    from tiny import require_compiled_kernels
+
+    require_compiled_kernels()
+    return load_model("smollm2-135m", quantize="int8", progress=False), load_model("smollm2-135m", quantize="int4",
+                                                                                   progress=False)
+
+
+def test_every_method_and_option_equals_plain_on_quantized_weights(quantized_pair):
+    """What the README claims, on the real model: `draft+pld`, alternatives, a restricted draft
+    vocabulary, confidence stops and the prefix cache (prompts that begin alike) each reproduce
+    plain int8 decoding token for token, with an int4 draft."""
+    target, draft = quantized_pair
+    head = "You are a careful assistant. Answer briefly and precisely, in plain words. "
+    prompts = [head + p for p in PROMPTS]
+    refs = SpecEngine(target, prefix_cache=0).generate(prompts, max_new_tokens=40, chat=True, batch_size=1)
+    cases = [dict(method="draft+pld"), dict(method="draft", k=5, alternatives=0.9, confidence=0.0),
+             dict(method="draft", k=4, draft_vocab=4096), dict(method="draft+pld", k=6, confidence=0.5),
+             dict(method="pld", k=5)]
+    for opts in cases:
+        engine = SpecEngine(target, draft=draft, prefix_cache=4096)
+        outs = [engine.generate(p, max_new_tokens=40, chat=True, **opts) for p in prompts]
+        assert [o.token_ids for o in outs] == [r.token_ids for r in refs], opts
+        assert outs[0].stats.cached_tokens == 0 and all(o.stats.cached_tokens > 0 for o in outs[1:]), opts
+        if opts.get("alternatives"):
+            assert sum(o.stats.alternatives for o in outs) > 0  # alternatives were verified
+        batch = engine.generate(prompts, max_new_tokens=40, chat=True, **opts)  # the same prompts side by side
+        assert [o.token_ids for o in batch] == [r.token_ids for r in refs], opts
+
+
+def test_seeded_sampling_repeats_alone_and_in_a_batch(quantized_pair):
+    """Sampling with a seed: the same output every time, and a prompt's output in a batch (its
+    generator seeded seed + its index) is its output alone with that seed."""
+    target, draft = quantized_pair
+    engine = SpecEngine(target, draft=draft, prefix_cache=0)
+    opts = dict(max_new_tokens=32, chat=True, temperature=0.9, top_p=0.95)
+    for method in ("draft", "draft+pld", "none"):
+        batch = engine.generate(PROMPTS, method=method, seed=11, **opts)
+        again = engine.generate(PROMPTS, method=method, seed=11, **opts)
+        assert [o.token_ids for o in batch] == [o.token_ids for o in again], method
+        for i, prompt in enumerate(PROMPTS):
+            alone = engine.generate(prompt, method=method, seed=11 + i, **opts)
+            assert alone.token_ids == batch[i].token_ids, (method, i)
+    seeds = [engine.generate(PROMPTS[1], method="draft", seed=seed, **opts).token_ids for seed in (11, 12)]
+    assert seeds[0] != seeds[1]  # the seed matters

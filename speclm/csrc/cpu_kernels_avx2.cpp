@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "checks.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -122,11 +124,8 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int64_t kp = quads * 4, n = wscale.size(0);
   TORCH_CHECK(k <= kp && kp < k + 4 && n <= packed.size(0) * GROUP, "packed weight does not match x or wscale");
   (void)colsum;
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == n), "bias must be fp32 (N,)");
-  const bool has_residual = residual.has_value() && residual->defined();
-  TORCH_CHECK(!has_residual || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
-                                residual->size(0) == rows && residual->size(1) == n), "residual must be fp32 (R, N)");
+  const float* bp = speclm_checks::optional_rows(bias, rows, n, false);
+  const float* rp = speclm_checks::optional_rows(residual, rows, n, true);
   if (rows == 0) return at::empty({0, n}, x.options());
 
   std::vector<int8_t> xq(rows * kp);
@@ -140,8 +139,6 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t group_stride = packed.stride(0), stride = kp / 4;
   const float* ws = wscale.data_ptr<float>();
-  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-  const float* rp = has_residual ? residual->data_ptr<float>() : nullptr;
 
   // Per group of 64 columns, chunk by chunk of its weights: rows in passes of up to 4, each over
   // the 8 blocks of 8 columns in 8, 4 or 2 blocks at a time (so that the accumulators about fit
@@ -240,18 +237,9 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(1) * 8 == k &&
-              packed.size(2) == GROUP && packed.size(3) == 4 && packed.is_contiguous(),
-              "packed must be uint8 (N/64, K/8, 64, 4)");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == packed.size(0) &&
-              scales.size(2) == GROUP && scales.is_contiguous() && k % scales.size(1) == 0 && (k / scales.size(1)) % 8 == 0,
-              "scales must be fp16 (N/64, K/G, 64), G a multiple of 8");
-  TORCH_CHECK(n <= packed.size(0) * GROUP && n > packed.size(0) * GROUP - GROUP, "n does not match packed");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == n), "bias must be fp32 (N,)");
-  const bool has_residual = residual.has_value() && residual->defined();
-  TORCH_CHECK(!has_residual || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
-                                residual->size(0) == rows && residual->size(1) == n), "residual must be fp32 (R, N)");
+  speclm_checks::check_w4(packed, scales, k, n);
+  const float* bp = speclm_checks::optional_rows(bias, rows, n, false);
+  const float* rp = speclm_checks::optional_rows(residual, rows, n, true);
   if (rows == 0) return at::empty({0, n}, x.options());
   const int64_t groups = scales.size(1), group = k / groups;
 
@@ -273,8 +261,6 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
-  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-  const float* rp = has_residual ? residual->data_ptr<float>() : nullptr;
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
   const int64_t quad_stride = k / 4, pairs_per_group = group / 8;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
@@ -448,25 +434,11 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions,
                             int64_t query_tile) {
-  const int64_t batch = static_cast<int64_t>(starts.size());
-  TORCH_CHECK(query_tile >= 1, "query_tile must be >= 1");
-  TORCH_CHECK(batch >= 1 && counts.size() == starts.size() && keys.dim() == 4 && keys.size(0) == batch,
-              "one start and count per cache row");
-  const int64_t rows = qkv.size(0), width = rows / batch, dim = keys.size(3), capacity = keys.size(2), half = dim / 2;
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && rows == batch * width &&
-              qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv must be contiguous fp32 (B M, (H + 2 H_kv) D)");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.is_contiguous() &&
-              values.is_contiguous() && values.sizes() == keys.sizes() && keys.size(1) == kv_heads &&
-              heads % kv_heads == 0 && dim % 32 == 0, "cache (B, H_kv, capacity, D) fp32, D a multiple of 32");
-  const int64_t last = *std::max_element(starts.begin(), starts.end()) + width;
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.size(1) == dim && cos.size(0) >= last && sin.size(0) >= last &&
-              last <= capacity, "rotary tables or cache too short");
-  for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(starts[b] >= 0 && counts[b] >= 0 && counts[b] <= width, "bad count");
-  const bool tree = !positions.empty();
-  TORCH_CHECK(!tree || static_cast<int64_t>(positions.size()) == rows, "one position per token");
-  for (int64_t r = 0; tree && r < rows; ++r)
-    TORCH_CHECK(positions[r] >= 0 && positions[r] <= starts[r / width] + r % width, "a position past its slot");
+  const speclm_checks::AttentionShape shape = speclm_checks::check_attention(
+      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, positions, query_tile);
+  const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
+  const int64_t capacity = shape.capacity, half = dim / 2;
+  const bool tree = shape.tree;
   auto position_of = [&](int64_t b, int64_t i) { return tree ? positions[b * width + i] : starts[b] + i; };
   const int64_t stride = qkv.size(1), groups = heads / kv_heads;
   const float* src = qkv.data_ptr<float>();

@@ -64,7 +64,10 @@ class DraftLookupProposer(DraftModelProposer):
         self._cut = []
         if not self.model_on or not any(m > 0 and not hit for m, hit in zip(max_tokens, by_lookup)):
             return Draft.from_rows(found)  # no row needs the model: one-hot drafts
-        draft = super().propose(contexts, max_tokens, params, generators)
+        # lookup rows get no budget from the model: it computes them alongside (batched) but draws
+        # nothing from their generators, so a row samples as it would alone
+        budgets = [0 if hit else m for m, hit in zip(max_tokens, by_lookup)]
+        draft = super().propose(contexts, budgets, params, generators)
         if not any(by_lookup):
             return draft
         # rows with a lookup draft take it in place of the model's (computed alongside, batched)

@@ -100,14 +100,17 @@ class DraftModelProposer(Proposer):
             else:
                 p = processed_probs(logits, params)  # (B, V or S)
                 probs.append(p if head is None else _full_vocabulary(p, head))
-                step = torch.tensor([sample(p[b].cpu(), generators[b]) for b in range(batch)])
+                # only rows still drafting draw (from their own generators), so that a row's draws do
+                # not depend on how long the other rows of the batch draft
+                step = torch.tensor([sample(p[b].cpu(), generators[b]) if j < drafted[b] else 0 for b in range(batch)])
                 sure = p.gather(-1, step[:, None].to(p.device))[:, 0] if gauge else None
             if others is not None:  # rows unsure of this token get an alternative for it
                 branch = (sure < self.alternatives).cpu()
                 if bool(branch.any()):  # greedy: the second choice; sampling: a second draw from p
                     other = (logits.scatter(-1, step[:, None].to(logits.device), float("-inf")).argmax(-1).cpu()
                              if params.greedy else
-                             torch.tensor([sample(p[b].cpu(), generators[b]) if branch[b] else 0 for b in range(batch)]))
+                             torch.tensor([sample(p[b].cpu(), generators[b]) if branch[b] and j < drafted[b] else 0
+                                           for b in range(batch)]))
                     ids = other if head is None else head.ids[other]
                     others[:, j] = torch.where(branch, ids, -1)
             step = step.cpu()

@@ -1,0 +1,77 @@
+// Argument checks shared by cpu_kernels.cpp (AVX-512 VNNI) and cpu_kernels_avx2.cpp (AVX2): plain
+// C++, no vector instructions, so that either build includes it. Each check fails with torch's
+// error (a Python RuntimeError) before anything is written.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace speclm_checks {
+
+constexpr int64_t COLUMNS = 64;  // output columns packed together in both weight layouts
+
+// An optional fp32 bias (n,) or residual (rows, n): its data, or nullptr when absent.
+inline const float* optional_rows(const c10::optional<at::Tensor>& t, int64_t rows, int64_t n, bool per_row) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  if (per_row) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
+                t->size(1) == n, "residual must be fp32 (R, N)");
+  } else {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == n, "bias must be fp32 (N,)");
+  }
+  return t->data_ptr<float>();
+}
+
+// linear_rows_w4's weights for x of k features and n outputs: packed uint8 (N/64, K/8, 64, 4),
+// scales fp16 (N/64, K/G, 64) with G a multiple of 8.
+inline void check_w4(const at::Tensor& packed, const at::Tensor& scales, int64_t k, int64_t n) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(1) * 8 == k &&
+              packed.size(2) == COLUMNS && packed.size(3) == 4 && packed.is_contiguous(),
+              "packed must be uint8 (N/64, K/8, 64, 4)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == packed.size(0) &&
+              scales.size(2) == COLUMNS && scales.is_contiguous() && k % scales.size(1) == 0 &&
+              (k / scales.size(1)) % 8 == 0, "scales must be fp16 (N/64, K/G, 64), G a multiple of 8");
+  TORCH_CHECK(n <= packed.size(0) * COLUMNS && n > packed.size(0) * COLUMNS - COLUMNS, "n does not match packed");
+}
+
+// decode_attention's shapes, after its checks.
+struct AttentionShape {
+  int64_t batch, rows, width, dim, capacity;
+  bool tree;  // positions given: a token's position may lie below its slot
+};
+
+inline AttentionShape check_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                      const at::Tensor& keys, const at::Tensor& values, const std::vector<int64_t>& starts,
+                                      const std::vector<int64_t>& counts, int64_t heads, int64_t kv_heads,
+                                      const std::vector<int64_t>& positions, int64_t query_tile) {
+  AttentionShape s{};
+  s.batch = static_cast<int64_t>(starts.size());
+  TORCH_CHECK(query_tile >= 1, "query_tile must be >= 1");
+  TORCH_CHECK(s.batch >= 1 && counts.size() == starts.size() && keys.dim() == 4 && keys.size(0) == s.batch,
+              "one start and count per cache row");
+  s.rows = qkv.size(0);
+  s.width = s.rows / s.batch;
+  s.dim = keys.size(3);
+  s.capacity = keys.size(2);
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && s.rows == s.batch * s.width &&
+              qkv.size(1) == (heads + 2 * kv_heads) * s.dim, "qkv must be contiguous fp32 (B M, (H + 2 H_kv) D)");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.is_contiguous() &&
+              values.is_contiguous() && values.sizes() == keys.sizes() && keys.size(1) == kv_heads &&
+              heads % kv_heads == 0 && s.dim % 32 == 0, "cache (B, H_kv, capacity, D) fp32, D a multiple of 32");
+  const int64_t last = *std::max_element(starts.begin(), starts.end()) + s.width;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == s.dim && cos.size(0) >= last && sin.size(0) >= last &&
+              last <= s.capacity, "rotary tables or cache too short");
+  for (int64_t b = 0; b < s.batch; ++b)
+    TORCH_CHECK(starts[b] >= 0 && counts[b] >= 0 && counts[b] <= s.width, "bad count");
+  s.tree = !positions.empty();
+  TORCH_CHECK(!s.tree || static_cast<int64_t>(positions.size()) == s.rows, "one position per token");
+  for (int64_t r = 0; s.tree && r < s.rows; ++r)
+    TORCH_CHECK(positions[r] >= 0 && positions[r] <= starts[r / s.width] + r % s.width, "a position past its slot");
+  return s;
+}
+
+}  // namespace speclm_checks
