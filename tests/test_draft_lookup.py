@@ -89,3 +89,21 @@ def test_draft_prompt_ratio_end_to_end(target, unrelated_draft, ratio, model_run
                                                              draft_prompt_ratio=ratio)
     assert out.token_ids == plain.token_ids
     assert (out.stats.draft_forwards > 0) == model_runs
+
+
+def test_sampling_draws_only_for_the_rows_the_model_drafts(target):
+    """A lookup row's generator is left untouched when the model drafts the other rows beside it,
+    and a model row draws what it draws alone: sampled output does not depend on the batch."""
+    import torch
+
+    params = SamplingParams(temperature=1.0)
+    proposer = DraftLookupProposer(target.model, k=3, ngram_min=2)
+    proposer.start(2, 64)
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    proposer.propose([REPEATS, FRESH], [3, 3], params, gens)
+    alone = DraftLookupProposer(target.model, k=3, ngram_min=2)
+    alone.start(1, 64)
+    gen = torch.Generator().manual_seed(2)
+    alone.propose([FRESH], [3], params, [gen])
+    assert torch.equal(gens[0].get_state(), torch.Generator().manual_seed(1).get_state())
+    assert torch.equal(gens[1].get_state(), gen.get_state())

@@ -138,3 +138,21 @@ def test_greedy_alternative_is_accepted_where_the_chain_is_rejected():
     wrong = Draft(tokens, torch.tensor([3]), None, alternatives=torch.tensor([[6, 7, -1]]))
     v = verify(logits, wrong, GREEDY, [None])
     assert v.num_accepted.tolist() == [1] and v.alternative.tolist() == [-1] and v.committed(0) == [1, 2]
+
+
+def test_a_row_draws_the_same_random_numbers_alone_and_in_a_batch():
+    """Sampling: what a row draws from its generator depends on its own draft only, not on the
+    longer drafts of other rows (the batch's padded width): its verdict and its generator's state
+    afterwards equal those of the row verified alone."""
+    torch.manual_seed(3)
+    vocab = 12
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(2, 5, vocab)  # row 0 drafts 1 token, row 1 four
+    draft = Draft.from_rows([[4], [1, 2, 3, 5]])
+    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+    both = verify(logits, draft, params, gens)
+    alone_gen = torch.Generator().manual_seed(7)
+    alone = verify(logits[:1, :2], Draft.from_rows([[4]]), params, [alone_gen])
+    assert both.num_accepted[0] == alone.num_accepted[0]
+    assert both.tokens[0, :2].tolist() == alone.tokens[0, :2].tolist()
+    assert torch.equal(gens[0].get_state(), alone_gen.get_state())
