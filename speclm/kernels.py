@@ -102,7 +102,7 @@ def compiled():
         built = [so.stat().st_mtime for so in build_dir.glob(name + "*.so")]
     except Exception:
         built = [0.0]
-    if not built or max(built) < max(path.stat().st_mtime for path in (source, source.with_name("checks.h"))):
+    if not built or max(built) < max(path.stat().st_mtime for path in (source, source.with_name("common.h"))):
         print("speclm: building its CPU kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=[*_COMMON, *flags],

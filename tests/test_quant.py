@@ -236,7 +236,7 @@ def test_the_kernel_build_follows_the_cpu_and_speclm_kernels(monkeypatch):
 
 
 def test_compiled_kernels_reject_mismatched_arguments():
-    """The checks both builds share (speclm/csrc/checks.h) fail with an error, before anything is written."""
+    """The checks both builds share (speclm/csrc/common.h) fail with an error, before anything is written."""
     require_compiled_kernels()
     compiled = kernels.compiled()
     q, scale = quant.int8_per_channel(torch.randn(70, 64))

@@ -17,7 +17,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "checks.h"
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -109,8 +109,8 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int64_t rows = x.size(0), k = x.size(1), quads = packed.size(1);
   const int64_t kp = quads * 4, n = wscale.size(0);
   TORCH_CHECK(k <= kp && kp < k + 4 && n <= packed.size(0) * GROUP && colsum.numel() == packed.size(0) * GROUP, "packed weight does not match x or wscale");
-  const float* bp = speclm_checks::optional_rows(bias, rows, n, false);
-  const float* rp = speclm_checks::optional_rows(residual, rows, n, true);
+  const float* bp = speclm_common::optional_rows(bias, rows, n, false);
+  const float* rp = speclm_common::optional_rows(residual, rows, n, true);
   const bool has_bias = bp != nullptr, has_residual = rp != nullptr;
   if (rows == 0) return at::empty({0, n}, x.options());
 
@@ -226,9 +226,9 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
-  speclm_checks::check_w4(packed, scales, k, n);
-  const float* bp = speclm_checks::optional_rows(bias, rows, n, false);
-  const float* rp = speclm_checks::optional_rows(residual, rows, n, true);
+  speclm_common::check_w4(packed, scales, k, n);
+  const float* bp = speclm_common::optional_rows(bias, rows, n, false);
+  const float* rp = speclm_common::optional_rows(residual, rows, n, true);
   const bool has_bias = bp != nullptr, has_residual = rp != nullptr;
   if (rows == 0) return at::empty({0, n}, x.options());
   const int64_t groups = scales.size(1), group = k / groups;
@@ -290,19 +290,8 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
 // on a decode step's few rows. The sum of squares runs in 16 lanes in a fixed order, so a row's
 // result does not depend on the other rows.
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x_in.dim() == 2 && weight.scalar_type() == at::kFloat && weight.numel() == x_in.size(1),
-              "x (R, E), weight fp32 (E,)");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor w = weight.contiguous();
-  const int64_t rows = x.size(0), e = x.size(1);
-  at::Tensor y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float epsf = static_cast<float>(eps);
-  auto one_row = [&](int64_t r) {
-    const float* row = xp + r * e;
-    float* out = yp + r * e;
+  return speclm_common::rms_norm_rows(x_in, weight, eps, [](const float* row, const float* wp, float* out, int64_t e,
+                                                             float epsf) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < e; i += 16) {
       const __mmask16 m = i + 16 <= e ? __mmask16(0xFFFF) : __mmask16((1u << (e - i)) - 1);
@@ -316,13 +305,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
       const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + i), vinv);
       _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, wp + i), v));
     }
-  };
-  if (rows < 64) {  // a decode step: threads would cost more than they save
-    for (int64_t r = 0; r < rows; ++r) one_row(r);
-  } else {
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) one_row(r); });
-  }
-  return y;
+  });
 }
 
 namespace {
@@ -349,30 +332,15 @@ inline __m512 exp512(__m512 x) {
 
 // The gated MLP's middle: gate_up (R, 2 I) -> silu(gate) * up (R, I), silu(g) = g / (1 + exp(-g)).
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
-  const at::Tensor gu = gate_up_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate_up must be (R, 2 I)");
-  const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
-  at::Tensor y = at::empty({rows, inner}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.0f);
-  auto span = [&](int64_t r, int64_t i0, int64_t i1) {
-    const float* g = gp + r * 2 * inner;
-    const float* u = g + inner;
-    float* out = yp + r * inner;
-    for (int64_t i = i0; i < i1; i += 16) {
-      const __mmask16 m = i + 16 <= i1 ? __mmask16(0xFFFF) : __mmask16((1u << (i1 - i)) - 1);
+  return speclm_common::silu_mul_rows(gate_up_in, [](const float* g, const float* u, float* out, int64_t inner) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < inner; i += 16) {
+      const __mmask16 m = i + 16 <= inner ? __mmask16(0xFFFF) : __mmask16((1u << (inner - i)) - 1);
       const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
       const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
     }
-  };
-  if (rows * inner < 65536) {  // a decode step's rows: threads would cost more than they save
-    for (int64_t r = 0; r < rows; ++r) span(r, 0, inner);
-  } else {
-    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) span(r, 0, inner); });
-  }
-  return y;
+  });
 }
 
 // Slots per block in decode_attention: a block of keys or values (SLOT_BLOCK x D floats, 16 KB at
@@ -491,7 +459,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions,
                             int64_t query_tile) {
-  const speclm_checks::AttentionShape shape = speclm_checks::check_attention(
+  const speclm_common::AttentionShape shape = speclm_common::check_attention(
       qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, positions, query_tile);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
   const int64_t capacity = shape.capacity, half = dim / 2;

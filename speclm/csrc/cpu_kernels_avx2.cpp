@@ -20,7 +20,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "checks.h"
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -124,8 +124,8 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int64_t kp = quads * 4, n = wscale.size(0);
   TORCH_CHECK(k <= kp && kp < k + 4 && n <= packed.size(0) * GROUP, "packed weight does not match x or wscale");
   (void)colsum;
-  const float* bp = speclm_checks::optional_rows(bias, rows, n, false);
-  const float* rp = speclm_checks::optional_rows(residual, rows, n, true);
+  const float* bp = speclm_common::optional_rows(bias, rows, n, false);
+  const float* rp = speclm_common::optional_rows(residual, rows, n, true);
   if (rows == 0) return at::empty({0, n}, x.options());
 
   std::vector<int8_t> xq(rows * kp);
@@ -237,9 +237,9 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
-  speclm_checks::check_w4(packed, scales, k, n);
-  const float* bp = speclm_checks::optional_rows(bias, rows, n, false);
-  const float* rp = speclm_checks::optional_rows(residual, rows, n, true);
+  speclm_common::check_w4(packed, scales, k, n);
+  const float* bp = speclm_common::optional_rows(bias, rows, n, false);
+  const float* rp = speclm_common::optional_rows(residual, rows, n, true);
   if (rows == 0) return at::empty({0, n}, x.options());
   const int64_t groups = scales.size(1), group = k / groups;
 
@@ -320,19 +320,8 @@ inline float reduce_add8(__m256 v) {
 // RMSNorm of each row of x (R, E) fp32: w * (x * 1 / sqrt(mean(x^2) + eps)), the sum of squares in
 // 16 lanes (x[i] in lane i % 16) as cpu_kernels.cpp's.
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x_in.dim() == 2 && weight.scalar_type() == at::kFloat && weight.numel() == x_in.size(1),
-              "x (R, E), weight fp32 (E,)");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor w = weight.contiguous();
-  const int64_t rows = x.size(0), e = x.size(1);
-  at::Tensor y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float epsf = static_cast<float>(eps);
-  auto one_row = [&](int64_t r) {
-    const float* row = xp + r * e;
-    float* out = yp + r * e;
+  return speclm_common::rms_norm_rows(x_in, weight, eps, [](const float* row, const float* wp, float* out, int64_t e,
+                                                             float epsf) {
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (int64_t i = 0; i < e; i += 16) {
       const __m256 a = load8(row + i, e - i);
@@ -346,13 +335,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
       const int64_t valid = std::min<int64_t>(8, e - i);
       store8(out + i, _mm256_mul_ps(load8(wp + i, valid), _mm256_mul_ps(load8(row + i, valid), vinv)), valid);
     }
-  };
-  if (rows < 64) {
-    for (int64_t r = 0; r < rows; ++r) one_row(r);
-  } else {
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) one_row(r); });
-  }
-  return y;
+  });
 }
 
 namespace {
@@ -381,30 +364,15 @@ inline __m256 exp256(__m256 x) {
 
 // The gated MLP's middle: gate_up (R, 2 I) -> silu(gate) * up (R, I), silu(g) = g / (1 + exp(-g)).
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
-  const at::Tensor gu = gate_up_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate_up must be (R, 2 I)");
-  const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
-  at::Tensor y = at::empty({rows, inner}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const __m256 one = _mm256_set1_ps(1.0f);
-  auto span = [&](int64_t r) {
-    const float* g = gp + r * 2 * inner;
-    const float* u = g + inner;
-    float* out = yp + r * inner;
+  return speclm_common::silu_mul_rows(gate_up_in, [](const float* g, const float* u, float* out, int64_t inner) {
+    const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t i = 0; i < inner; i += 8) {
       const int64_t valid = std::min<int64_t>(8, inner - i);
       const __m256 gv = load8(g + i, valid);
       const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
       store8(out + i, _mm256_mul_ps(silu, load8(u + i, valid)), valid);
     }
-  };
-  if (rows * inner < 65536) {
-    for (int64_t r = 0; r < rows; ++r) span(r);
-  } else {
-    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) span(r); });
-  }
-  return y;
+  });
 }
 
 namespace {
@@ -434,7 +402,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions,
                             int64_t query_tile) {
-  const speclm_checks::AttentionShape shape = speclm_checks::check_attention(
+  const speclm_common::AttentionShape shape = speclm_common::check_attention(
       qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, positions, query_tile);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
   const int64_t capacity = shape.capacity, half = dim / 2;

@@ -1,15 +1,17 @@
-// Argument checks shared by cpu_kernels.cpp (AVX-512 VNNI) and cpu_kernels_avx2.cpp (AVX2): plain
-// C++, no vector instructions, so that either build includes it. Each check fails with torch's
-// error (a Python RuntimeError) before anything is written.
+// What cpu_kernels.cpp (AVX-512 VNNI) and cpu_kernels_avx2.cpp (AVX2) share: argument checks and
+// the frames of the row-wise kernels, whose per-row arithmetic each build passes in. Plain C++,
+// no vector instructions, so that either build includes it. Each check fails with torch's error
+// (a Python RuntimeError) before anything is written.
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-namespace speclm_checks {
+namespace speclm_common {
 
 constexpr int64_t COLUMNS = 64;  // output columns packed together in both weight layouts
 
@@ -35,6 +37,52 @@ inline void check_w4(const at::Tensor& packed, const at::Tensor& scales, int64_t
               scales.size(2) == COLUMNS && scales.is_contiguous() && k % scales.size(1) == 0 &&
               (k / scales.size(1)) % 8 == 0, "scales must be fp16 (N/64, K/G, 64), G a multiple of 8");
   TORCH_CHECK(n <= packed.size(0) * COLUMNS && n > packed.size(0) * COLUMNS - COLUMNS, "n does not match packed");
+}
+
+// fn(r) for every row r: serially where `serial` (a decode step's few rows: threads would cost more
+// than they save), else on torch's threads in grains of `grain` rows. Each row is computed alone
+// either way, so its bits do not depend on which.
+template <class Fn>
+inline void for_rows(int64_t rows, bool serial, int64_t grain, const Fn& fn) {
+  if (serial) {
+    for (int64_t r = 0; r < rows; ++r) fn(r);
+  } else {
+    at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) fn(r); });
+  }
+}
+
+// RMSNorm over the rows of x (R, E) fp32 with weight (E,): one_row(row, weight, out, E, eps), the
+// build's arithmetic for one row.
+template <class Row>
+inline at::Tensor rms_norm_rows(const at::Tensor& x_in, const at::Tensor& weight, double eps, const Row& one_row) {
+  TORCH_CHECK(x_in.dim() == 2 && weight.scalar_type() == at::kFloat && weight.numel() == x_in.size(1),
+              "x (R, E), weight fp32 (E,)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const int64_t rows = x.size(0), e = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float epsf = static_cast<float>(eps);
+  for_rows(rows, rows < 64, 16, [&](int64_t r) { one_row(xp + r * e, wp, yp + r * e, e, epsf); });
+  return y;
+}
+
+// silu(gate) * up over the rows of gate_up (R, 2 I) fp32 -> (R, I): one_row(gate, up, out, I), the
+// build's arithmetic for one row.
+template <class Row>
+inline at::Tensor silu_mul_rows(const at::Tensor& gate_up_in, const Row& one_row) {
+  const at::Tensor gu = gate_up_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate_up must be (R, 2 I)");
+  const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
+  at::Tensor y = at::empty({rows, inner}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_rows(rows, rows * inner < 65536, 4, [&](int64_t r) {
+    one_row(gp + r * 2 * inner, gp + r * 2 * inner + inner, yp + r * inner, inner);
+  });
+  return y;
 }
 
 // decode_attention's shapes, after its checks.
@@ -74,4 +122,4 @@ inline AttentionShape check_attention(const at::Tensor& qkv, const at::Tensor& c
   return s;
 }
 
-}  // namespace speclm_checks
+}  // namespace speclm_common
