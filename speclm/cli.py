@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull = msub.add_parser("pull", help="download, verify and convert a catalog model")
     pull.add_argument("name", help="a catalog name (speclm models list)")
     pull.add_argument("--force", action="store_true", help="pull again even if cached")
+    rm = msub.add_parser("rm", help="delete a cached model and its quantized weights")
+    rm.add_argument("name", help="a cached model's name (speclm models list)")
     verify = msub.add_parser("verify", help="check a cached model's weights against the sha256 recorded at conversion")
     verify.add_argument("name", help="a cached model's name (speclm models list)")
     return p
@@ -167,16 +169,32 @@ def _quiet_transformers() -> None:
     huggingface_hub.utils.logging.set_verbosity_error()  # no retry chatter before our one-line error
 
 
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
 def _models(args) -> int:
     from speclm.catalog import CATALOG
     from speclm.models import store
 
     if args.models_command == "list":
+        from speclm.models import qcache
+
         cached = store.cached_models()
-        print(f"{'name':<22} {'cached':<7} description")
+        print(f"{'name':<22} {'on disk':<9} description")
         for name, entry in CATALOG.items():
-            print(f"{name:<22} {'yes' if name in cached else 'no':<7} {entry.description}")
-        print(f"cache: {store.models_dir()}")
+            folder = cached.get(name)
+            size = "no" if folder is None else _gb(store.disk_bytes(folder) + sum(
+                store.disk_bytes(p) for p in qcache.files_for(folder)))
+            print(f"{name:<22} {size:<9} {entry.description}")
+        for name, folder in cached.items():
+            if name not in CATALOG:
+                print(f"{name:<22} {_gb(store.disk_bytes(folder)):<9} converted from a .gguf file")
+        print(f"cache: {store.models_dir()} (sizes include quantized weights, {qcache.cache_dir()})")
+        return 0
+    if args.models_command == "rm":
+        for path in store.remove(args.name):
+            print(f"removed {path}")
         return 0
     if args.models_command == "verify":
         if args.name not in CATALOG and args.name not in store.cached_models():
@@ -269,6 +287,13 @@ def _weights_note(target, draft) -> str:
     return f"target {one(target)}" + (f", draft {one(draft)}" if draft is not None else "")
 
 
+def _peak_memory() -> str:
+    """The process's peak resident memory so far (models, caches, activations)."""
+    from speclm.memory import gib, peak_bytes
+
+    return gib(peak_bytes())
+
+
 def _print_stats(stats, weights: str, file) -> None:
     d = stats.to_dict()
     print(
@@ -278,7 +303,7 @@ def _print_stats(stats, weights: str, file) -> None:
         + (f" (its prefill {d['draft_prefill_seconds']:.2f}s)" if d["draft_prefill_seconds"] else "")
         + f", verify {d['verify_seconds']:.2f}s"
         + (f", {d['cached_tokens']} prompt tokens from the prefix cache" if d.get("cached_tokens") else "")
-        + f"; {weights}]",
+        + f"; {weights}; peak memory {_peak_memory()}]",
         file=file,
     )
 

@@ -40,6 +40,7 @@ from speclm.models.loading import LoadedModel
 from speclm.prefix_cache import PrefixCaches
 from speclm.proposers import Draft, DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
 from speclm.sampling import SamplingParams
+from speclm.runtime import bound_freed_memory
 from speclm.stats import RequestStats
 from speclm.text import IncrementalText, final_text, stop_cut
 from speclm.verify import verify
@@ -187,6 +188,7 @@ class SpecEngine:
             for _ in self._decode(rows, opts):
                 pass
             results.extend(self._completion(r, opts) for r in rows)
+            bound_freed_memory()  # the batch's caches and activations are free now
         return results[0] if single else results
 
     def stream(self, prompt, **options) -> "TextStream":
@@ -366,6 +368,7 @@ class TextStream:
             if delta:
                 yield delta
         self.completion = self._engine._completion(self._row, self._opts)
+        bound_freed_memory()
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

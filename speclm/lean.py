@@ -139,10 +139,10 @@ class LeanForward:
     def __init__(self, model):
         cfg = model.config
         inner = model.model
-        self.embed = inner.embed_tokens
-        dtype = self.embed.weight.dtype
+        self.embed = inner.embed_tokens  # nn.Embedding, or speclm.embedding's compact table (fp32 rows)
+        dtype, device = inner.norm.weight.dtype, inner.norm.weight.device
         # None where it does not run, and for a model off the CPU: torch's ops instead
-        compiled = kernels.compiled() if self.embed.weight.device.type == "cpu" else None
+        compiled = kernels.compiled() if device.type == "cpu" else None
         self.compiled = compiled
         self.layers = [_layer(layer, dtype, compiled) for layer in inner.layers]
         self.norm = _rms_norm(inner.norm, dtype, compiled)

@@ -42,6 +42,11 @@ class PrefixCache:
     def tokens(self) -> int:
         return sum(len(e.tokens) for e in self.entries)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory its keys and values hold."""
+        return sum(t.numel() * t.element_size() for e in self.entries for t in (*e.keys, *e.values))
+
     def clear(self) -> None:
         self.entries.clear()
 

@@ -14,7 +14,8 @@ activation scale for the whole batch and is *not* batch-invariant; the weight-on
 behind the choice are in benchmarks/int8_kernels.py, benchmarks/int8_model.py and
 benchmarks/int8_gemm_rows.py.
 
-Quantizing happens at load; oneDNN's packed layout is opaque, so nothing is cached on disk.
+Quantized weights are cached on disk in the compiled kernels' layout (`state` and `from_state`
+here, the file in speclm.models.qcache); oneDNN's packed copy is opaque and made again at load.
 """
 
 from __future__ import annotations
@@ -35,11 +36,29 @@ from speclm.runtime import QUANTIZE_MODES
 _MAGIC = 12582912.0
 
 
+def _weights_of(linears: tuple[nn.Linear, ...]) -> torch.Tensor:
+    """(sum of out, in): the layers' weights side by side; one layer's without a copy (an output head's is GBs)."""
+    if len(linears) == 1:
+        return linears[0].weight.detach()
+    return torch.cat([lin.weight.detach() for lin in linears])
+
+
+# Quantizing works through this many weights at a time: an output head's temporaries stay small
+# (each row is quantized alone, so the blocks give the same integers).
+_QUANT_BLOCK = 1 << 22
+
+
 def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (out, in) -> int8 (out, in) and fp32 scale (out,), symmetric, max-abs."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    q = (w / scale[:, None]).clamp_(-127, 127).add_(_MAGIC).sub_(_MAGIC).to(torch.int8)  # = torch.round, vectorised
+    out_f, in_f = weight.shape
+    q = torch.empty(out_f, in_f, dtype=torch.int8)
+    scale = torch.empty(out_f)
+    step = max(1, _QUANT_BLOCK // max(1, in_f))
+    for lo in range(0, out_f, step):
+        w = weight[lo : lo + step].detach().float()
+        s = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        q[lo : lo + step] = (w / s[:, None]).clamp_(-127, 127).add_(_MAGIC).sub_(_MAGIC)  # = torch.round, vectorised
+        scale[lo : lo + step] = s
     return q, scale
 
 
@@ -138,13 +157,23 @@ def _gather_columns(layout: torch.Tensor, ids: torch.Tensor, pad: int) -> torch.
     return padded.view(-1, _GROUP, *picked.shape[1:]).transpose(1, 2).contiguous()
 
 
+def from_vnni_layout(layout: torch.Tensor, out_f: int, in_f: int) -> torch.Tensor:
+    """vnni_layout's inverse: the int8 weights (out, in)."""
+    groups, quads = layout.shape[:2]
+    return layout.permute(0, 2, 1, 3).reshape(groups * _GROUP, quads * 4)[:out_f, :in_f].contiguous()
+
+
 def vnni_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 (out, in) -> the kernel's layout (out/64, in/4, 64, 4), zero-padded, and each output
     column's sum of weights (int32, padded), which undoes the u8 zero point of 128."""
     out_f, in_f = q.shape
-    padded = torch.zeros(-(-out_f // _GROUP) * _GROUP, -(-in_f // 4) * 4, dtype=torch.int8)
-    padded[:out_f, :in_f] = q
-    colsum = padded.sum(dim=1, dtype=torch.int32)
+    shape = (-(-out_f // _GROUP) * _GROUP, -(-in_f // 4) * 4)
+    padded = q
+    if shape != q.shape:
+        padded = torch.zeros(shape, dtype=torch.int8)
+        padded[:out_f, :in_f] = q
+    step = max(1, _QUANT_BLOCK // shape[1])  # the int32 sum's temporaries a block at a time
+    colsum = torch.cat([block.sum(dim=1, dtype=torch.int32) for block in padded.split(step)])
     layout = padded.view(padded.shape[0] // _GROUP, _GROUP, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
     return layout, colsum
 
@@ -155,14 +184,25 @@ class QuantLinear(nn.Module):
     def __init__(self, linears: tuple[nn.Linear, ...]):
         """One linear, or several that read the same input (fused: their outputs side by side);
         subclasses quantize torch.cat of their weights."""
-        super().__init__()
-        self.in_features = linears[0].in_features
-        self.out_features = sum(lin.out_features for lin in linears)
         bias = None
         if any(lin.bias is not None for lin in linears):
             bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
                               for lin in linears])
+        self._init(linears[0].in_features, sum(lin.out_features for lin in linears), bias)
+
+    def _init(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
         self.bias = bias  # plain attributes, not buffers: the hot path reads them without nn.Module's lookup
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors that rebuild this layer (`from_state`), in the compiled kernels' layout: what
+        the quantized-weights cache stores."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], in_features: int, out_features: int) -> "QuantLinear":
+        raise NotImplementedError
 
     def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -214,12 +254,19 @@ class Int8Linear(QuantLinear):
 
     def __init__(self, *linears: nn.Linear):
         super().__init__(linears)
-        q, scale = int8_per_channel(torch.cat([lin.weight.detach() for lin in linears]))
+        q, scale = int8_per_channel(_weights_of(linears))
+        self._weights(scale, q=q)
+
+    def _weights(self, scale: torch.Tensor, q: torch.Tensor | None = None, layout: torch.Tensor | None = None,
+                 colsum: torch.Tensor | None = None) -> None:
+        """Each kernel's copy from the int8 weights q (out, in), or from the compiled kernel's layout."""
         self.wscale = scale  # (out,) fp32
         self.compiled = _compiled_kernel()
         if self.compiled is not None:
-            self.vnni_weight, self.colsum = vnni_layout(q)
-        else:
+            self.vnni_weight, self.colsum = (layout, colsum) if layout is not None else vnni_layout(q)
+        if q is None and (self.compiled is None or _onednn_available()):
+            q = from_vnni_layout(layout, self.out_features, self.in_features)
+        if self.compiled is None:
             self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
         self.onednn = _onednn_available()
         if self.onednn:
@@ -227,6 +274,21 @@ class Int8Linear(QuantLinear):
             self.wzero = torch.zeros(self.out_features, dtype=torch.long)
         elif self.compiled is None and EXACT_FLOAT_GEMM:
             self.fweight = q.t().float().contiguous()  # (in, out) fp32 of int8 values, for several rows
+
+    def state(self) -> dict[str, torch.Tensor]:
+        if self.compiled is not None:
+            layout, colsum = self.vnni_weight, self.colsum
+        else:
+            layout, colsum = vnni_layout(self.qweight_t.t())
+        state = {"vnni_weight": layout, "colsum": colsum, "wscale": self.wscale}
+        return state if self.bias is None else {**state, "bias": self.bias}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], in_features: int, out_features: int) -> "Int8Linear":
+        layer = cls.__new__(cls)
+        layer._init(in_features, out_features, state.get("bias"))
+        layer._weights(state["wscale"], layout=state["vnni_weight"], colsum=state["colsum"])
+        return layer
 
     def first_outputs(self, n: int) -> "Int8Linear":
         sub = self._restricted(slice(0, n))
@@ -300,13 +362,18 @@ INT4_GROUP = 64
 def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (out, in) -> u = w + 8 in 0..15 (uint8, (out, in)) and fp16 scales (out, in / group):
     w = round(weight / scale) in -7..7, scale = max |weight| over the group / 7 (as fp16)."""
-    w = weight.detach().float()
-    out_f, in_f = w.shape
-    g = w.view(out_f, in_f // group, group)
-    # fp16 keeps scales down to 2**-14 as normal numbers; a group smaller than 7 * 2**-14 rounds coarser
-    scale = (g.abs().amax(dim=2) / 7.0).clamp_min(2.0**-14).half()  # (out, in / group)
-    q = (g / scale.float()[:, :, None]).add_(_MAGIC).sub_(_MAGIC).clamp_(-8, 7)  # round half to even
-    return (q + 8).to(torch.uint8).view(out_f, in_f), scale
+    out_f, in_f = weight.shape
+    u = torch.empty(out_f, in_f, dtype=torch.uint8)
+    scale = torch.empty(out_f, in_f // group, dtype=torch.float16)
+    step = max(1, _QUANT_BLOCK // max(1, in_f))
+    for lo in range(0, out_f, step):
+        g = weight[lo : lo + step].detach().float().view(-1, in_f // group, group)
+        # fp16 keeps scales down to 2**-14 as normal numbers; a group smaller than 7 * 2**-14 rounds coarser
+        s = (g.abs().amax(dim=2) / 7.0).clamp_min(2.0**-14).half()  # (rows, in / group)
+        q = (g / s.float()[:, :, None]).add_(_MAGIC).sub_(_MAGIC).clamp_(-8, 7)  # round half to even
+        u[lo : lo + step] = (q + 8).view(-1, in_f)
+        scale[lo : lo + step] = s
+    return u, scale
 
 
 def int4_layout(u: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,6 +400,11 @@ class Int4Linear(QuantLinear):
 
     def __init__(self, *linears: nn.Linear, group: int = INT4_GROUP):
         super().__init__(linears)
+        self._kernel(group)
+        u, scale = int4_groups(_weights_of(linears), group)
+        self.packed, self.scales = int4_layout(u, scale)
+
+    def _kernel(self, group: int) -> None:
         self.kernel = kernels.compiled()
         if self.kernel is None:
             raise UsageError("int4 weights need speclm's compiled CPU kernels (an x86 CPU with AVX2 or AVX-512 VNNI, "
@@ -340,8 +412,19 @@ class Int4Linear(QuantLinear):
         if self.in_features % group:
             raise ValueError(f"in_features {self.in_features} is not a multiple of the int4 group {group}")
         self.group = group
-        u, scale = int4_groups(torch.cat([lin.weight.detach() for lin in linears]), group)
-        self.packed, self.scales = int4_layout(u, scale)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        state = {"packed": self.packed, "scales": self.scales}
+        return state if self.bias is None else {**state, "bias": self.bias}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], in_features: int, out_features: int) -> "Int4Linear":
+        layer = cls.__new__(cls)
+        layer._init(in_features, out_features, state.get("bias"))
+        group = in_features // state["scales"].shape[1]
+        layer._kernel(group)
+        layer.packed, layer.scales = state["packed"], state["scales"]
+        return layer
 
     def first_outputs(self, n: int) -> "Int4Linear":
         sub = self._restricted(slice(0, n))
@@ -415,6 +498,20 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         return model
     if getattr(model, "speclm_quantize", "none") == mode:
         return model
+    quantize_linears(model, mode)
+    mark_quantized(model, mode)
+    return model
+
+
+def mark_quantized(model: nn.Module, mode: str) -> None:
+    if hasattr(model, "config"):
+        model.config.tie_word_embeddings = False
+    model.speclm_quantize = mode
+
+
+def quantize_linears(model: nn.Module, mode: str) -> None:
+    """quantize_model's work on any module tree (a model, or one decoder layer at a time while
+    loading, so that the fp32 weights of one layer at most are held beside the quantized ones)."""
     # A tied output head shares its weight with the embedding table; quantizing it must
     # leave the (fp32) embedding untouched, so the head gets its own int8 copy.
     with torch.no_grad():
@@ -432,7 +529,3 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
             setattr(parent, child, _quantized_linear(mode, linear))
-    if hasattr(model, "config"):
-        model.config.tie_word_embeddings = False
-    model.speclm_quantize = mode
-    return model

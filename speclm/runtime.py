@@ -35,26 +35,71 @@ def set_threads(threads: int | None = None) -> int:
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+# Freed memory a process keeps for reuse between requests (bound_freed_memory): above a prefill
+# block's activations (tens of MB), so a request's prefill reuses the last one's pages, and a
+# bound on what a long-running process holds beyond what it uses.
+KEPT_FREE_BYTES = 256 << 20
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
 
 
 def keep_freed_memory() -> bool:
-    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the system.
+    """Have glibc's malloc keep freed memory for reuse, up to KEPT_FREE_BYTES, instead of
+    handing it back to the system at once.
 
     A prefill's activations are tens of MB per block. By default glibc returns a freed heap top
     and freed large blocks to the kernel, so the next request's prefill takes page faults (the
     kernel zeroes each page) writing them again, and more so after anything that freed much
     memory, such as transformers' `generate` in a benchmark, whose next method's prefill ran
     slower than the others' (benchmarks/epyc/allocator.txt, from benchmarks/allocator.py).
-    Blocks up to 32 MB (glibc's largest mmap threshold) now come from the heap, and the heap is
-    not trimmed. The process keeps its peak memory.
+    Blocks up to 32 MB (glibc's largest mmap threshold) now come from the heap, and the heap's
+    free top is trimmed only beyond KEPT_FREE_BYTES. Freed blocks below other allocations are
+    not at the top, so no threshold returns them: the engine calls bound_freed_memory after each
+    request, which keeps resident memory bounded in a long-running process
+    (benchmarks/avx2/load-memory.txt's soak).
     Returns whether it applied: not off glibc, nor with SPECLM_MALLOC=system.
     """
     if os.environ.get("SPECLM_MALLOC", "keep") == "system":
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20)))
+        (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, KEPT_FREE_BYTES), (_M_TOP_PAD, 64 << 20)))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def freed_bytes() -> int | None:
+    """Bytes glibc's malloc holds free in its arenas (mallinfo2, glibc 2.33+); None elsewhere."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    return int(libc.mallinfo2().fordblks)
+
+
+def bound_freed_memory() -> None:
+    """After a request: if malloc holds more than KEPT_FREE_BYTES free, hand it back (all but the
+    heap's top pad; a walk over the free lists and one madvise per free run of pages)."""
+    free = freed_bytes()
+    if free is not None and free > KEPT_FREE_BYTES:
+        release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free memory back to the system now (glibc's malloc_trim): after loading a
+    model, whose build freed a layer's fp32 weights at a time."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

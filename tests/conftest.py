@@ -1,4 +1,8 @@
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -6,6 +10,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# Tests write models and quantized weights into a store of their own, never the user's cache
+# (subprocesses inherit it); a test that needs another sets SPECLM_HOME itself.
+os.environ["SPECLM_HOME"] = tempfile.mkdtemp(prefix="speclm-tests-")
+atexit.register(shutil.rmtree, os.environ["SPECLM_HOME"], True)
 
 from tiny import byte_tokenizer, loaded, tiny_model, word_tokenizer  # noqa: E402
 

@@ -51,14 +51,14 @@ def home_under_a_file(tmp, monkeypatch):
 
 
 def disk_full_in_conversion(monkeypatch):
-    """safetensors' writer fills the disk half-way through the weights."""
-    import safetensors.torch
+    """Copying the .gguf into the store fills the disk half-way through the file."""
+    import shutil
 
-    def save_model(model, filename, metadata=None):
-        Path(filename).write_bytes(b"\0" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
+    def copyfile(src, dst, **kw):
+        Path(dst).write_bytes(Path(src).read_bytes()[:1000])
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
 
-    monkeypatch.setattr(safetensors.torch, "save_model", save_model)
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
 
 
 def disk_full_in_pull(monkeypatch):
@@ -102,7 +102,7 @@ def truncated_weights(tmp):
     from speclm.models.loading import resolve_model
 
     gguf = write_tiny_gguf(tmp / "tiny.gguf")
-    weights = Path(resolve_model(str(gguf), progress=False)) / "model.safetensors"
+    weights = Path(resolve_model(str(gguf), progress=False)) / "model.gguf"
     weights.write_bytes(weights.read_bytes()[:1000])
     return gguf
 

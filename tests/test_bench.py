@@ -234,6 +234,11 @@ def test_bench_int8_beside_fp32_in_one_run(folders, tmp_path, dataset, capsys):
     assert min(parts.values()) >= 0
     report = (out / "report.md").read_text()
     assert "time outside model forwards" in report and "## Where the time goes" in report
+    # each run's peak resident memory (reset before it), the method's largest in the summary and the report
+    peaks = [r["peak_resident_bytes"] for r in saved["runs"] if r["method"] == "draft:k=3"]
+    assert all(p > 0 for p in peaks) and cell["peak_resident_bytes"] == max(peaks)
+    assert "peak resident memory" in report and f"{max(peaks) / 2**30:.2f} GiB" in report
+    assert saved["resident_after_load"]["total"] > 0
 
 
 def test_report_of_results_without_the_draft_prefill():

@@ -50,6 +50,7 @@ def test_generate_streams_text_and_stats(folders, capsys):
                           "--max-new-tokens", "5", "--chat"], capsys)
     assert code == 0 and out.endswith("\n")
     assert re.match(r"\[[1-5] tokens, [0-9.]+ tok/s, \d+ target forwards, mean accepted", err)
+    assert re.search(r"; peak memory [0-9.]+ GiB\]$", err.strip())  # the process's peak resident size
     assert "its prefill" not in err  # prompt lookup reads no prompt into a model
     code, out, err = run(["generate", "--target", folders["target"], "--method", "draft", "--draft", folders["draft"],
                           "--prompt", "ab ab ab", "--max-new-tokens", "5"], capsys)

@@ -68,7 +68,7 @@ COMMANDS = dict(_commands(build_parser()))
 
 
 def test_every_command_is_documented():
-    assert set(COMMANDS) == {"generate", "bench", "demo", "models list", "models pull", "models verify"}
+    assert set(COMMANDS) == {"generate", "bench", "demo", "models list", "models pull", "models rm", "models verify"}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

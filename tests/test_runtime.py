@@ -14,3 +14,49 @@ def test_keep_freed_memory_applies_on_glibc_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("SPECLM_MALLOC")
     assert keep_freed_memory() is True  # every mallopt call accepted its value
 
+
+
+BOUND = """
+import sys, torch
+from speclm import memory
+from speclm.runtime import KEPT_FREE_BYTES, bound_freed_memory, keep_freed_memory
+assert keep_freed_memory() == (sys.argv[1] == "keep")
+def rss():
+    return memory.resident().anonymous
+base = rss()
+for _ in range(3):  # requests whose activations come from the heap (blocks below the mmap threshold)
+    blocks = [torch.ones(4 << 20) for _ in range(40)]  # 40 x 16 MB
+    grown = rss() - base
+    del blocks
+    bound_freed_memory()  # what the engine does after each request
+print(grown >> 20, (rss() - base) >> 20, KEPT_FREE_BYTES >> 20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_freed_memory_kept_is_bounded():
+    """640 MB of heap blocks, freed, then what the engine does after a request: the process keeps
+    at most KEPT_FREE_BYTES of it (plus glibc's top pad), so a long-running process does not hold
+    its peak. Without bound_freed_memory the "keep" process holds all 640 MB."""
+    import subprocess
+    import sys
+
+    for setting in ("keep", "system"):
+        env = {**__import__("os").environ, "SPECLM_MALLOC": setting}
+        out = subprocess.run([sys.executable, "-c", BOUND, setting], env=env, capture_output=True, text=True, check=True)
+        grown, kept, bound = map(int, out.stdout.split())
+        assert grown >= 600  # the blocks were resident
+        assert kept <= bound + 64 + 16, (setting, kept)  # plus glibc's top pad and one block of slack
+
+
+def test_the_engine_bounds_freed_memory_after_each_request(target, monkeypatch):
+    from speclm import engine as engine_module
+    from speclm.engine import SpecEngine
+
+    calls = []
+    monkeypatch.setattr(engine_module, "bound_freed_memory", lambda: calls.append(1))
+    eng = SpecEngine(target)
+    eng.generate(["ab", "cd"], max_new_tokens=3, batch_size=1)
+    assert len(calls) == 2
+    list(eng.stream("ab", max_new_tokens=3))
+    assert len(calls) == 3

@@ -148,9 +148,12 @@ def test_a_cache_under_a_regular_file_is_one_error(tmp_path, monkeypatch):
 
 
 def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1, heads: int = 2, kv_heads: int = 1,
-                    ff: int = 128) -> Path:
-    """A qwen2 GGUF of a few hundred KB (fp32 tensors, a byte-level vocabulary of 257 tokens) that
-    transformers' GGUF loader converts in a second: the store's real conversion path, without a download."""
+                    ff: int = 128, quantized: bool = False, tied: bool = False) -> Path:
+    """A qwen2 GGUF of a few hundred KB (a byte-level vocabulary of 257 tokens) that transformers'
+    GGUF loader converts in a second: the store's real conversion path, without a download. fp32
+    tensors, or with `quantized` GGUF blocks as a Q4/Q5/Q8 file mixes them (the embedding Q5_0,
+    projections Q8_0, the MLP's down projection Q4_1); `tied`: no output.weight (the head is the
+    embedding table)."""
     import gguf
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -178,12 +181,18 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     w.add_eos_token_id(vocab - 1)
     w.add_bos_token_id(vocab - 1)
 
-    def tensor(name, *shape):
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+    def tensor(name, *shape, qtype="Q8_0"):
+        values = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if quantized and len(shape) == 2:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, values)
 
-    tensor("token_embd.weight", vocab, hidden)
+    tensor("token_embd.weight", vocab, hidden, qtype="Q5_0")
     tensor("output_norm.weight", hidden)
-    tensor("output.weight", vocab, hidden)
+    if not tied:
+        tensor("output.weight", vocab, hidden)
     for i in range(layers):
         b = f"blk.{i}."
         tensor(b + "attn_norm.weight", hidden)
@@ -194,7 +203,7 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
         tensor(b + "ffn_norm.weight", hidden)
         tensor(b + "ffn_gate.weight", ff, hidden)
         tensor(b + "ffn_up.weight", ff, hidden)
-        tensor(b + "ffn_down.weight", hidden, ff)
+        tensor(b + "ffn_down.weight", hidden, ff, qtype="Q4_1")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -277,9 +286,9 @@ def _converted(tiny_gguf) -> Path:
 
 def test_the_marker_records_the_weights_checksum(tiny_gguf):
     folder = _converted(tiny_gguf)
-    weights = folder / "model.safetensors"
+    weights = folder / "model.gguf"
     record = json.loads((folder / store.MARKER).read_text())["weights"]
-    assert record == {"model.safetensors": {"bytes": weights.stat().st_size,
+    assert record == {"model.gguf": {"bytes": weights.stat().st_size,
                                             "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}}
 
 
@@ -295,7 +304,7 @@ def test_models_verify(tiny_gguf, capsys):
     folder = _converted(tiny_gguf)
     code, out, err = cli(["models", "verify", folder.name], capsys)
     assert code == 0 and out.startswith("ok: ") and err == ""
-    weights = folder / "model.safetensors"
+    weights = folder / "model.gguf"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # replaced: same size, other bytes
     weights.write_bytes(bytes(data))
@@ -310,7 +319,7 @@ def test_a_truncated_weights_file_is_noticed_at_load(tiny_gguf, capsys):
     from speclm.models.loading import load_model
 
     folder = _converted(tiny_gguf)
-    weights = folder / "model.safetensors"
+    weights = folder / "model.gguf"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(StoreError, match="truncated or replaced"):
         load_model(str(tiny_gguf), progress=False)

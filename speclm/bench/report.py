@@ -74,6 +74,8 @@ def _cell(rs: list[dict]) -> dict:
             prefill_share=(sum(s.get("prefill_seconds", 0.0) for s in stats) / wall if wall else None),
             time=_time_parts(stats),
         )
+    peaks = [r["peak_resident_bytes"] for r in rs if r.get("peak_resident_bytes")]
+    cell["peak_resident_bytes"] = max(peaks) if peaks else None
     checked = [r["lossless"] for r in rs if r["lossless"] is not None]
     cell["lossless"] = f"{sum(checked)}/{len(checked)}" if checked else None
     return cell
@@ -139,6 +141,10 @@ def _predicted(results: dict, table: dict) -> dict:
     return out
 
 
+def _gib(n: int | None) -> str:
+    return "–" if not n else f"{n / 2**30:.2f} GiB"
+
+
 def _fmt(x, spec=".2f"):
     return "–" if x is None else format(x, spec)
 
@@ -184,8 +190,9 @@ def markdown(results: dict, summary: dict) -> str:
         "## Overall (all categories)",
         "",
         "| method | tokens/s | speedup vs none | speedup vs hf | decode tokens/s | decode speedup vs none | mean accepted tokens "
-        "| acceptance rate | target forwards / token | time outside model forwards | lossless vs none |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| acceptance rate | target forwards / token | time outside model forwards | peak resident memory "
+        "| lossless vs none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     methods = summary["methods"]
     for m, cells in methods.items():
@@ -194,14 +201,16 @@ def markdown(results: dict, summary: dict) -> str:
             f"| {m} | {_fmt(c['tokens_per_second'])} | {_fmt(c.get('speedup_vs_none'))} | {_fmt(c.get('speedup_vs_hf'))} | "
             f"{_fmt(c.get('decode_tokens_per_second'))} | {_fmt(c.get('decode_speedup_vs_none'))} | "
             f"{_fmt(c.get('mean_accepted_tokens'))} | {_fmt(c.get('acceptance_rate'))} | "
-            f"{_fmt(c.get('target_forwards_per_token'))} | {_fmt(c.get('outside_forwards_share'), '.2%')} | {c['lossless'] or '–'} |"
+            f"{_fmt(c.get('target_forwards_per_token'))} | {_fmt(c.get('outside_forwards_share'), '.2%')} | "
+            f"{_gib(c.get('peak_resident_bytes'))} | {c['lossless'] or '–'} |"
         )
     lines += ["", "tokens/s is end to end (prefill included); decode tokens/s counts the tokens after the first "
               "over the time after the prefill, which is what speculation can speed up (speclm methods only).",
               "", "Time outside model forwards: share of each request's wall time spent outside target and draft "
               "forwards (drafting logic, verification, bookkeeping); it is what a faster engine loop could remove. "
               "`none` in a row's label means plain decoding on that row's weights; lossless compares each method "
-              "with `none` on the same weights."]
+              "with `none` on the same weights. Peak resident memory: the process's largest resident size during "
+              "any of the method's runs (models included; the peak is reset before each run)."]
     parts = {m: cells[ALL]["time"] for m, cells in methods.items() if cells.get(ALL, {}).get("time")}
     if parts:
         lines += ["", "## Where the time goes (all categories)", "",

