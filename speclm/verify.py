@@ -1,29 +1,27 @@
 """The one verifier: decides, for every proposer, which drafted tokens are committed.
 
-Words used throughout:
-- accepted: draft tokens the target agrees with, a prefix of the draft;
-- recovered: at the first rejected position, the token drawn instead from the residual
-  distribution normalise(max(0, target_probs - draft_probs));
-- bonus: when every draft token of a row is accepted, one more token drawn from the
-  target's distribution at the next position (the target forward computed it anyway).
-Each row commits its accepted tokens plus exactly one recovered or bonus token.
+A draft is a tree per row (speclm.tree.DraftTree: a chain is the tree whose node i has parent
+i - 1; a chain with alternatives is a chain with extra leaves). Words used throughout:
+- path: the nodes committed, from a child of the root down; each node on it is *accepted*;
+- recovered: where the path stops at a node whose children were all rejected, the token drawn
+  instead from what is left of the target's distribution there (the residual);
+- bonus: where the path ends at a leaf, one more token drawn from the target's distribution
+  after it (the target forward computed it anyway).
+Each row commits its path's tokens plus exactly one recovered or bonus token.
 
-Greedy: a draft token is accepted when it equals the target's argmax; the recovered or bonus
-token is the argmax. Sampling: token d at position j is accepted with probability
-min(1, target_probs[j, d] / draft_probs[j, d]) (Leviathan et al. 2023, Chen et al. 2023),
-which makes every committed token follow the target's processed distribution exactly.
-A draft without probabilities (prompt lookup) is one-hot: draft_probs[j, d] = 1.
+Greedy: at each node (the root first) the first child whose token is the target's argmax there
+is accepted; the recovered or bonus token is the argmax where the path stops.
 
-Alternatives (a tree whose extra branches are leaves): a draft may name, for position j, a
-second candidate verified in the same target forward (its logits come after the chain's).
-It counts only where the chain is rejected at j. Greedy: it is accepted when it is the target's
-argmax, and the target's argmax after it is the bonus. Sampling (SpecInfer's multi-candidate
-step, Miao et al. 2024): the alternative is a second draw from the same draft distribution q,
-independent of the first; after the first is rejected, the target's distribution at j is the
-residual p' = normalise(max(0, p - q)), and the alternative is accepted with probability
-min(1, p'[a] / q[a]), else the recovered token is drawn from normalise(max(0, p' - q)). Each
-step is an ordinary speculative step against the distribution left by the one before, so the
-committed token still follows p exactly, whatever decided that j gets an alternative.
+Sampling (SpecInfer's multi-candidate rejection sampling, Miao et al. 2024; with siblings drawn
+without replacement, recursive rejection sampling, Jeon et al. 2024): at a node with target
+distribution p, its children are tried in order. Child c, drawn from q_c (its `probs`, or a
+point mass on its token for one-hot drafts), is accepted with probability
+min(1, p[c] / q_c[c]); if rejected, p becomes the residual normalise(max(0, p - q_c)) and the
+next child is tried against it. Each try is an ordinary speculative step (Leviathan et al. 2023,
+Chen et al. 2023) against the distribution the tries before it left, so the committed token
+follows the target's processed distribution exactly, whatever the tree's shape. If every child
+is rejected the recovered token is drawn from the last residual; an accepted child's own
+children are tried next against the target's distribution after it.
 """
 
 from __future__ import annotations
@@ -33,15 +31,18 @@ from dataclasses import dataclass
 import torch
 
 from speclm.proposers.base import Draft
+from speclm.tree import PAD, ROOT, DraftTree
 from speclm.sampling import SamplingParams, processed_probs
 
 
 @dataclass
 class Verdict:
-    num_accepted: torch.Tensor  # (B,) long: accepted draft tokens per row (an accepted alternative included)
-    tokens: torch.Tensor  # (B, K+1) long: row b commits tokens[b, : num_accepted[b] + 1]
-    # (B,) long: the position j whose alternative was accepted (then num_accepted = j + 1 and the
-    # target's keys and values for it sit in its own slot, speclm.engine moves them), else -1
+    num_accepted: torch.Tensor  # (B,) long: accepted nodes per row (the path's length)
+    tokens: torch.Tensor  # (B, D+1) long: row b commits tokens[b, : num_accepted[b] + 1]
+    paths: list[list[int]]  # per row, the accepted nodes from the root down
+    # (B,) long, from `verify` (a chain with alternatives): the position j whose alternative was
+    # accepted (then num_accepted = j + 1 and its keys and values sit in its own slot,
+    # speclm.engine moves them), else -1; None from `verify_tree`
     alternative: torch.Tensor | None = None
 
     def committed(self, row: int) -> list[int]:
@@ -54,80 +55,97 @@ def verify(
     params: SamplingParams,
     generators: list[torch.Generator | None],
 ) -> Verdict:
-    """target_logits (B, K+1+A, V): the target's logits at the last committed token and at each
-    draft token (position j scores the token that follows draft token j-1), then at each row's
-    alternatives in the order of Draft.alternative_slots (A: the most any row has)."""
+    """A chain draft with optional alternatives, verified as the tree it is. target_logits
+    (B, K+1+A, V): the target's logits at the last committed token and at each draft token, then
+    at each row's alternatives in the order of Draft.alternative_slots (A: the most any row has)."""
     batch, width = draft.tokens.shape
-    target_logits = target_logits.cpu()
-    tokens = draft.tokens
-    in_draft = torch.arange(width)[None, :] < draft.lengths[:, None]  # (B, K)
-    branches, _ = draft.alternative_slots()  # per row: [(j, token)], their logits at width + 1 + index
-    alternative = torch.full((batch,), -1, dtype=torch.long)
-    if params.greedy:
-        target_argmax = target_logits.argmax(-1)  # (B, K+1+A)
-        accepted = (tokens == target_argmax[:, :width]) & in_draft
-        num_accepted = accepted.long().cumprod(1).sum(1)
-        # accepted positions equal the argmax, so the argmax row is also the committed row
-        out = target_argmax[:, : width + 1].clone()
-        for b, row in enumerate(branches):
-            n = int(num_accepted[b])
-            for a, (j, t) in enumerate(row):
-                if j == n < int(draft.lengths[b]) and t == int(target_argmax[b, n]):
-                    out[b, n + 1] = target_argmax[b, width + 1 + a]  # the bonus after the alternative
-                    num_accepted[b], alternative[b] = n + 1, n
-                    break
-        return Verdict(num_accepted, out, alternative)
-
-    if any(branches) and draft.draft_probs is None:
+    branches, most = draft.alternative_slots()  # per row: [(j, token)], their logits at width + 1 + index
+    if most and draft.draft_probs is None and not params.greedy:
         raise ValueError("sampled alternatives need the draft's distribution")
-    target_probs = processed_probs(target_logits, params)  # (B, K+1+A, V)
-    p_draft_tok = target_probs[:, :width].gather(-1, tokens[..., None]).squeeze(-1)  # (B, K)
-    if draft.draft_probs is None:
-        q_draft_tok = torch.ones_like(p_draft_tok)
-    else:
-        q_draft_tok = draft.draft_probs.cpu().gather(-1, tokens[..., None]).squeeze(-1)
-    # each row draws one uniform per token it drafted, from its own generator: what a row draws does
-    # not depend on the other rows of the batch (their draft lengths set `width`)
-    uniform = torch.zeros(batch, width)
+    tree = DraftTree.chain(draft.tokens, draft.lengths, draft.draft_probs)
+    if most:  # alternative a of row b: node width + a, a sibling of chain node j (drawn from the same q)
+        tokens = torch.zeros(batch, most, dtype=torch.long)
+        parents = torch.full((batch, most), PAD, dtype=torch.long)
+        positions = torch.zeros(batch, most, dtype=torch.long)
+        for b, row in enumerate(branches):
+            for a, (j, t) in enumerate(row):
+                tokens[b, a], parents[b, a], positions[b, a] = t, j - 1 if j else ROOT, j
+        probs = None
+        if draft.draft_probs is not None:
+            probs = torch.cat([draft.draft_probs, draft.draft_probs.gather(
+                1, positions[:, :, None].expand(-1, -1, draft.draft_probs.shape[-1]))], dim=1)
+        tree = DraftTree(torch.cat([draft.tokens, tokens], 1), torch.cat([tree.parents, parents], 1), probs)
+    verdict = verify_tree(target_logits, tree, params, generators)
+    if verdict.tokens.shape[1] < width + 1:  # (B, K+1): room for any row's whole chain and its bonus
+        verdict.tokens = torch.cat([verdict.tokens, verdict.tokens.new_zeros(batch, width + 1 - verdict.tokens.shape[1])], 1)
+    # an accepted alternative is the path's last node
+    verdict.alternative = torch.tensor([len(p) - 1 if p and p[-1] >= width else -1 for p in verdict.paths],
+                                       dtype=torch.long)
+    return verdict
+
+
+def verify_tree(
+    target_logits: torch.Tensor,
+    tree: DraftTree,
+    params: SamplingParams,
+    generators: list[torch.Generator | None],
+) -> Verdict:
+    """target_logits (B, 1+N, V): the root's logits at 0, node n's at 1 + n (speclm.tree). Each
+    row draws from its own generator only, as its own tree asks: what a row commits does not
+    depend on the other rows of the batch."""
+    target_logits = target_logits.cpu()
+    tokens = tree.tokens.tolist()
+    paths, finals = [], []
+    if params.greedy:
+        argmax = target_logits.argmax(-1).tolist()  # (B, 1+N)
+        for b in range(len(tokens)):
+            children, node, path = tree.children(b), ROOT, []
+            while True:
+                want = argmax[b][1 + node]
+                node = next((c for c in children.get(node, ()) if tokens[b][c] == want), None)
+                if node is None:
+                    break
+                path.append(node)
+            paths.append(path)
+            finals.append(want)
+        return _verdict(tokens, paths, finals)
+
+    target_probs = processed_probs(target_logits, params)  # (B, 1+N, V)
+    probs = tree.probs.cpu() if tree.probs is not None else None
     for b, g in enumerate(generators):
-        n = int(draft.lengths[b])
-        if n:
-            uniform[b, :n] = torch.rand(n, generator=g)
-    accepted = (uniform * q_draft_tok < p_draft_tok) & in_draft  # u < p/q without dividing
-    num_accepted = accepted.long().cumprod(1).sum(1)
-
-    out = torch.zeros(batch, width + 1, dtype=torch.long)
-    out[:, :width] = tokens
-    for b in range(batch):
-        n = int(num_accepted[b])
-        dist = target_probs[b, n]
-        if n < int(draft.lengths[b]):  # rejected at n: recovered token from the residual
-            if draft.draft_probs is None:
-                one_hot = torch.zeros_like(dist)
-                one_hot[tokens[b, n]] = 1.0
-                dist = _residual(dist, one_hot)
-            else:
-                dist = _residual(dist, draft.draft_probs[b, n].cpu())
-            here = [(a, t) for a, (j, t) in enumerate(branches[b]) if j == n]
-            if here:  # the alternative: a speculative step against the residual
-                a, t = here[0]
-                taken, dist = _alternative_step(dist, draft.draft_probs[b, n].cpu(), t, generators[b])
-                if taken:
-                    out[b, n] = t
-                    out[b, n + 1] = torch.multinomial(target_probs[b, width + 1 + a], 1, generator=generators[b]).item()
-                    num_accepted[b], alternative[b] = n + 1, n
-                    continue
-        out[b, n] = torch.multinomial(dist, 1, generator=generators[b]).item()
-    return Verdict(num_accepted, out, alternative)
+        children, node, path = tree.children(b), ROOT, []
+        dist = target_probs[b, 0]
+        while True:
+            accepted = None
+            for c in children.get(node, ()):
+                t = tokens[b][c]
+                q = probs[b, c] if probs is not None else _point_mass(dist, t)
+                if float(torch.rand(1, generator=g)) * float(q[t]) < float(dist[t]):  # u < p/q without dividing
+                    accepted = c
+                    break
+                dist = _residual(dist, q)
+            if accepted is None:  # recovered (some child rejected) or bonus (a leaf)
+                break
+            node = accepted
+            path.append(node)
+            dist = target_probs[b, 1 + node]
+        paths.append(path)
+        finals.append(int(torch.multinomial(dist, 1, generator=g)))
+    return _verdict(tokens, paths, finals)
 
 
-def _alternative_step(dist: torch.Tensor, q: torch.Tensor, token: int, generator) -> tuple[bool, torch.Tensor]:
-    """dist (V,): the target's distribution left after the first candidate's rejection; q (V,):
-    the draft distribution both candidates were drawn from. Accept `token` with probability
-    min(1, dist[token] / q[token]); else return the distribution left for the recovered token."""
-    if float(torch.rand(1, generator=generator)) * float(q[token]) < float(dist[token]):
-        return True, dist
-    return False, _residual(dist, q)
+def _verdict(tokens: list[list[int]], paths: list[list[int]], finals: list[int]) -> Verdict:
+    out = torch.zeros(len(paths), max((len(p) for p in paths), default=0) + 1, dtype=torch.long)
+    for b, (path, final) in enumerate(zip(paths, finals)):
+        out[b, : len(path) + 1] = torch.tensor([tokens[b][n] for n in path] + [final])
+    return Verdict(torch.tensor([len(p) for p in paths], dtype=torch.long), out, paths)
+
+
+def _point_mass(like: torch.Tensor, token: int) -> torch.Tensor:
+    """A one-hot draft's distribution: all its mass on `token`."""
+    q = torch.zeros_like(like)
+    q[token] = 1.0
+    return q
 
 
 def _residual(dist: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,13 @@ The sampling test files as a whole: a correct sampler passes a check (asserts p 
     tests/test_sampling_distribution.py  11 checks
     tests/test_verify.py                  3 checks
     tests/test_draft_vocab.py             2 checks
-16 checks in all, so by the union (Bonferroni) bound the false-failure probability of the
-three files together is at most 16 * ALPHA = 1.6e-3 nominally (of test_sampling_distribution.py
-alone 11 * ALPHA = 1.1e-3), and below 16 * 2e-4 = 3.2e-3 with the approximation's error as
+    tests/test_tree_verify.py             6 checks
+22 checks in all, so by the union (Bonferroni) bound the false-failure probability of the
+four files together is at most 22 * ALPHA = 2.2e-3 nominally (of test_sampling_distribution.py
+alone 11 * ALPHA = 1.1e-3), and below 22 * 2e-4 = 4.4e-3 with the approximation's error as
 measured, whatever the dependence between the checks. The mutation tests (a deliberately broken
 sampler must fail, p < ALPHA) are the other direction: their failure rates are measured, and
-stated, in test_sampling_distribution.py.
+stated, in test_sampling_distribution.py and test_tree_verify.py.
 """
 
 from __future__ import annotations

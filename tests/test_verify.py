@@ -73,7 +73,7 @@ def test_sampled_first_token_follows_target_one_hot_draft():
     assert chisq_pvalue(counts, target) > ALPHA
 
 
-def _first_token_counts_with_alternative(step=None, n=6000, width=3):
+def _first_token_counts_with_alternative(residual=None, n=6000, width=3):
     """One round n times with an alternative for position 0 drawn from the same q as the chain's
     token, independently; count the first committed token. At position 0 the target p and the
     draft q lean opposite ways (p = .4 .3 .2 .1, q = .1 .2 .3 .4), so the first token is often
@@ -89,11 +89,13 @@ def _first_token_counts_with_alternative(step=None, n=6000, width=3):
     q[0] = torch.tensor([0.1, 0.2, 0.3, 0.4])
     counts = np.zeros(vocab)
     taken = 0
-    real = verify_mod._alternative_step
-    if step is not None:
-        verify_mod._alternative_step = step
+    real = verify_mod._residual
+    calls = []
+    if residual is not None:
+        verify_mod._residual = lambda dist, q: residual(real, dist, q, len(calls)) if not calls.append(1) else None
     try:
         for i in range(n):
+            calls.clear()
             rng = torch.Generator().manual_seed(i)
             tokens = torch.multinomial(q, 1, generator=rng).T  # (1, K)
             alternatives = torch.full((1, width), -1, dtype=torch.long)
@@ -103,7 +105,7 @@ def _first_token_counts_with_alternative(step=None, n=6000, width=3):
             counts[v.committed(0)[0]] += 1
             taken += int(v.alternative[0]) == 0
     finally:
-        verify_mod._alternative_step = real
+        verify_mod._residual = real
     return counts, processed_probs(target_logits, params)[0, 0].numpy(), taken
 
 
@@ -116,10 +118,8 @@ def test_sampled_first_token_follows_target_with_an_alternative():
 def test_alternative_without_second_residual_is_caught():
     """After the alternative a is rejected the recovered token must come from normalise(max(0, p' - q));
     drawing it from p' (as if a had not been tried) biases the first token: the check sees it."""
-    def no_second_residual(dist, q, token, generator):
-        if float(torch.rand(1, generator=generator)) * float(q[token]) < float(dist[token]):
-            return True, dist
-        return False, dist
+    def no_second_residual(real, dist, q, call):  # call: this round's residual count so far, 1-based
+        return real(dist, q) if call == 1 else dist
 
     counts, target, _ = _first_token_counts_with_alternative(no_second_residual)
     assert chisq_pvalue(counts, target) < ALPHA
