@@ -48,6 +48,12 @@ def test_a_gguf_store_folder_holds_the_file_and_loads_the_same_values(home, tmp_
         assert torch.equal(ours[name], theirs[name]), name
     assert (got.lm_head.weight is got.model.embed_tokens.weight) == tied
     assert torch.equal(got(IDS).logits, ref(IDS).logits)
+    # the store's index of the file (no metadata parsing at load) and gguf's own reader: the same model
+    index = folder / (weights.GGUF_FILE + weights.INDEX_SUFFIX)
+    assert weights.read_index(folder / weights.GGUF_FILE) is not None
+    index.unlink()
+    again = dict(load_model(str(path), progress=False).model.named_parameters())
+    assert all(torch.equal(again[name], theirs[name]) for name in theirs)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -339,7 +339,7 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    from speclm.models.weights import GGUF_FILE
+    from speclm.models.weights import GGUF_FILE, write_index
 
     if not progress:
         hf_logging.disable_progress_bar()
@@ -369,6 +369,7 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
         shutil.copyfile(gguf, folder / GGUF_FILE)
     else:
         gguf.rename(folder / GGUF_FILE)
+    write_index(folder / GGUF_FILE)
 
 
 def _as_list(x) -> list[int]:

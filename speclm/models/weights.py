@@ -19,6 +19,8 @@ caller uses `from_pretrained`.
 from __future__ import annotations
 
 import gc
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -39,14 +41,19 @@ class GGUFWeights:
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor, get_gguf_hf_weights_map, read_field)
 
-        self.reader = GGUFReader(str(path))  # maps the file; `close` drops every reference to the map
-        arch = read_field(self.reader, "general.architecture")[0]
+        indexed = read_index(path)
+        if indexed is not None:  # the store's index: no parsing of the file's metadata
+            arch, tensors = indexed
+            self.reader = None
+        else:
+            self.reader = GGUFReader(str(path))  # maps the file; `close` drops every reference to the map
+            arch, tensors = read_field(self.reader, "general.architecture")[0], self.reader.tensors
         processor_class = TENSOR_PROCESSORS.get(arch, TensorProcessor)
         # these keep a tensor's name and shape (llama's only un-permutes q and k): one tensor in, one out
         self.streamable = processor_class in (TensorProcessor, LlamaTensorProcessor)
         self.processor = processor_class(config=model.config.to_dict())
         self.gguf_to_hf = get_gguf_hf_weights_map(model, self.processor)
-        self.tensors = {self.gguf_to_hf[t.name]: t for t in self.reader.tensors if t.name in self.gguf_to_hf}
+        self.tensors = {self.gguf_to_hf[t.name]: t for t in tensors if t.name in self.gguf_to_hf}
 
     def names(self) -> set[str]:
         return set(self.tensors)
@@ -74,6 +81,47 @@ class GGUFWeights:
         self.tensors.clear()
         self.reader = None
         gc.collect()  # numpy views of the map go with the reader: the file is unmapped here
+
+
+INDEX_SUFFIX = ".index.json"  # beside model.gguf: its architecture and where each tensor's bytes lie
+
+
+@dataclass
+class _IndexedTensor:
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data: np.ndarray  # a view of the mapped file, shaped as gguf's reader shapes it
+
+
+def write_index(path: Path) -> None:
+    """Record a GGUF's architecture and its tensors' types, shapes and offsets beside it. gguf's
+    reader parses every metadata field to find them: 11 s for the catalog's Qwen files, whose
+    tokenizer alone is some 300,000 fields, at every load; the index is read in milliseconds."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    reader = GGUFReader(str(path))
+    index = {"bytes": path.stat().st_size, "architecture": read_field(reader, "general.architecture")[0],
+             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
+                          "shape": list(t.data.shape), "offset": int(t.data_offset)} for t in reader.tensors]}
+    path.with_name(path.name + INDEX_SUFFIX).write_text(json.dumps(index))
+
+
+def read_index(path: Path) -> tuple[str, list[_IndexedTensor]] | None:
+    """The index of a GGUF (write_index), or None where there is none or it is not this file's."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        index = json.loads(path.with_name(path.name + INDEX_SUFFIX).read_text())
+        if index.get("bytes") != path.stat().st_size:
+            return None
+    except (OSError, ValueError):
+        return None
+    mapped = np.memmap(path, mode="r")
+    return index["architecture"], [
+        _IndexedTensor(t["name"], GGMLQuantizationType(t["type"]),
+                       np.ndarray(t["shape"], dtype=np.dtype(t["dtype"]), buffer=mapped, offset=t["offset"]))
+        for t in index["tensors"]]
 
 
 def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
