@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 START = time.monotonic()
 
@@ -74,8 +75,6 @@ def prompts(args, n: int):
 
 
 def phase_first(args) -> dict:
-    from pathlib import Path
-
     from speclm import memory
     from speclm.models import qcache
     from speclm.models.loading import resolve_model
@@ -122,8 +121,6 @@ def phase_soak(args) -> dict:
 
 def phase_identity(args) -> dict:
     """The new load against the earlier path on the reference store, bit for bit."""
-    from pathlib import Path
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -238,8 +235,6 @@ def main() -> None:
     total = 0
     for name in (args.target, args.draft):
         folder = resolve_model(name, progress=False)
-        from pathlib import Path
-
         files = qcache.files_for(Path(folder))
         size, qsize = store.disk_bytes(Path(folder)), sum(store.disk_bytes(p) for p in files)
         total += size + qsize

@@ -180,16 +180,16 @@ def _models(args) -> int:
     if args.models_command == "list":
         from speclm.models import qcache
 
+        def on_disk(folder) -> str:  # the folder and its quantized weights
+            return _gb(store.disk_bytes(folder) + sum(store.disk_bytes(p) for p in qcache.files_for(folder)))
+
         cached = store.cached_models()
         print(f"{'name':<22} {'on disk':<9} description")
         for name, entry in CATALOG.items():
-            folder = cached.get(name)
-            size = "no" if folder is None else _gb(store.disk_bytes(folder) + sum(
-                store.disk_bytes(p) for p in qcache.files_for(folder)))
-            print(f"{name:<22} {size:<9} {entry.description}")
+            print(f"{name:<22} {on_disk(cached[name]) if name in cached else 'no':<9} {entry.description}")
         for name, folder in cached.items():
             if name not in CATALOG:
-                print(f"{name:<22} {_gb(store.disk_bytes(folder)):<9} converted from a .gguf file")
+                print(f"{name:<22} {on_disk(folder):<9} converted from a .gguf file")
         print(f"cache: {store.models_dir()} (sizes include quantized weights, {qcache.cache_dir()})")
         return 0
     if args.models_command == "rm":

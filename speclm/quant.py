@@ -262,13 +262,13 @@ class Int8Linear(QuantLinear):
         """Each kernel's copy from the int8 weights q (out, in), or from the compiled kernel's layout."""
         self.wscale = scale  # (out,) fp32
         self.compiled = _compiled_kernel()
+        self.onednn = _onednn_available()
         if self.compiled is not None:
             self.vnni_weight, self.colsum = (layout, colsum) if layout is not None else vnni_layout(q)
-        if q is None and (self.compiled is None or _onednn_available()):
+        if q is None and (self.compiled is None or self.onednn):
             q = from_vnni_layout(layout, self.out_features, self.in_features)
         if self.compiled is None:
             self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
-        self.onednn = _onednn_available()
         if self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # opaque blocked layout
             self.wzero = torch.zeros(self.out_features, dtype=torch.long)
@@ -525,7 +525,5 @@ def quantize_linears(model: nn.Module, mode: str) -> None:
                         start += m.out_features
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
-            setattr(parent, child, _quantized_linear(mode, linear))
+            model.set_submodule(name, _quantized_linear(mode, linear))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 from speclm.errors import UsageError
@@ -41,7 +42,8 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 KEPT_FREE_BYTES = 256 << 20
 
 
-def _libc():
+@functools.lru_cache(maxsize=None)
+def _libc():  # called after every request (bound_freed_memory): loaded once
     try:
         return ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc

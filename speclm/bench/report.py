@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from speclm.bench.costs import predicted_speedup
+from speclm.memory import gib
 
 ALL = "all"
 
@@ -142,7 +143,7 @@ def _predicted(results: dict, table: dict) -> dict:
 
 
 def _gib(n: int | None) -> str:
-    return "–" if not n else f"{n / 2**30:.2f} GiB"
+    return "–" if not n else gib(n)
 
 
 def _fmt(x, spec=".2f"):

@@ -227,7 +227,9 @@ def _from_checkpoint(folder: Path, config, dtype, quantize: str, progress: bool)
 def _warn_fp32_store(folder: Path) -> None:
     """A catalog model converted by an earlier speclm is a 7 GB fp32 copy: say once how to get the
     compact store."""
-    if folder.parent == store.models_dir() and folder.name in CATALOG and not (folder / "model.gguf").is_file():
+    from speclm.models.weights import GGUF_FILE
+
+    if folder.parent == store.models_dir() and folder.name in CATALOG and not (folder / GGUF_FILE).is_file():
         print(f"speclm: '{folder.name}' is cached as de-quantized fp32 safetensors by an earlier speclm; "
               f"`speclm models pull {folder.name} --force` keeps its GGUF instead (a fraction of the disk and "
               "memory)", file=sys.stderr)

@@ -129,12 +129,12 @@ def load(model: nn.Module, path: Path, mode: str) -> nn.Module | None:
             if "slices" in entry:
                 shared = _Fused(layer)
                 for name, start, stop in entry["slices"]:
-                    _replace(model, name, Int8Slice(shared, start, stop))
+                    model.set_submodule(name, Int8Slice(shared, start, stop))
             else:
-                _replace(model, entry["path"], layer)
+                model.set_submodule(entry["path"], layer)
         if meta["embedding"] is not None:
             e = meta["embedding"]
-            _replace(model, e["path"], PackedEmbedding(f.get("embedding"), e["kind"], e["dim"]))
+            model.set_submodule(e["path"], PackedEmbedding(f.get("embedding"), e["kind"], e["dim"]))
         for key in f.keys():
             if key.startswith("p."):
                 set_tensor(model, key[2:], f.get(key))
@@ -181,8 +181,3 @@ class _Reader:
 
     def __exit__(self, *exc) -> None:
         self.file.close()
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)

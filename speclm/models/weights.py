@@ -165,9 +165,11 @@ class SafetensorsWeights:
         return self.where[name].get_tensor(name).clone()  # a copy in memory, not a view of the mapped file
 
     def embedding(self, name: str, dim: int) -> PackedEmbedding | None:
-        """The table in its own dtype where that is narrower than fp32 (widening is exact), else None."""
-        table = self.get(name)
-        return PackedEmbedding(table, "dense", dim) if table.dtype in (torch.bfloat16, torch.float16) else None
+        """The table in its own dtype where that is narrower than fp32 (widening is exact), else None
+        (read from the header: an fp32 table is read once, by the caller)."""
+        if self.where[name].get_slice(name).get_dtype() not in ("BF16", "F16"):
+            return None
+        return PackedEmbedding(self.get(name), "dense", dim)
 
     def close(self) -> None:
         self.where.clear()
@@ -185,7 +187,7 @@ def open_weights(folder: Path, model: nn.Module):
     else:
         return None  # .bin checkpoints: transformers knows them
     expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    head = _output_head_name(model)
+    head = _weight_name(model, model.get_output_embeddings())
     missing = expected - weights.names() - ({head} if _tied(model) else set())
     if not weights.streamable or missing:
         weights.close()
@@ -207,14 +209,9 @@ def _tied(model: nn.Module) -> bool:
     return bool(getattr(model.config, "tie_word_embeddings", False))
 
 
-def _output_head_name(model: nn.Module) -> str:
-    head = model.get_output_embeddings()
-    return next(f"{n}.weight" for n, m in model.named_modules() if m is head)
-
-
-def _input_embedding_name(model: nn.Module) -> str:
-    table = model.get_input_embeddings()
-    return next(f"{n}.weight" for n, m in model.named_modules() if m is table)
+def _weight_name(model: nn.Module, module: nn.Module) -> str:
+    """The name of `module`'s weight in `model` (the input embedding's, the output head's)."""
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is module)
 
 
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -240,7 +237,8 @@ def build(model: nn.Module, weights, dtype: torch.dtype, quantize: str,
     from tqdm.auto import tqdm
 
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
-    embed_name, head_name = _input_embedding_name(model), _output_head_name(model)
+    embed_name = _weight_name(model, model.get_input_embeddings())
+    head_name = _weight_name(model, model.get_output_embeddings())
     layers_name, layers = decoder_layers(model)
     groups: list[tuple[nn.Module | None, list[str]]] = [
         (layer, [n for n in names if n.startswith(f"{layers_name}.{i}.")]) for i, layer in enumerate(layers)]
@@ -283,7 +281,5 @@ def _embedding_and_head(model, weights, embed_name, head_name, dtype, quantized,
     if packed is None:
         set_tensor(model, embed_name, full)
     else:
-        module_name = embed_name.rpartition(".")[0]
-        parent_name, _, attr = module_name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, packed)
+        model.set_submodule(embed_name.rpartition(".")[0], packed)
     del full
