@@ -24,8 +24,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "speclm"
-# per forward: each row's slots before its first new token, its number of new tokens, and the
-# tokens' positions where some lie below their slots (else None)
+# A query's visible slots where they are not simply the slots up to its own: (reach, apart) =
+# slots 0 .. reach - 1, then the ascending slots `apart` (a tree node's ancestors past the shared
+# prefix, its own slot last). Per forward: a row's list of these per column, or None for a chain.
+Tree = list  # list[list[tuple[int, list[int]]] | None], (B,) of (M,)
+# per forward: each row's slots before its first new token, its number of new tokens, its tree
 _PLAN: ContextVar[tuple | None] = ContextVar("speclm_attention_plan", default=None)
 
 
@@ -35,8 +38,8 @@ def is_prefill(starts: list[int]) -> bool:
 
 
 @contextmanager
-def per_query(starts: list[int], counts: list[int], positions: torch.Tensor | None = None):
-    token = _PLAN.set((starts, counts, positions))
+def per_query(starts: list[int], counts: list[int], tree: Tree | None = None):
+    token = _PLAN.set((starts, counts, tree))
     try:
         yield
     finally:
@@ -44,22 +47,22 @@ def per_query(starts: list[int], counts: list[int], positions: torch.Tensor | No
 
 
 def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: list[int],
-                      counts: list[int], scaling: float | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                      counts: list[int], scaling: float | None, tree: Tree | None = None) -> torch.Tensor:
     """q (B, M, H, D); keys, values (B, H_kv, >= W, D) -> (B, M, H, D): row b's query i attends
-    alone over slots [0, starts[b] + i]; padding columns (i >= counts[b]) stay zero. positions
-    (B, M) or None: a query whose position p lies below its slot (a tree's alternative token,
-    written after the chain it branches from) attends slots [0, p) and then its own slot, the
-    slots and order of a token at slot p."""
+    alone over slots [0, starts[b] + i]; padding columns (i >= counts[b]) stay zero. tree: where
+    a row holds a tree (speclm.kv.StaticKV.forward's parents), query i attends slots
+    [0, reach) and then `apart`: the slots and order of a plain step at its position."""
     batch, width, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads  # query head h reads kv head h // groups, as repeat_kv lays them out
-    at = positions.tolist() if positions is not None else None
 
     def visible(t: torch.Tensor, b: int, i: int) -> torch.Tensor:  # (1, H_kv, slots, D) query (b, i) reads
-        slot = starts[b] + i
-        if at is None or at[b][i] == slot:
-            return t[:, :, : slot + 1]
-        return torch.cat([t[:, :, : at[b][i]], t[:, :, slot : slot + 1]], dim=2)
+        if tree is None or tree[b] is None:
+            return t[:, :, : starts[b] + i + 1]
+        reach, apart = tree[b][i]
+        if not apart:
+            return t[:, :, :reach]
+        return torch.cat([t[:, :, :reach], t[:, :, apart]], dim=2)
 
     per_row = []
     for b in range(batch):

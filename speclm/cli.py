@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft and hf-assisted")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], hf, hf-assisted[:k=N], hf-pld[:k=N]")
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], hf, hf-assisted[:k=N], hf-pld[:k=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
     b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
@@ -108,6 +108,11 @@ def _add_decoding_options(g: argparse.ArgumentParser) -> None:
                    help="draft: verify the draft's second choice beside each drafted token it gave less probability "
                         f"than this (a tree whose extra branches are leaves; 0: never; default {defaults.ALTERNATIVES_INT4:g} "
                         "with an int4 draft, else 0)")
+    g.add_argument("--tree", default=None, metavar="{chain,auto,FILE}",
+                   help="draft, draft+pld: the draft's shape each round: chain (one candidate per position), auto (a "
+                        "tree grown from the draft's probabilities, its size chosen from this machine's measured "
+                        "verification cost) or a JSON file of root paths of ranks such as [[0],[1],[0,0]] "
+                        f"(default {defaults.TREE})")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
                         f"(0: the whole vocabulary; default {defaults.DRAFT_VOCAB})")
@@ -226,6 +231,7 @@ def _generate(args) -> int:
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
         alternatives=args.alternatives, draft_vocab=args.draft_vocab, draft_prompt_ratio=args.draft_prompt_ratio,
+        tree=args.tree,
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
@@ -299,7 +305,9 @@ def _print_stats(stats, weights: str, file) -> None:
     print(
         f"[{d['new_tokens']} tokens, {d['tokens_per_second']:.2f} tok/s, {d['target_forwards']} target forwards, "
         f"mean accepted {d['mean_accepted_tokens']:.2f}, acceptance {d['acceptance_rate']:.2f}, "
-        f"draft {d['draft_seconds']:.2f}s"
+        + (f"{d['verified_nodes'] / max(1, d['target_forwards'] - 1):.1f} draft tokens verified per forward, "
+           if d.get("verified_nodes") else "")
+        + f"draft {d['draft_seconds']:.2f}s"
         + (f" (its prefill {d['draft_prefill_seconds']:.2f}s)" if d["draft_prefill_seconds"] else "")
         + f", verify {d['verify_seconds']:.2f}s"
         + (f", {d['cached_tokens']} prompt tokens from the prefix cache" if d.get("cached_tokens") else "")

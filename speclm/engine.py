@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -38,12 +38,15 @@ from speclm import defaults
 from speclm.defaults import DRAFT_METHODS, METHODS
 from speclm.models.loading import LoadedModel
 from speclm.prefix_cache import PrefixCaches
+from speclm.costmodel import verification_costs
+from speclm.proposers.draft_tree import DraftTimes, TreeSpec, parse_tree
 from speclm.proposers import Draft, DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
 from speclm.sampling import SamplingParams
 from speclm.runtime import bound_freed_memory
 from speclm.stats import RequestStats
 from speclm.text import IncrementalText, final_text, stop_cut
-from speclm.verify import verify
+from speclm.tree import ROOT, PAD, DraftTree
+from speclm.verify import verify_tree
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -72,6 +75,10 @@ class GenerationOptions:
     # draft+pld: no draft model for a batch whose every prompt is longer than this times its
     # max_new_tokens (prompt lookup alone); 0: never the model, inf: always
     draft_prompt_ratio: float = defaults.DRAFT_PROMPT_RATIO
+    # draft, draft+pld: the draft's shape each round: "chain", "auto" (a tree grown from the draft's
+    # probabilities, its size chosen from this machine's measured verification cost) or a JSON
+    # file of root paths of ranks (speclm.proposers.draft_tree); None: speclm.defaults.TREE
+    tree: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -93,6 +100,16 @@ class GenerationOptions:
         if self.alternatives is not None and not 0 <= self.alternatives <= 1:
             raise UsageError(f"alternatives must be in [0, 1], got {self.alternatives}")
         self.sampling  # validates temperature, top-p, top-k
+        if self.tree is not None and self.method not in DRAFT_METHODS and self.tree != "chain":
+            raise UsageError(f"--tree applies to {' and '.join(DRAFT_METHODS)}, not '{self.method}'")
+        self.tree_spec  # validates the tree
+
+    @property
+    def tree_spec(self) -> TreeSpec | None:
+        """The draft's tree (None: a chain)."""
+        if self.method not in DRAFT_METHODS:
+            return None
+        return parse_tree(self.tree if self.tree is not None else defaults.TREE)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -166,6 +183,7 @@ class SpecEngine:
             raise UsageError(f"prefix-cache must be >= 0 tokens, got {prefix_cache}")
         self.target, self.draft = target, draft
         self.prefix = PrefixCaches.of_size(prefix_cache)
+        self._draft_times = DraftTimes()  # the draft's measured forward times, kept across requests (auto trees)
         if draft is not None:
             check_same_vocabulary(target, draft)
 
@@ -226,7 +244,8 @@ class SpecEngine:
                 raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
             model = dict(k=self._k(opts), confidence=opts.draft_confidence(self.draft.quantize),
                          vocab=opts.draft_vocabulary(), always=tuple(self.target.eos_token_ids),
-                         alternatives=opts.draft_alternatives(self.draft.quantize))
+                         alternatives=opts.draft_alternatives(self.draft.quantize), tree=self._tree(opts),
+                         times=self._draft_times)
             if opts.method == "draft":
                 return DraftModelProposer(self.draft.model, **model, prefix_cache=self.prefix.draft)
             lookup_k = opts.k if opts.k is not None else defaults.k("pld", self.target.quantize)
@@ -234,6 +253,13 @@ class SpecEngine:
                                        ngram_min=opts.lookup_ngram_min, prompt_ratio=opts.draft_prompt_ratio,
                                        lookup_k=lookup_k, prefix_cache=self.prefix.draft)
         return PromptLookupProposer(k=self._k(opts), max_ngram=opts.ngram_max, min_ngram=opts.lookup_ngram_min)
+
+    def _tree(self, opts: GenerationOptions) -> TreeSpec | None:
+        spec = opts.tree_spec
+        if spec is not None and spec.choices is None and opts.sampling.greedy:  # auto's budget: measured costs
+            key = f"{self.target.name}-{self.target.quantize}"
+            spec = replace(spec, costs=verification_costs(self.target.model, key))
+        return spec
 
     def _k(self, opts: GenerationOptions) -> int:
         return opts.draft_length(self.target.quantize, self.draft.quantize if self.draft is not None else None)
@@ -253,10 +279,9 @@ class SpecEngine:
         params = opts.sampling
         eos = set(self.target.eos_token_ids)
         proposer = self.make_proposer(opts)
-        k = self._k(opts)
-        # one round past the last token: a row's final round may feed k draft tokens beyond it,
-        # and as many alternatives
-        capacity = max(r.prompt_len + r.max_new for r in rows) + 2 * k + 1
+        k = proposer.k if proposer else 0  # the deepest draft per round
+        # one round past the last token: a row's final round may feed a whole draft beyond it
+        capacity = max(r.prompt_len + r.max_new for r in rows) + (proposer.max_nodes if proposer else 0) + 1
         target_kv = StaticKV(self.target.model, len(rows), capacity)
         cache = self.prefix.target  # each row starts from the longest prefix of its prompt held there
         for b, r in enumerate(rows):
@@ -280,33 +305,26 @@ class SpecEngine:
             t1 = time.perf_counter()
             draft_prefill = (proposer.prefill_seconds - read_before) if proposer else 0.0  # within t1 - t0
 
+            tree = draft.tree()  # (B, N) nodes; the chain is its own special case
             have = target_kv.lengths_list()
-            feed = [c[h:] + d for c, h, d in zip(contexts, have, draft.tokens.tolist())]
-            branches, most = draft.alternative_slots()  # per row [(j, token)]: fed after its chain
-            positions = None
-            if most:  # an alternative for position j sits at the chain token's position, in a later slot
-                positions = [list(range(h, h + len(f))) + [len(c) + j for j, _ in br]
-                             + list(range(h + len(f) + len(br), h + len(f) + most))
-                             for c, h, f, br in zip(contexts, have, feed, branches)]
-                feed = [f + [t for _, t in br] + [0] * (most - len(br)) for f, br in zip(feed, branches)]
-            logits = target_kv.forward(feed, draft.width + 1 + most, positions=positions)  # (B, K+1+A, V)
+            feed, parents = _feed(contexts, have, tree)
+            logits = target_kv.forward(feed, 1 + tree.width, parents=parents)  # (B, 1+N, V): root, then each node
             if prefill:  # the slots now hold each row's prompt
                 for b, r in enumerate(active):
                     cache.add(target_kv, b, r.context[: r.prompt_len])
-            verdict = verify(logits, draft, params, gens)
+            verdict = verify_tree(logits, tree, params, gens)
             t2 = time.perf_counter()
             in_forwards = target_kv.forward_seconds + (proposer.forward_seconds if proposer else 0.0)
 
-            keep = [len(c) + int(n) for c, n in zip(contexts, verdict.num_accepted)]
-            drafted_keep = list(keep)  # what the proposer's own tokens left committed
-            for b, j in enumerate(verdict.alternative.tolist() if most else []):
-                if j >= 0:  # the accepted alternative's keys and values take the place of chain token j
-                    a = [pos for pos, _ in branches[b]].index(j)
-                    target_kv.move(b, have[b] + len(feed[b]) - most + a, len(contexts[b]) + j)
-                    drafted_keep[b] = len(contexts[b]) + j
+            # the accepted path's keys and values take their places after the committed tokens
+            keep = [len(c) + len(path) for c, path in zip(contexts, verdict.paths)]
+            for b, (c, path) in enumerate(zip(contexts, verdict.paths)):
+                target_kv.move_path(b, [len(c) + n for n in path], len(c))
             target_kv.truncate(keep)
             if proposer:
-                proposer.rollback(drafted_keep)
+                proposer.rollback(keep, verdict.paths)
+            sizes, depths = tree.sizes, tree.max_depths()
+            chain_alternatives = draft.alternatives is not None and draft.parents is None
 
             for b, row in enumerate(active):
                 s = row.stats
@@ -316,10 +334,15 @@ class SpecEngine:
                 s.draft_prefill_seconds += draft_prefill
                 s.verify_seconds += t2 - t1
                 s.forward_seconds = in_forwards
-                s.record_acceptance(int(draft.lengths[b]), int(verdict.num_accepted[b]))
-                if most:
-                    s.alternatives += len(branches[b])
-                    s.accepted_alternatives += int(verdict.alternative[b] >= 0)
+                s.verified_nodes += sizes[b]
+                accepted = len(verdict.paths[b])
+                if chain_alternatives:  # a chain's extra leaves, counted apart from its drafted tokens
+                    chain = int(draft.lengths[b])
+                    s.alternatives += sizes[b] - chain
+                    s.accepted_alternatives += int(accepted > 0 and verdict.paths[b][-1] >= draft.width)
+                    s.record_acceptance(chain, accepted)
+                else:
+                    s.record_acceptance(sizes[b], accepted, depths[b])
                 self._commit(row, verdict.committed(b), eos, opts.stop)
                 s.new_tokens = len(row.generated)
                 s.wall_seconds = time.perf_counter() - t_start
@@ -369,6 +392,24 @@ class TextStream:
                 yield delta
         self.completion = self._engine._completion(self._row, self._opts)
         bound_freed_memory()
+
+
+def _feed(contexts: list[list[int]], have: list[int], tree: DraftTree) -> tuple[list[list[int]], list[list[int]] | None]:
+    """What the target reads this round, per row: the committed tokens it has not seen (the last
+    of them the tree's root), then every node of the tree (padding nodes too: a row's logits sit
+    at fixed columns). And per token its parent's slot (speclm.kv.StaticKV.forward), or None
+    where every row is a chain: node n sits at slot len(context) + n."""
+    nodes = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    feed, links, chain = [], [], True
+    for c, h, row, up in zip(contexts, have, nodes, parents):
+        feed.append(c[h:] + row)
+        # a padding node (after every real one) continues from the node before it, as in a chain
+        slot = [len(c) - 1 if p == ROOT or (p == PAD and n == 0) else len(c) + n - 1 if p == PAD else len(c) + p
+                for n, p in enumerate(up)]
+        chain = chain and all(s == len(c) + n - 1 for n, s in enumerate(slot))
+        links.append([-1] * (len(c) - h) + slot)
+    return feed, None if chain else links
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

@@ -112,6 +112,9 @@ class StaticKV:
         self._writer = _SlotWriter(self)
         self._slots = torch.arange(capacity, device=self.device)  # built once
         self._rows = torch.arange(batch_size, device=self.device)
+        # per row: slot -> its parent's slot, for the tree slots past the committed tokens whose
+        # parent is not the slot before them (forward's `parents`); emptied as they are rolled back
+        self._links: list[dict[int, int]] = [{} for _ in range(batch_size)]
         self.forward_seconds = 0.0  # time spent inside model forwards, for overhead accounting
 
     @property
@@ -151,12 +154,13 @@ class StaticKV:
 
     @torch.inference_mode()
     def forward(self, rows: list[list[int]], logits_to_keep: int, head=None,
-                positions: list[list[int]] | None = None) -> torch.Tensor:
+                parents: list[list[int] | None] | None = None) -> torch.Tensor:
         """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens.
         head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward.
-        positions: per row, its tokens' positions, where some lie below their slots (a tree's
-        alternatives: such a token attends the slots before its position and its own slot,
-        speclm.attention.attend_each_query); None: every token at its slot."""
+        parents: per row (or None: a chain), for each of its tokens the slot of its parent, or -1
+        for the slot before its own. A token then attends the slots of its ancestors, through
+        this and earlier forwards, and sits at the position of its depth: a tree's node computes
+        what a plain step after its root path would (speclm.attention.attend_each_query)."""
         counts = [len(r) for r in rows]
         width = max(counts)
         assert width >= 1 and min(counts) >= logits_to_keep >= 1
@@ -165,41 +169,73 @@ class StaticKV:
         offsets = self._slots[:width]  # (M,)
         slots = self.lengths[:, None] + offsets  # (B, M): where each token's keys and values go
         window = int(slots[:, -1].max()) + 1
-        at = None  # (B, M) positions, padding columns at their slots
-        if positions is not None:
-            assert not is_prefill(self.lengths.tolist()), "a prefill has no tree"
-            at = slots.clone()
-            for b, p in enumerate(positions):
-                at[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        starts = self.lengths.tolist()
+        tree = positions = None
+        parents = parents if parents is not None else [None] * len(rows)
+        if any(p is not None for p in parents) or any(self._links):
+            assert not is_prefill(starts), "a prefill has no tree"
+            tree = [self._visible(b, starts[b], width, p) for b, p in enumerate(parents)]
+            tree = tree if any(row is not None for row in tree) else None
+        if tree is not None:
+            positions = slots.clone()  # (B, M): a node's position is its depth's
+            for b, row in enumerate(tree):
+                if row is not None:
+                    positions[b] = torch.tensor([reach + len(apart) - 1 for reach, apart in row], dtype=torch.long)
         if window > self.capacity:
             self._grow(window)
         # which columns hold each row's last `logits_to_keep` tokens; all rows agree when the
         # feed is not ragged, the usual case after prefill
         ragged = min(counts) < width
         cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep]) if ragged else None  # (B, K)
-        starts = self.lengths.tolist()
         t0 = time.perf_counter()
         if self.lean is not None:
             keep_cols = cols if ragged else slice(width - logits_to_keep, width)
-            logits = self.lean(ids, slots, self, starts, counts, window, keep_cols, head, at)
+            logits = self.lean(ids, slots, self, starts, counts, window, keep_cols, head, positions, tree)
         else:
             assert head is None, "a replaced output head needs speclm's lean forward"
-            logits = self._transformers_forward(ids, slots, at, window, starts, counts, logits_to_keep, cols)
+            logits = self._transformers_forward(ids, slots, positions, tree, window, starts, counts, logits_to_keep, cols)
         self.forward_seconds += time.perf_counter() - t0
         self.lengths = self.lengths + n
         return logits
 
-    def _transformers_forward(self, ids, slots, positions, window, starts, counts, logits_to_keep, cols):
+    def _visible(self, b: int, start: int, width: int, parents: list[int] | None) -> list[tuple[int, list[int]]] | None:
+        """Row b's (reach, apart) per column (speclm.attention), its links recorded first; None
+        where the row attends as a chain."""
+        links = self._links[b]
+        for i, p in enumerate(parents if parents is not None else [-1] * width):
+            slot = start + i
+            assert -1 <= p < slot, f"parent slot {p} of a token at slot {slot}"
+            if p >= 0 and p != slot - 1:
+                links[slot] = p
+            else:
+                links.pop(slot, None)
+        if not links:
+            return None
+        lowest = min(links)  # below it every slot's parent is the slot before
+        out = []
+        for i in range(width):
+            apart, at = [], start + i
+            while at >= lowest:
+                apart.append(at)
+                at = links.get(at, at - 1)
+            out.append((at + 1, apart[::-1]))
+        return out
+
+    def _transformers_forward(self, ids, slots, positions, tree, window, starts, counts, logits_to_keep, cols):
         """The model's own forward, this cache handed in as `past_key_values` (via _SlotWriter)."""
-        # query (b, i) sees slots 0..lengths[b] + i; padding queries see the same, harmlessly (a
-        # prefill's mask; decode forwards attend per query, speclm.attention)
+        # query (b, i) sees slots 0..lengths[b] + i, or its tree's slots; padding queries see the
+        # same, harmlessly (a prefill's mask; decode forwards attend per query, speclm.attention)
         mask = self._slots[None, None, None, :window] <= slots[:, None, :, None]  # (B, 1, M, W)
+        for b, row in enumerate(tree or ()):
+            for i, (reach, apart) in enumerate(row or ()):
+                mask[b, 0, i, reach:] = False
+                mask[b, 0, i, apart] = True
         if cols is not None:
             keep, gather = torch.unique(cols, return_inverse=True)  # keep (U,), gather (B, K) into it
         else:
             keep, gather = logits_to_keep, None
         self._write_rows, self._write_slots, self._window = self._rows[:, None], slots, window
-        with per_query(starts, counts, positions):
+        with per_query(starts, counts, tree):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -213,18 +249,27 @@ class StaticKV:
             logits = logits[self._rows[:, None], gather]  # (B, K, V)
         return logits.float()
 
-    def move(self, row: int, source: int, target: int) -> None:
-        """Row `row`'s keys and values at slot `source` are copied to slot `target` in every layer:
-        a tree's accepted alternative, computed at its position but written after the chain,
-        takes its place in the sequence (one slot per layer, once per accepted alternative)."""
-        for store in (self.keys, self.values):
-            for t in store:
-                t[row, :, target] = t[row, :, source]
+    def move_path(self, row: int, sources: list[int], start: int) -> None:
+        """Row `row`'s slots `sources` (ascending, each at or past its target) are copied to slots
+        start, start + 1, ... in every layer: a tree's accepted path, each node's keys and values
+        computed at the position of its depth, takes its place in the sequence. Nothing is
+        recomputed; one gather per layer and store, none where the path already lies in place."""
+        pairs = [(s, start + i) for i, s in enumerate(sources) if s != start + i]
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([t for _, t in pairs], device=self.device)
+            for store in (self.keys, self.values):
+                for t in store:
+                    t[row, :, dst] = t[row, :, src]
+        self._links[row] = {s: p for s, p in self._links[row].items() if s < start}
 
     def truncate(self, keep: torch.Tensor | list[int]) -> None:
         """Row b keeps its first keep[b] slots; the rest are rolled back (a length moves)."""
         keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
         self.lengths = torch.minimum(self.lengths, keep)
+        for links, k in zip(self._links, keep.tolist()):
+            for s in [s for s in links if s >= k]:
+                del links[s]
 
     def select(self, rows: torch.Tensor | list[int]) -> None:
         """Keep only these batch rows (finished rows leave the batch): one copy per exit."""
@@ -232,4 +277,5 @@ class StaticKV:
         self.keys = [t[rows] for t in self.keys]
         self.values = [t[rows] for t in self.values]
         self.lengths = self.lengths[rows]
+        self._links = [self._links[r] for r in rows.tolist()]
         self._rows = torch.arange(len(rows), device=self.device)

@@ -179,13 +179,13 @@ class LeanForward:
             self._sin = torch.cat((-sin, sin), dim=-1)
 
     @torch.inference_mode()
-    def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None):
+    def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None):
         """ids, slots (B, M); kv: the StaticKV (its buffers are written at `slots`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
         head: (R, E) -> (R, V') in place of the model's output head (a draft's restricted vocabulary);
-        positions (B, M): each token's position where some lie below their slot (a tree's
-        alternatives, speclm.attention.attend_each_query), else None (position = slot)."""
+        positions (B, M), tree: where some rows hold a tree (speclm.kv.StaticKV.forward), each token's
+        position and the slots each query attends (speclm.attention.Tree), else None."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
@@ -199,7 +199,7 @@ class LeanForward:
         compiled = self.compiled if (per_query and h.dtype == torch.float32 and dim % 32 == 0
                                      and kv.keys[0].dtype == torch.float32) else None
         at = slots if positions is None else positions
-        tree = positions.view(-1).tolist() if positions is not None else []  # the compiled kernel's form
+        flat = _flat_tree(tree, starts, width) if tree is not None else []  # the compiled kernel's form
         if compiled is None:  # the torch ops' rotary: cos and sin (R, 1, D) at these positions
             cos = self._cos[at.view(-1)].to(h.dtype)[:, None, :]
             sin = self._sin[at.view(-1)].to(h.dtype)[:, None, :]
@@ -218,7 +218,7 @@ class LeanForward:
             qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
             if compiled is not None:
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
-                                                heads, kv_heads, self.scaling, tree)  # (R, H D)
+                                                heads, kv_heads, self.scaling, flat)  # (R, H D)
             else:
                 qk = qkv[:, :split].view(-1, heads + kv_heads, dim)
                 qk = qk * cos + qk.roll(half, dims=-1) * sin  # rotary on q and k at once
@@ -233,7 +233,7 @@ class LeanForward:
                     keys[rows, :, slots] = k.to(keys.dtype)
                     values[rows, :, slots] = v.to(values.dtype)
                 if per_query:
-                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, positions)  # (B, M, H, D)
+                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, tree)  # (B, M, H, D)
                 else:
                     # a prefill's rows all start at slot 0, left-aligned: its mask is the causal one,
                     # which lets SDPA skip the blocks above the diagonal
@@ -248,3 +248,18 @@ class LeanForward:
         kept = h.shape[0] // batch  # h (B K, E): the kept rows, row by row
         head = self.head if head is None else head
         return head(self.norm(h)).float().view(batch, kept, -1)  # (B, K, V)
+
+
+def _flat_tree(tree: list, starts: list[int], width: int) -> list[int]:
+    """speclm.attention's Tree as decode_attention's `tree` vector (speclm/csrc/common.h): B M + 1
+    offsets, then each query's [reach, slots apart...]; a chain row's queries reach their slot."""
+    rows = len(starts) * width
+    offsets: list[int] = []
+    body: list[int] = []
+    for b, row in enumerate(tree):
+        for i in range(width):
+            reach, apart = row[i] if row is not None else (starts[b] + i + 1, ())
+            offsets.append(rows + 1 + len(body))
+            body.append(reach)
+            body.extend(apart)
+    return offsets + [rows + 1 + len(body)] + body

@@ -11,7 +11,8 @@ class RequestStats:
     draft_forwards: int = 0  # draft model forwards (0 for pld and none)
     drafted_tokens: int = 0  # tokens proposed and sent to verification
     accepted_tokens: int = 0  # drafted tokens the verifier accepted
-    accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft token j was accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that accepted a token at depth j
+    verified_nodes: int = 0  # draft tokens the target scored (a tree's every node, a chain's alternatives too)
     alternatives: int = 0  # second candidates verified beside drafted tokens (a tree's leaves; not in drafted_tokens)
     accepted_alternatives: int = 0  # of those, accepted (counted in accepted_tokens too)
     draft_seconds: float = 0.0  # time proposing (shared batch time while the row was active)
@@ -56,10 +57,13 @@ class RequestStats:
         d["decode_tokens_per_second"] = self.decode_tokens_per_second
         return d
 
-    def record_acceptance(self, drafted: int, accepted: int) -> None:
+    def record_acceptance(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One round: `drafted` tokens proposed (a tree's nodes), `accepted` of them on the path,
+        the draft `depth` deep (a chain: drafted)."""
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
-        if len(self.accepted_per_position) < drafted:
-            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        depth = drafted if depth is None else depth
+        if len(self.accepted_per_position) < depth:
+            self.accepted_per_position.extend([0] * (depth - len(self.accepted_per_position)))
         for j in range(accepted):
             self.accepted_per_position[j] += 1

@@ -31,6 +31,11 @@ class DraftTree:
     probs: torch.Tensor | None  # (B, N, V) or None (one-hot)
 
     @property
+    def width(self) -> int:
+        """N: nodes per row, padding included."""
+        return self.tokens.shape[1]
+
+    @property
     def sizes(self) -> list[int]:
         return (self.parents != PAD).sum(1).tolist()
 
@@ -53,6 +58,10 @@ class DraftTree:
                 if parent != PAD:
                     out[b][n] = 0 if parent == ROOT else out[b][parent] + 1
         return torch.tensor(out, dtype=torch.long).view(self.parents.shape)
+
+    def max_depths(self) -> list[int]:
+        """Per row, its deepest node's depth + 1 (0: no nodes): the longest path it can accept."""
+        return (self.depths().max(1).values + 1).tolist() if self.width else [0] * self.tokens.shape[0]
 
     def check(self) -> None:
         """Parents come before their children; padding after every node of its row."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from speclm.proposers.base import Draft
-from speclm.tree import PAD, ROOT, DraftTree
+from speclm.tree import ROOT, DraftTree
 from speclm.sampling import SamplingParams, processed_probs
 
 
@@ -40,9 +40,8 @@ class Verdict:
     num_accepted: torch.Tensor  # (B,) long: accepted nodes per row (the path's length)
     tokens: torch.Tensor  # (B, D+1) long: row b commits tokens[b, : num_accepted[b] + 1]
     paths: list[list[int]]  # per row, the accepted nodes from the root down
-    # (B,) long, from `verify` (a chain with alternatives): the position j whose alternative was
-    # accepted (then num_accepted = j + 1 and its keys and values sit in its own slot,
-    # speclm.engine moves them), else -1; None from `verify_tree`
+    # (B,) long, from `verify` on a chain with alternatives: the position j whose alternative was
+    # accepted (then num_accepted = j + 1), else -1; None from `verify_tree`
     alternative: torch.Tensor | None = None
 
     def committed(self, row: int) -> list[int]:
@@ -55,32 +54,15 @@ def verify(
     params: SamplingParams,
     generators: list[torch.Generator | None],
 ) -> Verdict:
-    """A chain draft with optional alternatives, verified as the tree it is. target_logits
-    (B, K+1+A, V): the target's logits at the last committed token and at each draft token, then
-    at each row's alternatives in the order of Draft.alternative_slots (A: the most any row has)."""
+    """verify_tree over the draft's tree (Draft.tree: a chain, its alternatives numbered after it),
+    with `alternative` set and tokens (B, K+1) wide. target_logits (B, 1+N, V) as verify_tree's."""
     batch, width = draft.tokens.shape
-    branches, most = draft.alternative_slots()  # per row: [(j, token)], their logits at width + 1 + index
-    if most and draft.draft_probs is None and not params.greedy:
-        raise ValueError("sampled alternatives need the draft's distribution")
-    tree = DraftTree.chain(draft.tokens, draft.lengths, draft.draft_probs)
-    if most:  # alternative a of row b: node width + a, a sibling of chain node j (drawn from the same q)
-        tokens = torch.zeros(batch, most, dtype=torch.long)
-        parents = torch.full((batch, most), PAD, dtype=torch.long)
-        positions = torch.zeros(batch, most, dtype=torch.long)
-        for b, row in enumerate(branches):
-            for a, (j, t) in enumerate(row):
-                tokens[b, a], parents[b, a], positions[b, a] = t, j - 1 if j else ROOT, j
-        probs = None
-        if draft.draft_probs is not None:
-            probs = torch.cat([draft.draft_probs, draft.draft_probs.gather(
-                1, positions[:, :, None].expand(-1, -1, draft.draft_probs.shape[-1]))], dim=1)
-        tree = DraftTree(torch.cat([draft.tokens, tokens], 1), torch.cat([tree.parents, parents], 1), probs)
-    verdict = verify_tree(target_logits, tree, params, generators)
+    verdict = verify_tree(target_logits, draft.tree(), params, generators)
     if verdict.tokens.shape[1] < width + 1:  # (B, K+1): room for any row's whole chain and its bonus
         verdict.tokens = torch.cat([verdict.tokens, verdict.tokens.new_zeros(batch, width + 1 - verdict.tokens.shape[1])], 1)
-    # an accepted alternative is the path's last node
-    verdict.alternative = torch.tensor([len(p) - 1 if p and p[-1] >= width else -1 for p in verdict.paths],
-                                       dtype=torch.long)
+    if draft.parents is None:  # an accepted alternative is the path's last node
+        verdict.alternative = torch.tensor([len(p) - 1 if p and p[-1] >= width else -1 for p in verdict.paths],
+                                           dtype=torch.long)
     return verdict
 
 

@@ -34,8 +34,11 @@ class PlantedAlternativeProposer(Proposer):
     def select(self, rows):
         self.rows = [self.rows[r] for r in rows]
 
-    def rollback(self, keep):
-        self.rollbacks.append(list(keep))
+    def rollback(self, keep, paths):
+        # what a chain proposer keeps: the committed tokens before its draft, then its own accepted
+        # chain tokens (an accepted alternative is a sibling it never fed)
+        self.rollbacks.append([k - len(p) + next((j for j, n in enumerate(p) if n != j), len(p))
+                               for k, p in zip(keep, paths)])
 
     def propose(self, contexts, max_tokens, params, generators):
         tokens = torch.zeros(len(contexts), self.k, dtype=torch.long)

@@ -64,14 +64,14 @@ def _spy_drafts(monkeypatch):
     import speclm.engine as engine_mod
 
     seen: list[int] = []
-    real = engine_mod.verify
+    real = engine_mod.verify_tree
 
-    def spy(logits, draft, params, generators):
-        for b in range(len(draft.lengths)):
-            seen.extend(draft.tokens[b, : int(draft.lengths[b])].tolist())
-        return real(logits, draft, params, generators)
+    def spy(logits, tree, params, generators):
+        for b, size in enumerate(tree.sizes):
+            seen.extend(tree.tokens[b, :size].tolist())
+        return real(logits, tree, params, generators)
 
-    monkeypatch.setattr(engine_mod, "verify", spy)
+    monkeypatch.setattr(engine_mod, "verify_tree", spy)
     return seen
 
 

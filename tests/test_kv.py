@@ -125,66 +125,113 @@ def test_compiled_decode_attention_matches_torch_ops(tok):
             assert torch.equal(alone.forward([feeds_b[b]], 1), batched[b : b + 1]), b
 
 
-def _alternative_vs_plain(model, prompt, chain, alt_at, alt, *, torch_ops=False, transformers=False, monkeypatch=None):
-    """Logits of an alternative token fed after a chain, at the position of chain[alt_at], and of
-    the same token fed plainly at that position: (tree's, plain's), each (1, 1, V)."""
-    import speclm.kv as kv_mod
+# trees as parents per node (-1: a child of the root, the last committed token), in node order
+TREES = [
+    [-1, 0, 1, 2],  # a chain
+    [-1, 0, 1, 2, 1],  # a chain and an alternative for its third token
+    [-1, -1, 0, 1, 1, 3, 2],  # two branches from the root, one forked
+    [-1, 0, -1, 2, 0, 4, 3, 6, 5],  # interleaved branches, four deep
+]
 
-    if transformers:
-        monkeypatch.setattr(kv_mod.lean, "supports", lambda m: False)
+
+def _depths(parents):
     out = []
-    for tree in (True, False):
-        kv = StaticKV(model, 1, 64)
-        if torch_ops and kv.lean is not None:
-            kv.lean.compiled = None
-        kv.forward([prompt], 1)
-        base = kv.lengths_list()[0]
-        if tree:
-            positions = [list(range(base, base + len(chain))) + [base + alt_at]]
-            out.append(kv.forward([chain + [alt]], 1, positions=positions))
-        else:
-            out.append(kv.forward([chain[:alt_at] + [alt]], 1))
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
     return out
 
 
-def test_alternative_token_gets_the_bits_of_a_plain_step(tok, monkeypatch):
-    """A tree's alternative (fed after the chain, at the position of the chain token it replaces)
-    attends what a plain step at that position attends, in the same order: on int8 weights its
-    logits are bit-identical, on the compiled kernel, the torch ops and the transformers path;
-    and after `move` the cache continues as if the alternative had been fed plainly."""
+def _tree_logits(model, prompt, tokens, parents, *, by_level=False, torch_ops=False):
+    """Logits (1, 1 + N, V) of a tree after `prompt` (the root, then node n at 1 + n), fed in one
+    forward, or level by level as a draft grows one (then the root's and each level's in turn)."""
+    kv = StaticKV(model, 1, 96)
+    if torch_ops and kv.lean is not None:
+        kv.lean.compiled = None
+    kv.forward([prompt[:-1]], 1)
+    base = kv.lengths_list()[0]  # the root's slot
+    if not by_level:
+        slots = [base if p < 0 else base + 1 + p for p in parents]
+        return kv.forward([[prompt[-1]] + tokens], 1 + len(tokens), parents=[[-1] + slots])
+    out = {0: kv.forward([[prompt[-1]]], 1)[0, 0]}
+    where = {}
+    depths = _depths(parents)
+    for level in range(max(depths) + 1):
+        nodes = [n for n, d in enumerate(depths) if d == level]
+        start = kv.lengths_list()[0]
+        ups = [base if parents[n] < 0 else where[parents[n]] for n in nodes]
+        logits = kv.forward([[tokens[n] for n in nodes]], len(nodes), parents=[ups])
+        for i, n in enumerate(nodes):
+            where[n] = start + i
+            out[1 + n] = logits[0, i]
+    return torch.stack([out[i] for i in range(1 + len(tokens))])[None]
+
+
+def _plain_logits(model, prompt, tokens, parents, torch_ops=False):
+    """The same (1, 1 + N, V), each node's from a plain forward over its root path."""
+    rows = []
+    for n in [None] + list(range(len(tokens))):
+        path = []
+        while n is not None and n >= 0:
+            path.insert(0, tokens[n])
+            n = parents[n] if parents[n] >= 0 else None
+        kv = StaticKV(model, 1, 96)
+        if torch_ops and kv.lean is not None:
+            kv.lean.compiled = None
+        kv.forward([prompt[:-1]], 1)
+        rows.append(kv.forward([[prompt[-1]] + path], 1)[0, 0])
+    return torch.stack(rows)[None]
+
+
+def test_tree_nodes_get_the_bits_of_a_plain_step(tok, monkeypatch):
+    """A tree's node attends the committed prefix, its ancestors and itself, at the position of its
+    depth: on int8 weights its logits are bit-identical to a plain forward over its root path, on
+    the compiled kernel, the torch ops and the transformers path; fed in one forward or level by
+    level (as a draft grows a tree, ancestors in earlier forwards); and after `move_path` the
+    cache continues as if the accepted path had been fed plainly."""
+    import speclm.kv as kv_mod
     from speclm.quant import quantize_model
     from tiny import require_compiled_kernels, tiny_model
 
     require_compiled_kernels()
     prompt = tok("a tree of tokens, a tree").input_ids
-    chain = [5, 6, 7, 8]
     for hidden, heads, kv_heads in ((64, 2, 1), (256, 4, 2)):
         model = tiny_model(len(tok), seed=4, hidden=hidden, heads=heads, kv_heads=kv_heads)
         quantize_model(model, "int8")
-        for alt_at in (0, 2, 3):
-            for mode in ("compiled", "torch_ops"):
-                tree, plain = _alternative_vs_plain(model, prompt, chain, alt_at, 9, torch_ops=mode == "torch_ops")
-                assert torch.equal(tree, plain), (hidden, alt_at, mode)
-        with monkeypatch.context() as m:
-            tree, plain = _alternative_vs_plain(model, prompt, chain, 1, 9, transformers=True, monkeypatch=m)
-            assert torch.equal(tree, plain), (hidden, "transformers")
-        # accepted at position base + 1: move its keys and values there, keep base + 2 slots, go on
-        kv = StaticKV(model, 1, 64)
-        kv.forward([prompt], 1)
+        for parents in TREES:
+            tokens = [5 + n for n in range(len(parents))]
+            for torch_ops in (False, True):
+                plain = _plain_logits(model, prompt, tokens, parents, torch_ops)
+                for by_level in (False, True):
+                    tree = _tree_logits(model, prompt, tokens, parents, by_level=by_level, torch_ops=torch_ops)
+                    assert torch.equal(tree, plain), (hidden, parents, torch_ops, by_level)
+            with monkeypatch.context() as m:
+                m.setattr(kv_mod.lean, "supports", lambda m: False)
+                plain = _plain_logits(model, prompt, tokens, parents)
+                for by_level in (False, True):
+                    tree = _tree_logits(model, prompt, tokens, parents, by_level=by_level)
+                    assert torch.equal(tree, plain), (hidden, parents, "transformers", by_level)
+        # the deepest path of the last tree is accepted: its keys and values move into place
+        parents = TREES[-1]
+        tokens = [5 + n for n in range(len(parents))]
+        path = [8]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        kv = StaticKV(model, 1, 96)
+        kv.forward([prompt[:-1]], 1)
         base = kv.lengths_list()[0]
-        kv.forward([chain + [9]], 1, positions=[list(range(base, base + 4)) + [base + 1]])
-        kv.move(0, base + 4, base + 1)
-        kv.truncate([base + 2])
-        after = kv.forward([[10, 11]], 2)
-        fresh = StaticKV(model, 1, 64)
-        fresh.forward([prompt], 1)
-        assert torch.equal(fresh.forward([chain[:1] + [9, 10, 11]], 2), after)
+        kv.forward([[prompt[-1]] + tokens], 1, parents=[[-1] + [base if p < 0 else base + 1 + p for p in parents]])
+        kv.move_path(0, [base + 1 + n for n in path], base + 1)
+        kv.truncate([base + 1 + len(path)])
+        after = kv.forward([[40, 41]], 2)
+        fresh = StaticKV(model, 1, 96)
+        fresh.forward([prompt[:-1]], 1)
+        assert torch.equal(fresh.forward([[prompt[-1]] + [tokens[n] for n in path] + [40, 41]], 2), after)
 
 
 def test_decode_attention_bits_do_not_depend_on_its_query_tiles():
     """The compiled attention takes a kv head's queries in tiles (so a prefill's scores stay in
     cache); each query's arithmetic is its own, so any tiling gives the same bits, for a prefill's
-    many queries, a ragged batch and a tree's alternative alike."""
+    many queries, a ragged batch and a tree alike."""
     from speclm import kernels
     from tiny import require_compiled_kernels
 
@@ -196,7 +243,10 @@ def test_decode_attention_bits_do_not_depend_on_its_query_tiles():
     cos = torch.cat((freqs, freqs), -1).cos()
     sin = torch.cat((-freqs.sin(), freqs.sin()), -1)
     cases = [([0, 5], [40, 33], 40, []),  # prefill-like: 2 x 40 tokens, ragged, 80 queries per kv head
-             ([20], [4], 4, [20, 21, 22, 21])]  # a chain of three and an alternative at the second's position
+             # a chain of three and an alternative at the second's position (common.h's tree vector)
+             ([20], [4], 4, [5, 6, 7, 8, 10, 21, 22, 23, 21, 23]),
+             # slots 20-24: 20 and 22 children of 19, 21 of 20, 23 of 22, 24 of 21
+             ([20], [5], 5, [6, 7, 8, 10, 13, 15, 21, 22, 20, 22, 20, 22, 23, 22, 24])]
     for starts, counts, width, positions in cases:
         batch = len(starts)
         qkv = torch.randn(batch * width, (heads + 2 * kv_heads) * dim)

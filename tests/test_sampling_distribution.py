@@ -10,10 +10,12 @@ drafting round was accepted whole, its bonus counted). The exact joint distribut
 DEPTH tokens (V ** DEPTH = 1296 cells) is computed from the target's processed probabilities
 alone, never from samples: one batched forward over the V ** (DEPTH - 1) prefixes. SAMPLES independent
 requests, one row each with its own generator, are decoded as one batch per case (`draft`,
-`pld`, `draft+pld`, confidence stops, alternatives) and their counts compared with the exact
-joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 11 checks, by the union bound, with probability at most
-1.1e-3 nominally, 2.2e-3 with the chi-square approximation's error as measured there).
+`pld`, `draft+pld`, confidence stops, alternatives, draft trees: static, static past top-k,
+auto, and auto under draft+pld; a tree two deep fills the same window) and their counts
+compared with the exact joint by a chi-square test (chisq.py: each check fails a correct
+sampler with probability about ALPHA = 1e-4; this file's 15 checks, by the union bound, with
+probability at most 1.5e-3 nominally, 3.0e-3 with the chi-square approximation's error as
+measured there).
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
 fail the very check (same case, seed and sample count) the real code passes:
@@ -22,14 +24,22 @@ fail the very check (same case, seed and sample count) the real code passes:
   residual_not_normalised       the residual max(0, p - q) sampled by inverse CDF as if it summed
                                 to 1 (a uniform draw past its total falls on the last id);
   draft_samples_sharper         the draft samples from q^2 (renormalised) but reports q;
-  lookup_rows_as_model_rows     draft+pld's lookup rows verified against the draft model's q.
+  lookup_rows_as_model_rows     draft+pld's lookup rows verified against the draft model's q;
+  siblings_report_first_draw    a tree's siblings drawn without replacement, each reporting the
+                                parent's whole distribution (as if drawn with replacement);
+  tree_bonus_from_previous_position  the first mutation, on a static tree.
 Measured locally over 5 disjoint batches (seeds 11 + i * 10**6, i = 0..4: no request's generator
 seed shared between them): every mutation failed its check 5 times out of 5, with p-values
 between 0 and 5e-78 (ALPHA = 1e-4), and the real code passed all 11 checks 5 times out of 5
-(55 of 55, smallest p-value 0.008).
+(55 of 55, smallest p-value 0.008). The tree cases and mutations, measured the same way: the 4
+tree checks passed 20 of 20 (smallest p-value 0.18), the two tree mutations failed 10 of 10
+(largest p-value 9.4e-77).
 """
 
 import itertools
+import json
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -109,6 +119,15 @@ def pvalue(small, method, params, options, seed: int = SEED) -> float:
 
 
 T1 = SamplingParams(temperature=1.0)
+# a static tree two deep (Medusa's "choices"): three candidates for the next token, then two after
+# the first, one after the second; ranks are draws without replacement
+_TREE_DIR = tempfile.mkdtemp(prefix="speclm-tree-")
+STATIC_TREE = os.path.join(_TREE_DIR, "tree.json")
+WIDE_TREE = os.path.join(_TREE_DIR, "wide.json")
+for path, choices in ((STATIC_TREE, [[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
+                      (WIDE_TREE, [[0], [1], [2], [3], [4], [0, 0], [1, 0], [0, 1]])):
+    with open(path, "w") as f:
+        json.dump(choices, f)
 CASES = {
     "plain": ("none", T1, {}),
     "draft": ("draft", T1, {}),
@@ -125,6 +144,12 @@ CASES = {
     "alternatives": ("draft", T1, {"alternatives": 1.0}),
     "alternatives-some": ("draft", SamplingParams(temperature=0.8, top_k=5), {"alternatives": 0.6, "confidence": 0.35}),
     "draft+pld-alternatives": ("draft+pld", T1, {"alternatives": 1.0}),
+    # trees: a node's children are draws without replacement from its distribution
+    "tree-static": ("draft", T1, {"tree": STATIC_TREE}),
+    # five ranks at the root, past top-k's four tokens
+    "tree-static-top": ("draft", SamplingParams(temperature=0.7, top_k=4, top_p=0.9), {"tree": WIDE_TREE}),
+    "tree-auto": ("draft", T1, {"tree": "auto"}),
+    "draft+pld-tree": ("draft+pld", T1, {"tree": "auto"}),
 }
 
 
@@ -138,19 +163,20 @@ def test_tokens_follow_target_distribution(small, case):
 def _redraw_after_verify(monkeypatch, position):
     """Wrap the verifier: where position(accepted, drafted) names a position, a row's token after
     its accepted ones is drawn again from the target's processed distribution at that position."""
-    real = verify_mod.verify
+    real = verify_mod.verify_tree
 
-    def verify(target_logits, draft, params, generators):
-        verdict = real(target_logits, draft, params, generators)
+    def verify(target_logits, tree, params, generators):
+        verdict = real(target_logits, tree, params, generators)
         probs = processed_probs(target_logits.cpu(), params)
+        depths = tree.max_depths()
         for b, g in enumerate(generators):
             n = int(verdict.num_accepted[b])
-            at = position(n, int(draft.lengths[b]))
+            at = position(n, depths[b])
             if at is not None:
                 verdict.tokens[b, n] = torch.multinomial(probs[b, at], 1, generator=g).item()
         return verdict
 
-    monkeypatch.setattr("speclm.engine.verify", verify)
+    monkeypatch.setattr("speclm.engine.verify_tree", verify)
 
 
 def bonus_from_previous_position(monkeypatch):
@@ -202,12 +228,28 @@ def lookup_rows_as_model_rows(monkeypatch):
     monkeypatch.setattr(draft_lookup, "_mixed", mixed)
 
 
+def siblings_report_first_draw(monkeypatch):
+    """A tree's siblings are drawn without replacement, but each reports the parent's whole
+    distribution (as if drawn with replacement)."""
+    import speclm.proposers.draft_tree as draft_tree
+
+    real = draft_tree._children
+
+    def children(logits, ranks, params, generator, head, vocab_size):
+        out = real(logits, ranks, params, generator, head, vocab_size)
+        return [(r, t, p, out[0][3]) for r, t, p, _ in out]
+
+    monkeypatch.setattr(draft_tree, "_children", children)
+
+
 MUTATIONS = {  # each with the case whose check it must fail
     "bonus_from_previous_position": (bonus_from_previous_position, "draft"),
     "no_residual": (no_residual, "pld"),
     "residual_not_normalised": (residual_not_normalised, "draft"),
     "draft_samples_sharper": (draft_samples_sharper, "draft"),
     "lookup_rows_as_model_rows": (lookup_rows_as_model_rows, "draft+pld"),
+    "siblings_report_first_draw": (siblings_report_first_draw, "tree-auto"),
+    "tree_bonus_from_previous_position": (bonus_from_previous_position, "tree-static"),
 }
 
 

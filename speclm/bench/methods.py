@@ -22,7 +22,7 @@ from speclm.stats import RequestStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float,
-                "alternatives": float, "vocab": int, "prompt_ratio": float}
+                "alternatives": float, "vocab": int, "prompt_ratio": float, "tree": str}
 
 
 @dataclass(frozen=True)

@@ -85,16 +85,34 @@ inline at::Tensor silu_mul_rows(const at::Tensor& gate_up_in, const Row& one_row
   return y;
 }
 
+// Which slots a query attends, in order: slots 0 .. reach - 1, then `count` slots apart from
+// them (a tree node's ancestors past the shared prefix, ascending, its own slot last). A query
+// at slot s of a chain has reach s + 1 and nothing apart. Its position is reach + count - 1:
+// the slots it reads are exactly those a plain step at that position reads, in the same order.
+struct Visible {
+  int64_t reach;
+  const int64_t* apart;
+  int64_t count;
+  int64_t position() const { return reach + count - 1; }
+};
+
+// decode_attention's `tree` argument: empty for chains; else tree[r] .. tree[r + 1] - 1 (r < B M,
+// offsets into the vector itself) hold query r's [reach, slots apart...].
+inline Visible visible_of(const std::vector<int64_t>& tree, int64_t r, int64_t slot) {
+  if (tree.empty()) return {slot + 1, nullptr, 0};
+  const int64_t b = tree[r], e = tree[r + 1];
+  return {tree[b], tree.data() + b + 1, e - b - 1};
+}
+
 // decode_attention's shapes, after its checks.
 struct AttentionShape {
   int64_t batch, rows, width, dim, capacity;
-  bool tree;  // positions given: a token's position may lie below its slot
 };
 
 inline AttentionShape check_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& keys, const at::Tensor& values, const std::vector<int64_t>& starts,
                                       const std::vector<int64_t>& counts, int64_t heads, int64_t kv_heads,
-                                      const std::vector<int64_t>& positions, int64_t query_tile) {
+                                      const std::vector<int64_t>& tree, int64_t query_tile) {
   AttentionShape s{};
   s.batch = static_cast<int64_t>(starts.size());
   TORCH_CHECK(query_tile >= 1, "query_tile must be >= 1");
@@ -115,10 +133,18 @@ inline AttentionShape check_attention(const at::Tensor& qkv, const at::Tensor& c
               last <= s.capacity, "rotary tables or cache too short");
   for (int64_t b = 0; b < s.batch; ++b)
     TORCH_CHECK(starts[b] >= 0 && counts[b] >= 0 && counts[b] <= s.width, "bad count");
-  s.tree = !positions.empty();
-  TORCH_CHECK(!s.tree || static_cast<int64_t>(positions.size()) == s.rows, "one position per token");
-  for (int64_t r = 0; s.tree && r < s.rows; ++r)
-    TORCH_CHECK(positions[r] >= 0 && positions[r] <= starts[r / s.width] + r % s.width, "a position past its slot");
+  if (tree.empty()) return s;
+  const int64_t size = static_cast<int64_t>(tree.size());
+  TORCH_CHECK(size > s.rows && tree[0] == s.rows + 1 && tree[s.rows] == size, "tree: B M + 1 offsets first");
+  for (int64_t r = 0; r < s.rows; ++r) {
+    TORCH_CHECK(tree[r] < tree[r + 1], "tree: an empty entry");
+    const int64_t slot = starts[r / s.width] + r % s.width;
+    const Visible v = visible_of(tree, r, slot);
+    TORCH_CHECK(v.reach >= 0 && (v.count ? v.apart[v.count - 1] == slot : v.reach == slot + 1),
+                "tree: a query must attend its own slot last");
+    for (int64_t j = 0; j < v.count; ++j)
+      TORCH_CHECK(v.apart[j] >= v.reach && (j == 0 || v.apart[j] > v.apart[j - 1]), "tree: slots apart must ascend past reach");
+  }
   return s;
 }
 

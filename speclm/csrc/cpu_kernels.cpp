@@ -450,21 +450,20 @@ inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0
 // speclm.lean's: x * cos + roll(x, D/2) * sin, the same three roundings); keys, values
 // (B, H_kv, capacity, D) this layer's cache; starts, counts (B,): slots before this forward and
 // real tokens per row (the rest of a ragged row's M columns are padding: written, not attended
-// from, output zero). positions (B M) or empty: each token's position; empty means its slot.
-// A token whose position p is below its slot (a tree's alternative token, written after the
-// chain it branches from) is rotated at p and attends slots 0 .. p - 1 and then its own slot:
-// the slots, values and order of a token at slot p, so its bits are those of a plain step.
+// from, output zero). tree: empty for chains, else which slots each query attends
+// (common.h's visible_of): a tree node attends the shared prefix, then its ancestors' slots and
+// its own, and is rotated at its depth's position: the slots, values and order of a plain step at
+// that position, so its bits are that step's.
 // Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
-                            int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions,
+                            int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
                             int64_t query_tile) {
   const speclm_common::AttentionShape shape = speclm_common::check_attention(
-      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, positions, query_tile);
+      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
   const int64_t capacity = shape.capacity, half = dim / 2;
-  const bool tree = shape.tree;
-  auto position_of = [&](int64_t b, int64_t i) { return tree ? positions[b * width + i] : starts[b] + i; };
+  auto visible = [&](int64_t b, int64_t i) { return speclm_common::visible_of(tree, b * width + i, starts[b] + i); };
   const int64_t stride = qkv.size(1), groups = heads / kv_heads, chunks = dim / 16;
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -485,7 +484,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     float* kb = kp + b * kv_heads * capacity * dim;
     float* vb = vp + b * kv_heads * capacity * dim;
     for (int64_t i = 0; i < width; ++i) {
-      const int64_t r = b * width + i, slot = starts[b] + i, at = position_of(b, i);
+      const int64_t r = b * width + i, slot = starts[b] + i, at = visible(b, i).position();
       const float* row = src + r * stride;
       const float* c = cp + at * dim;
       const float* sn = sp + at * dim;
@@ -510,25 +509,21 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(per_head, (at::get_num_threads() + batch * kv_heads - 1) /
                                                                               (batch * kv_heads)));
   at::parallel_for(0, batch * kv_heads * shares, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> who;       // query index r * heads + h, per query of this task
-    std::vector<int64_t> reach;     // leading slots each query attends
-    std::vector<int64_t> own;       // its own slot where that lies past them (a tree's alternative), else -1
+    std::vector<int64_t> who;                 // query index r * heads + h, per query of this task
+    std::vector<speclm_common::Visible> sees;  // the slots each query attends
     std::vector<float> scores, acc, inverse;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t share = t % shares, bg = t / shares, b = bg / kv_heads, g = bg % kv_heads;
       who.clear();
-      reach.clear();
-      own.clear();
+      sees.clear();
       for (int64_t n = share; n < per_head; n += shares) {
         const int64_t i = n / groups, h = g * groups + n % groups, r = b * width + i;
         if (i >= counts[b]) {  // a padding column
           std::fill_n(op + r * heads * dim + h * dim, dim, 0.0f);
           continue;
         }
-        const int64_t at = position_of(b, i), slot = starts[b] + i;
         who.push_back(r * heads + h);
-        reach.push_back(at == slot ? slot + 1 : at);
-        own.push_back(at == slot ? -1 : slot);
+        sees.push_back(visible(b, i));
       }
       const int64_t nq = static_cast<int64_t>(who.size());
       if (nq == 0) continue;
@@ -541,22 +536,24 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       // are the same in any tile, so the bits do not depend on the tiling.
       for (int64_t n0 = 0; n0 < nq; n0 += query_tile) {
         const int64_t n1 = std::min(nq, n0 + query_tile);
-        int64_t most = 0;  // entries of a query's scores: its leading slots, then its own slot if apart
-        for (int64_t n = n0; n < n1; ++n) most = std::max(most, reach[n] + (own[n] >= 0));
+        int64_t most = 0;  // entries of a query's scores: its leading slots, then those apart
+        for (int64_t n = n0; n < n1; ++n) most = std::max(most, sees[n].reach + sees[n].count);
         scores.resize((n1 - n0) * most);
         acc.assign((n1 - n0) * dim, 0.0f);
         for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // scores q . k_j * scale
           for (int64_t n = n0; n < n1; ++n) {
-            const int64_t j1 = std::min(j0 + SLOT_BLOCK, reach[n]);
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].reach);
             for (int64_t s0 = j0; s0 < j1; s0 += 16)
               score16(q.data() + who[n] * dim, kg, dim, s0, std::min<int64_t>(16, j1 - s0), sc, scores.data() + (n - n0) * most);
           }
         }
-        for (int64_t n = n0; n < n1; ++n)  // an alternative's own slot, scored in the lane a plain step's slot has
-          if (own[n] >= 0) score_apart(q.data() + who[n] * dim, kg + own[n] * dim, dim, reach[n], sc, scores.data() + (n - n0) * most);
+        for (int64_t n = n0; n < n1; ++n)  // slots apart, each scored in the lane a plain step's slot has
+          for (int64_t e = 0; e < sees[n].count; ++e)
+            score_apart(q.data() + who[n] * dim, kg + sees[n].apart[e] * dim, dim, sees[n].reach + e, sc,
+                        scores.data() + (n - n0) * most);
         for (int64_t n = n0; n < n1; ++n) {  // softmax numerators in place, and 1 / their sum
           float* sn = scores.data() + (n - n0) * most;
-          const int64_t slots = reach[n] + (own[n] >= 0);
+          const int64_t slots = sees[n].reach + sees[n].count;
           __m512 vmax = _mm512_set1_ps(-INFINITY);  // a maximum does not depend on the order
           int64_t j = 0;
           for (; j + 16 <= slots; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sn + j));
@@ -581,12 +578,14 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         }
         for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
           for (int64_t n = n0; n < n1; ++n) {
-            const int64_t j1 = std::min(j0 + SLOT_BLOCK, reach[n]);
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].reach);
             if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg, dim, j0, j1, acc.data() + (n - n0) * dim);
           }
         }
-        for (int64_t n = n0; n < n1; ++n)  // the own slot last, as a plain step's last slot
-          if (own[n] >= 0) weigh_values(scores.data() + (n - n0) * most + reach[n], vg + own[n] * dim, dim, 0, 1, acc.data() + (n - n0) * dim);
+        for (int64_t n = n0; n < n1; ++n)  // slots apart after, in order, as a plain step's last slots
+          for (int64_t e = 0; e < sees[n].count; ++e)
+            weigh_values(scores.data() + (n - n0) * most + sees[n].reach + e, vg + sees[n].apart[e] * dim, dim, 0, 1,
+                         acc.data() + (n - n0) * dim);
         for (int64_t n = n0; n < n1; ++n) {
           float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
           const __m512 inv = _mm512_set1_ps(inverse[n]);
@@ -609,5 +608,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
-        py::arg("positions") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE);
+        py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE);
 }

@@ -395,19 +395,18 @@ inline void weigh(float p, const float* v, int64_t dim, float* acc) {
 
 // cpu_kernels.cpp's decode_attention, same arguments and meaning: rotary on q and k, k and v
 // written to the cache at each row's slots, and each query attending on its own over exactly
-// the slots before it (a tree's alternative token at position p < slot: slots 0 .. p - 1, then
-// its own slot), every query's arithmetic its own and in slot order. query_tile: unused here
+// the slots before it (a tree node: the shared prefix, its ancestors' slots, its own slot; common.h's
+// visible_of), every query's arithmetic its own and in slot order. query_tile: unused here
 // (each query is one task). Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
-                            int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& positions,
+                            int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
                             int64_t query_tile) {
   const speclm_common::AttentionShape shape = speclm_common::check_attention(
-      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, positions, query_tile);
+      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
   const int64_t capacity = shape.capacity, half = dim / 2;
-  const bool tree = shape.tree;
-  auto position_of = [&](int64_t b, int64_t i) { return tree ? positions[b * width + i] : starts[b] + i; };
+  auto visible = [&](int64_t b, int64_t i) { return speclm_common::visible_of(tree, b * width + i, starts[b] + i); };
   const int64_t stride = qkv.size(1), groups = heads / kv_heads;
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -428,7 +427,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     float* kb = kp + b * kv_heads * capacity * dim;
     float* vb = vp + b * kv_heads * capacity * dim;
     for (int64_t i = 0; i < width; ++i) {
-      const int64_t r = b * width + i, slot = starts[b] + i, at = position_of(b, i);
+      const int64_t r = b * width + i, slot = starts[b] + i, at = visible(b, i).position();
       const float* row = src + r * stride;
       for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, cp + at * dim, sp + at * dim, q.data() + (r * heads + h) * dim);
       for (int64_t g = 0; g < kv_heads; ++g) {
@@ -450,15 +449,14 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         std::fill_n(oh, dim, 0.0f);
         continue;
       }
-      const int64_t at = position_of(b, i), slot = starts[b] + i;
-      const int64_t reach = at == slot ? slot + 1 : at, own = at == slot ? -1 : slot;
-      const int64_t n = reach + (own >= 0);
+      const speclm_common::Visible sees = visible(b, i);
+      const int64_t reach = sees.reach, n = reach + sees.count;
       const float* qh = q.data() + (r * heads + h) * dim;
       const float* kg = kp + (b * kv_heads + g) * capacity * dim;
       const float* vg = vp + (b * kv_heads + g) * capacity * dim;
       scores.resize(n);
       for (int64_t j = 0; j < reach; ++j) scores[j] = dot(qh, kg + j * dim, dim) * sc;
-      if (own >= 0) scores[reach] = dot(qh, kg + own * dim, dim) * sc;
+      for (int64_t e = 0; e < sees.count; ++e) scores[reach + e] = dot(qh, kg + sees.apart[e] * dim, dim) * sc;
       float top = -INFINITY;  // a maximum does not depend on the order
       for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
       const __m256 vtop = _mm256_set1_ps(top);
@@ -473,7 +471,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       const float inverse = 1.0f / reduce_add8(vsum);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (j = 0; j < reach; ++j) weigh(scores[j], vg + j * dim, dim, acc.data());
-      if (own >= 0) weigh(scores[reach], vg + own * dim, dim, acc.data());  // the own slot last
+      for (int64_t e = 0; e < sees.count; ++e) weigh(scores[reach + e], vg + sees.apart[e] * dim, dim, acc.data());  // in order, own last
       const __m256 inv = _mm256_set1_ps(inverse);
       for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + c), inv));
     }
@@ -492,5 +490,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
-        py::arg("positions") = std::vector<int64_t>(), py::arg("query_tile") = 64);
+        py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = 64);
 }

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from speclm.sampling import SamplingParams
+from speclm.tree import PAD, ROOT, DraftTree
 
 
 @dataclass
@@ -25,6 +26,9 @@ class Draft:
     # whose extra branches are leaves), -1 where none; drawn from draft_probs[:, j] independently
     # of tokens[:, j] (greedy: the draft's second choice). See speclm.verify.
     alternatives: torch.Tensor | None = None
+    # (B, K) long or None: a tree's parents (speclm.tree: ROOT, PAD or an earlier node); then row
+    # b's nodes are tokens[b, :lengths[b]] and `alternatives` is None. None: a chain.
+    parents: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -38,7 +42,31 @@ class Draft:
         if alternatives is not None:  # none past a row's own draft
             alternatives = alternatives.masked_fill(torch.arange(width)[None, :] >= self.lengths[:, None], -1)
             alternatives = alternatives if bool((alternatives >= 0).any()) else None
-        return Draft(self.tokens[:, :width], self.lengths, probs, self.forwards, alternatives)
+        parents = self.parents[:, :width] if self.parents is not None else None
+        return Draft(self.tokens[:, :width], self.lengths, probs, self.forwards, alternatives, parents)
+
+    def tree(self) -> DraftTree:
+        """The draft as the verifier reads it: a chain's node j has parent j - 1; an alternative for
+        position j is a sibling of chain node j (same parent, drawn from the same distribution),
+        numbered after the row's chain in order of j."""
+        if self.parents is not None:
+            return DraftTree(self.tokens, self.parents, self.draft_probs)
+        chain = DraftTree.chain(self.tokens, self.lengths, self.draft_probs)
+        branches, most = self.alternative_slots()
+        if not most:
+            return chain
+        batch, width = self.tokens.shape
+        tokens = torch.zeros(batch, most, dtype=torch.long)
+        parents = torch.full((batch, most), PAD, dtype=torch.long)
+        at = torch.zeros(batch, most, dtype=torch.long)  # the chain position each alternative stands for
+        for b, row in enumerate(branches):
+            for a, (j, t) in enumerate(row):
+                tokens[b, a], parents[b, a], at[b, a] = t, j - 1 if j else ROOT, j
+        probs = None
+        if self.draft_probs is not None:
+            probs = torch.cat([self.draft_probs, self.draft_probs.gather(
+                1, at[:, :, None].expand(-1, -1, self.draft_probs.shape[-1]))], dim=1)
+        return DraftTree(torch.cat([self.tokens, tokens], 1), torch.cat([chain.parents, parents], 1), probs)
 
     def alternative_slots(self) -> tuple[list[list[tuple[int, int]]], int]:
         """Per row, its alternatives as (position j, token) in order of j; and the most any row has
@@ -66,6 +94,7 @@ class Proposer:
     """Base class; stateless proposers only implement `propose`."""
 
     name = "proposer"
+    max_nodes = 0  # the most draft tokens it proposes per row and round (the KV caches' headroom)
 
     def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
               max_new_tokens: list[int] | None = None) -> None:
@@ -92,8 +121,11 @@ class Proposer:
     ) -> Draft:
         raise NotImplementedError
 
-    def rollback(self, keep: list[int]) -> None:
-        """Row b's first keep[b] tokens are committed; anything cached past them is stale."""
+    def rollback(self, keep: list[int], paths: list[list[int]]) -> None:
+        """Verification accepted paths[b] (node indices of this proposer's last draft, from the
+        root down) in row b, which now holds keep[b] committed tokens, the accepted nodes' tokens
+        and one more from the target among them; anything cached past what the proposer can keep
+        is stale."""
 
     def select(self, rows: list[int]) -> None:
         """Only these rows stay in the batch."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from speclm.proposers.base import Draft
+from speclm.tree import DraftTree
 from speclm.proposers.draft_model import DraftModelProposer
 from speclm.proposers.prompt_lookup import PromptLookupProposer
 from speclm.sampling import SamplingParams
@@ -34,17 +35,18 @@ class DraftLookupProposer(DraftModelProposer):
 
     def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = (),
                  alternatives: float = 0.0, ngram_max: int = 3, ngram_min: int = 2, prompt_ratio: float = 3.0,
-                 lookup_k: int = 4, prefix_cache=None):
+                 lookup_k: int = 4, prefix_cache=None, tree=None, times=None):
         """k, confidence, vocab, always, alternatives: the draft model's (DraftModelProposer); ngram_max,
         ngram_min: the lookup's while the draft model runs; prompt_ratio: the draft model stays off
         for a batch whose every prompt is longer than this times its max_new_tokens (0: always
         off, inf: always on); lookup_k: tokens per lookup draft when the model is off; prefix_cache:
-        the draft model's (speclm.prefix_cache)."""
+        the draft model's (speclm.prefix_cache); tree: the draft model's tree (None: a chain)."""
         super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always, alternatives=alternatives,
-                         prefix_cache=prefix_cache)
+                         prefix_cache=prefix_cache, tree=tree, times=times)
         self.beside = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)  # while the model runs
         self.alone = PromptLookupProposer(k=lookup_k, max_ngram=ngram_max, min_ngram=1)  # as method pld
         self.prompt_ratio = prompt_ratio
+        self.max_nodes = max(self.max_nodes, lookup_k)
         self.model_on = True  # this batch runs the draft model
         self.lookups = 0  # rows drafted by lookup since start (statistics)
         # per row, this round: the context length of a row drafted by lookup while the model
@@ -76,11 +78,15 @@ class DraftLookupProposer(DraftModelProposer):
                 zip(found, by_lookup, draft.tokens.tolist(), draft.lengths.tolist())]
         return _mixed(rows, by_lookup, draft, params)
 
-    def rollback(self, keep: list[int]) -> None:
-        if self._cut:  # the model's tokens past a lookup row's context were never committed
-            keep = [k if cut is None else min(k, cut) for k, cut in zip(keep, self._cut)]
-            self._cut = []
-        super().rollback(keep)
+    def rollback(self, keep: list[int], paths: list[list[int]]) -> None:
+        if not self._cut:
+            return super().rollback(keep, paths)
+        # the model's tokens past a lookup row's context were never committed
+        kept = [k - len(p) if cut is not None else None for k, p, cut in zip(keep, paths, self._cut)]
+        model_paths = [[] if cut is not None else p for p, cut in zip(paths, self._cut)]
+        cached = self._keep_cached([k if c is None else c for k, c in zip(keep, kept)], model_paths)
+        self._cut = []
+        self.kv.truncate(cached)
 
 
 def _mixed(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: SamplingParams) -> Draft:
@@ -88,6 +94,11 @@ def _mixed(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: S
     alternatives). Sampling: the model's rows read their distributions from model.draft_probs
     (B, K', V); lookup rows are one-hot."""
     draft = Draft.from_rows(rows, forwards=model.forwards)
+    if model.parents is not None:  # the model's rows are trees: they keep their parents, lookup rows are chains
+        chain = DraftTree.chain(draft.tokens, draft.lengths).parents
+        draft.parents = torch.where(torch.tensor(by_lookup)[:, None], chain, model.parents[:, : draft.width]
+                                    if model.width >= draft.width else
+                                    torch.cat([model.parents, chain[:, model.width :]], 1))
     if model.alternatives is not None:  # the model's rows keep their alternatives
         others = torch.full(draft.tokens.shape, -1, dtype=torch.long)
         for b, (r, hit) in enumerate(zip(rows, by_lookup)):

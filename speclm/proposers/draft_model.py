@@ -15,6 +15,7 @@ import time
 import torch
 
 from speclm.proposers.base import Draft, Proposer
+from speclm.proposers.draft_tree import DraftTimes, TreeSpec, grow, record_acceptance
 from speclm.proposers.draft_vocab import RestrictedHead, restricted_head
 from speclm.kv import StaticKV
 from speclm.prefix_cache import PrefixCache
@@ -25,7 +26,8 @@ class DraftModelProposer(Proposer):
     name = "draft"
 
     def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = (),
-                 alternatives: float = 0.0, prefix_cache: PrefixCache | None = None):
+                 alternatives: float = 0.0, prefix_cache: PrefixCache | None = None, tree: TreeSpec | None = None,
+                 times: DraftTimes | None = None):
         """k: most tokens per round; confidence: a row stops drafting after a token the draft gave
         less than this probability (0: never), so a round where the draft is unsure costs
         fewer draft steps and a narrower verification. The stop depends on the draft alone, so
@@ -34,8 +36,17 @@ class DraftModelProposer(Proposer):
         whole vocabulary, as where speclm's lean forward does not run). alternatives: where the
         draft gave its token less than this probability, a second candidate for that position
         is verified beside it (greedy: the draft's second choice; sampling: a second, independent
-        draw), one more token in the target's forward and no draft step (0: never)."""
+        draw), one more token in the target's forward and no draft step (0: never). tree: draft a
+        tree of this shape each round instead of a chain (speclm.proposers.draft_tree; k,
+        confidence and alternatives then do not apply)."""
         self.model, self.k, self.confidence, self.alternatives = model, k, confidence, alternatives
+        self.tree = tree
+        if tree is not None:
+            self.k, self.confidence, self.alternatives = tree.max_depth, 0.0, 0.0
+        self.max_nodes = tree.max_nodes if tree is not None else 2 * self.k  # a chain's alternatives: one per token
+        self._slots: list[list[int | None]] = []  # per row, the draft cache slot of each node of the last tree
+        self._nodes: list = []  # per row, the last tree's nodes (speclm.proposers.draft_tree)
+        self._times = times if times is not None else DraftTimes()  # measured, for trees grown by cost
         self.vocab, self.always = vocab, tuple(always)
         self.prefix_cache = prefix_cache
         self.kv: StaticKV | None = None
@@ -84,9 +95,18 @@ class DraftModelProposer(Proposer):
                     cache.add(self.kv, b, c[:-1])
             have = self.kv.lengths_list()
         # logits over the draft's vocabulary: all V ids, or head.ids (S,) when restricted
+        t0 = time.perf_counter()
         logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head)[:, -1]  # (B, V or S)
+        if not prefill and max(len(c) - h for c, h in zip(contexts, have)) == 1:
+            self._times.record(1, time.perf_counter() - t0)
         if prefill:
             self._prefill_seconds += time.perf_counter() - began
+        if self.tree is not None:
+            vocab = head.vocab_size if head is not None else logits.shape[-1]
+            grown = grow(self.kv, head, vocab, self.tree, logits, self.kv.lengths_list(), max_tokens, params,
+                         generators, began, self._times)
+            self._slots, self._nodes = grown.slots, grown.nodes
+            return Draft(grown.tokens, grown.lengths, grown.probs, forwards=1 + grown.forwards, parents=grown.parents)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         others = torch.full((batch, width), -1, dtype=torch.long) if self.alternatives > 0 else None
         drafted = [min(width, max(m, 0)) for m in max_tokens]  # per row: its budget, cut where it stops
@@ -130,8 +150,27 @@ class DraftModelProposer(Proposer):
         alternatives = others[:, :steps] if others is not None else None
         return Draft(tokens[:, :steps], lengths, draft_probs, forwards=steps, alternatives=alternatives)
 
-    def rollback(self, keep: list[int]) -> None:
-        self.kv.truncate(keep)
+    def rollback(self, keep: list[int], paths: list[list[int]]) -> None:
+        self.kv.truncate(self._keep_cached(keep, paths))
+
+    def _keep_cached(self, keep: list[int], paths: list[list[int]]) -> list[int]:
+        """Per row, how many tokens of its cache stay: the committed ones before this round's draft,
+        then the accepted nodes the draft fed (a tree's are moved into place first)."""
+        out = []
+        for b, (k, path) in enumerate(zip(keep, paths)):
+            start = k - len(path)  # committed tokens before this round's draft
+            if self.tree is not None and self._slots:
+                if self._nodes and self._nodes[b]:
+                    record_acceptance(self._times, self._nodes[b], path)
+                fed = [self._slots[b][n] for n in path]
+                fed = fed[: fed.index(None)] if None in fed else fed
+                self.kv.move_path(b, fed, start)
+                out.append(start + len(fed))
+            else:  # a chain's node j sits at slot start + j; an accepted alternative was never fed
+                fed = next((j for j, n in enumerate(path) if n != j), len(path))
+                out.append(start + fed)
+        self._slots, self._nodes = [], []
+        return out
 
     def select(self, rows: list[int]) -> None:
         self.kv.select(rows)

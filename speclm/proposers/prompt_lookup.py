@@ -36,6 +36,7 @@ class PromptLookupProposer(Proposer):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.max_nodes = k
 
     def found(self, contexts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         """Each row's lookup draft (empty: no match, or no budget)."""

@@ -1,0 +1,353 @@
+"""A draft model's tree: several candidates per position, grown level by level, one draft forward
+per level, all verified in one target forward (speclm.tree, speclm.verify.verify_tree).
+
+Two shapes:
+- static (`--tree FILE`): a JSON list of root paths of ranks, Medusa's "choices" format: [[0], [1],
+  [0, 0]] is the draft's first and second choice after the last committed token, and its first
+  choice after the first. Every listed path's prefixes must be listed too.
+- auto (`--tree auto`), as EAGLE-2 grows its trees: at each level the `expand` nodes of highest
+  cumulative draft probability (the product of the draft's probabilities along the path: the
+  draft's estimate that the target accepts the whole path) each get their `branch` likeliest
+  children, up to `depth` levels, while some node is worth expanding (cumulative probability at
+  least `min_prob`). Greedy decoding then keeps the nodes of highest cumulative probability, as
+  many as pay for themselves: N maximising (1 + their summed probability) / (drafting time +
+  the target's measured forward time over N + 1 tokens, speclm.costmodel).
+
+Sampling stays exact: a node's children are its distribution's draws without replacement (rank
+r: the r-th draw, carrying the distribution it was drawn from), and whether a node gets children
+is decided before they are drawn, from what was drawn earlier; every drawn node is verified (a
+choice among drawn nodes by their own probability would bias them). Greedy: rank r is the r-th
+likeliest token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from speclm.errors import UsageError
+from speclm.sampling import SamplingParams, processed_probs, sample
+from speclm.tree import PAD, ROOT
+
+MAX_NODES = 64  # the most nodes a tree may hold (the KV caches' headroom)
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    choices: tuple[tuple[int, ...], ...] | None = None  # static tree; None: auto
+    depth: int = 6  # auto: levels below the root
+    branch: int = 4  # auto: children per expanded node
+    expand: int = 3  # auto: nodes expanded per level
+    min_prob: float = 0.05  # auto: a node below this cumulative probability is not expanded
+    follow: float = 0.6  # auto, greedy: a level's likeliest node is expanded where the draft gave it this much
+    costs: Callable[[int], float] | None = field(default=None, compare=False)  # tokens -> seconds (target forward)
+
+    @property
+    def max_depth(self) -> int:
+        return max(map(len, self.choices)) if self.choices else self.depth
+
+    @property
+    def max_nodes(self) -> int:
+        if self.choices:
+            return len(self.choices)
+        return min(MAX_NODES, self.branch + (self.depth - 1) * self.expand * self.branch)
+
+
+def parse_tree(value: str | None) -> TreeSpec | None:
+    """`chain` (or None) -> None; `auto` -> TreeSpec(); a file -> its static tree. UsageError for anything else."""
+    if value is None or value == "chain":
+        return None
+    if value == "auto":
+        return TreeSpec()
+    path = Path(value)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--tree: '{value}' is neither chain, auto nor a readable JSON file "
+                         f"({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--tree {value}: not JSON ({exc})") from None
+    return TreeSpec(choices=check_choices(data, str(value)))
+
+
+def check_choices(data, where: str = "tree") -> tuple[tuple[int, ...], ...]:
+    """A static tree's root paths, checked: a non-empty list of distinct non-empty lists of ranks
+    >= 0, each path's prefixes listed, at most MAX_NODES paths. Ordered by depth, then as given."""
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"{where}: a tree is a non-empty JSON list of root paths of ranks, such as [[0], [1], [0, 0]]")
+    paths = []
+    for p in data:
+        if not isinstance(p, list) or not p or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p):
+            raise UsageError(f"{where}: {json.dumps(p)} is not a non-empty list of ranks >= 0")
+        paths.append(tuple(p))
+    if len(set(paths)) != len(paths):
+        raise UsageError(f"{where}: a path is listed twice")
+    if len(paths) > MAX_NODES:
+        raise UsageError(f"{where}: {len(paths)} nodes; at most {MAX_NODES}")
+    listed = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in listed:
+            raise UsageError(f"{where}: {list(p)} is listed but its parent {list(p[:-1])} is not")
+    return tuple(sorted(paths, key=len))
+
+
+RANKS, BINS = 8, 10  # acceptance is measured by a node's rank and its draft probability (tenths)
+
+
+@dataclass
+class DraftTimes:
+    """A proposer's running measurements, for growing greedy auto trees by cost: what its draft
+    forwards took by tokens fed per row; how often the target accepted a node it tested (its
+    parent accepted), by the node's rank among its siblings and the draft's probability of it;
+    and the mean acceptance so measured of a node's likeliest child."""
+    seconds: dict[int, float] = field(default_factory=dict)
+    top: float = 0.6
+    # (RANKS, BINS) counts, starting as if 2 tries had accepted as often as the draft's probability
+    hits: list[list[float]] = field(default_factory=lambda: [[0.2 * b + 0.1 for b in range(BINS)] for _ in range(RANKS)])
+    tries: list[list[float]] = field(default_factory=lambda: [[2.0] * BINS for _ in range(RANKS)])
+
+    @staticmethod
+    def _cell(prob: float, rank: int) -> tuple[int, int]:
+        return min(rank, RANKS - 1), min(int(prob * BINS), BINS - 1)
+
+    def acceptance(self, prob: float, rank: int) -> float:
+        """P(the target accepts a node | it tests it), measured, for a node of this rank and draft probability."""
+        r, b = self._cell(prob, rank)
+        return self.hits[r][b] / self.tries[r][b]
+
+    def tested(self, prob: float, rank: int, accepted: bool) -> None:
+        r, b = self._cell(prob, rank)
+        self.tries[r][b] += 1
+        self.hits[r][b] += accepted
+
+    def record(self, width: int, seconds: float) -> None:
+        old = self.seconds.get(width)
+        self.seconds[width] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def step(self, width: int, costs: Callable[[int], float]) -> float | None:
+        """Seconds of a draft forward over `width` tokens: measured, or the nearest measured width
+        scaled as the target's forward scales (the same kernels); None before any measurement."""
+        if width in self.seconds:
+            return self.seconds[width]
+        if not self.seconds:
+            return None
+        near = min(self.seconds, key=lambda w: abs(w - width))
+        return self.seconds[near] * costs(width) / costs(near)
+
+
+@dataclass
+class _Node:
+    token: int  # token id
+    parent: int  # index of the parent node in its row, or ROOT
+    depth: int
+    ranks: tuple[int, ...]  # its root path of ranks
+    prob: float  # its path's value: the product of each node's expected acceptance (else draft probability)
+    q: torch.Tensor | None  # (V,) the distribution it was drawn from (sampling)
+    slot: int | None = None  # where the draft fed it, if it did
+    local: float = 1.0  # the draft's probability of its token after its parent
+
+
+@dataclass
+class GrownTree:
+    tokens: torch.Tensor  # (B, N)
+    parents: torch.Tensor  # (B, N)
+    lengths: torch.Tensor  # (B,)
+    probs: torch.Tensor | None  # (B, N, V)
+    slots: list[list[int | None]]  # per row and node: the draft cache slot it was fed at
+    forwards: int
+    nodes: list[list[_Node]]  # per row, its nodes as verified (for measuring acceptance)
+
+
+def grow(kv, head, vocab_size: int, spec: TreeSpec, root_logits: torch.Tensor, lengths: list[int],
+         budgets: list[int], params: SamplingParams, generators: list, began: float,
+         times: DraftTimes | None = None) -> GrownTree:
+    """Grow each row's tree from the draft's logits after its last committed token, root_logits
+    (B, S) over the draft's vocabulary (head.ids, or all V ids where head is None). kv: the
+    draft's StaticKV, holding lengths[b] tokens of row b; budgets: each row's deepest path;
+    began: when this round's drafting began; times: the proposer's measurements (greedy auto
+    trees of one row then expand a level only while the cost model expects it to pay)."""
+    batch = root_logits.shape[0]
+    by_cost = (spec.choices is None and params.greedy and spec.costs is not None and times is not None
+               and batch == 1)
+    nodes: list[list[_Node]] = [[] for _ in range(batch)]
+    limit = [min(spec.max_depth, max(b, 0)) for b in budgets]
+    # per row: (parent node or ROOT, its logits (S,)) to draw children from at this level
+    frontier = [[(ROOT, root_logits[b])] if limit[b] > 0 else [] for b in range(batch)]
+    forwards = 0
+    for depth in range(spec.max_depth):
+        grown = [[] for _ in range(batch)]  # per row: this level's new node indices
+        for b in range(batch):
+            for parent, logits in frontier[b]:
+                ranks = _ranks_wanted(spec, nodes[b], parent)
+                for rank, token, p, q in _children(logits, ranks, params, generators[b], head, vocab_size):
+                    value = times.acceptance(p, rank) if by_cost else p
+                    if rank == 0 and by_cost:
+                        times.top = 0.9 * times.top + 0.1 * value
+                    up = nodes[b][parent] if parent != ROOT else None
+                    nodes[b].append(_Node(token, parent, depth, (up.ranks if up else ()) + (rank,),
+                                          (up.prob if up else 1.0) * value, q, local=p))
+                    grown[b].append(len(nodes[b]) - 1)
+        if depth + 1 >= spec.max_depth:
+            break
+        if by_cost:
+            chosen = [_expand_by_cost(spec, nodes[0], grown[0], times, time.perf_counter() - began)
+                      if depth + 1 < limit[0] else []]
+        else:
+            chosen = [_to_expand(spec, nodes[b], grown[b]) if depth + 1 < limit[b] else [] for b in range(batch)]
+        width = max(map(len, chosen))
+        if width == 0:
+            break
+        feed, parents = [], []
+        for b in range(batch):
+            row = [nodes[b][n] for n in chosen[b]]
+            start = lengths[b]  # kv's length for the row before this forward
+            feed.append([n.token for n in row] + [0] * (width - len(row)))  # padding continues as a chain
+            parents.append([lengths[b] - 1 if n.parent == ROOT else nodes[b][n.parent].slot for n in row]
+                           + [-1] * (width - len(row)))
+            for i, n in enumerate(row):
+                n.slot = start + i
+        t0 = time.perf_counter()
+        logits = kv.forward(feed, width, head, parents=parents)  # (B, width, S)
+        if times is not None:
+            times.record(width, time.perf_counter() - t0)
+        lengths = [length + width for length in lengths]
+        forwards += 1
+        frontier = [[(n, logits[b, i]) for i, n in enumerate(chosen[b])] for b in range(batch)]
+    if spec.choices is None and params.greedy and spec.costs is not None:
+        spent = time.perf_counter() - began
+        nodes = [_best(row, spec.costs, spent) for row in nodes]
+    return _tensors(nodes, vocab_size, forwards, with_probs=not params.greedy)
+
+
+def _ranks_wanted(spec: TreeSpec, nodes: list[_Node], parent: int) -> list[int]:
+    """Which ranks of children `parent` gets (ascending)."""
+    if spec.choices is None:
+        return list(range(spec.branch))
+    prefix = nodes[parent].ranks if parent != ROOT else ()
+    return sorted(p[-1] for p in spec.choices if len(p) == len(prefix) + 1 and p[:-1] == prefix)
+
+
+def _to_expand(spec: TreeSpec, nodes: list[_Node], grown: list[int]) -> list[int]:
+    """This level's nodes that get children at the next one, in node order."""
+    if spec.choices is not None:
+        parents = {p[:-1] for p in spec.choices}
+        return [n for n in grown if nodes[n].ranks in parents]
+    worth = [n for n in grown if nodes[n].prob >= spec.min_prob]
+    best = sorted(worth, key=lambda n: -nodes[n].prob)[: spec.expand]
+    return sorted(best)
+
+
+def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, generator, head, vocab_size: int):
+    """(rank, token id, draft probability, distribution drawn from (V,) or None) for each wanted rank."""
+    if not ranks:
+        return []
+    if params.greedy:
+        probs = torch.softmax(logits.float(), -1)
+        top = torch.topk(probs, min(max(ranks) + 1, probs.shape[-1]))
+        picked = [(r, int(top.indices[r]), float(top.values[r])) for r in ranks if r < len(top.indices)]
+        return [(r, int(head.ids[i]) if head is not None else i, p, None) for r, i, p in picked]
+    q = processed_probs(logits, params).cpu()  # (S,)
+    out, wanted = [], set(ranks)
+    left = q.clone()
+    for r in range(max(ranks) + 1):
+        if float(left.sum()) <= 0:
+            break  # fewer tokens than ranks
+        dist = left / left.sum()
+        i = sample(dist, generator)
+        if r in wanted:
+            full = dist if head is None else dist.new_zeros(vocab_size).index_copy_(0, head.ids, dist)
+            out.append((r, int(head.ids[i]) if head is not None else i, float(q[i]), full))
+        left[i] = 0.0  # the next rank is drawn without it
+    return out
+
+
+def _best_rate(probs: list[float], costs: Callable[[int], float], spent: float) -> float:
+    """The most expected tokens per second a round can reach verifying some of these nodes (the
+    likeliest first): max over N of (1 + their probabilities) / (spent + a forward over N + 1)."""
+    gain, best = 1.0, 1.0 / (spent + costs(1))
+    for count, p in enumerate(sorted(probs, reverse=True), 1):
+        gain += p
+        best = max(best, gain / (spent + costs(count + 1)))
+    return best
+
+
+def _expand_by_cost(spec: TreeSpec, nodes: list[_Node], grown: list[int], times: DraftTimes, spent: float) -> list[int]:
+    """The w likeliest of this level's nodes to expand, w (0 to spec.expand) the one whose
+    expected rate is best: each expanded node is expected to add a child of its value times the
+    measured acceptance of a likeliest child, at the cost of one draft forward over w tokens.
+    At least the likeliest where the draft gave it `follow` or more (the rate of one level ahead
+    undervalues the levels after it; a confident draft's next token is likely accepted too)."""
+    probs = [n.prob for n in nodes]
+    best, best_rate = [], _best_rate(probs, spec.costs, spent)
+    candidates = sorted(grown, key=lambda n: -nodes[n].prob)[: spec.expand]
+    if candidates and nodes[candidates[0]].local >= spec.follow:  # as a chain's confidence rule: go on
+        best, best_rate = candidates[:1], 0.0
+    for w in range(1, len(candidates) + 1):
+        step = times.step(w, spec.costs)
+        if step is None:  # nothing measured yet: EAGLE-2's rule
+            return sorted(n for n in candidates if nodes[n].prob >= spec.min_prob)
+        extra = [nodes[n].prob * times.top for n in candidates[:w]]
+        rate = _best_rate(probs + extra, spec.costs, spent + step)
+        if rate > best_rate:
+            best, best_rate = candidates[:w], rate
+    return sorted(best)
+
+
+def _best(nodes: list[_Node], costs: Callable[[int], float], spent: float) -> list[_Node]:
+    """Greedy auto trees: the nodes of highest cumulative probability (a parent before its
+    children), as many as maximise expected tokens per second of the round."""
+    if not nodes:
+        return nodes
+    order = sorted(range(len(nodes)), key=lambda n: (-nodes[n].prob, n))
+    gain, best, best_rate = 1.0, 0, 1.0 / (spent + costs(1))
+    for count, n in enumerate(order, 1):
+        gain += nodes[n].prob
+        rate = gain / (spent + costs(count + 1))
+        if rate > best_rate:
+            best, best_rate = count, rate
+    keep = sorted(order[:best])
+    kept = set(keep)
+    while True:  # a kept node's parent is kept (ties in probability aside, it is already)
+        missing = {nodes[n].parent for n in keep if nodes[n].parent != ROOT and nodes[n].parent not in kept}
+        if not missing:
+            break
+        kept |= missing
+        keep = sorted(kept)
+    index = {old: new for new, old in enumerate(keep)}
+    out = []
+    for old in keep:
+        n = nodes[old]
+        out.append(_Node(n.token, ROOT if n.parent == ROOT else index[n.parent], n.depth, n.ranks, n.prob, n.q, n.slot,
+                         n.local))
+    return out
+
+
+def _tensors(nodes: list[list[_Node]], vocab_size: int, forwards: int, with_probs: bool) -> GrownTree:
+    batch = len(nodes)
+    width = max((len(r) for r in nodes), default=0)
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    parents = torch.full((batch, width), PAD, dtype=torch.long)
+    probs = torch.zeros(batch, width, vocab_size) if with_probs and width else None
+    for b, row in enumerate(nodes):
+        for i, n in enumerate(row):
+            tokens[b, i], parents[b, i] = n.token, n.parent
+            if probs is not None:
+                probs[b, i] = n.q
+    lengths = torch.tensor([len(r) for r in nodes], dtype=torch.long)
+    return GrownTree(tokens, parents, lengths, probs, [[n.slot for n in row] for row in nodes], forwards, nodes)
+
+
+def record_acceptance(times: DraftTimes, nodes: list[_Node], path: list[int]) -> None:
+    """Count, for each node the target tested (a child of the root or of an accepted node),
+    whether it was accepted."""
+    on_path = set(path)
+    for i, n in enumerate(nodes):
+        if n.parent == ROOT or n.parent in on_path:
+            times.tested(n.local, n.ranks[-1], i in on_path)

@@ -1,0 +1,134 @@
+"""Draft-model trees (speclm.proposers.draft_tree): greedy output equals plain decoding for every
+tree shape, a draft equal to the target is accepted whole, the auto budget, and bad trees."""
+
+import copy
+import json
+
+import pytest
+
+from speclm import SpecEngine
+from speclm.errors import UsageError
+from speclm.proposers.draft_tree import MAX_NODES, TreeSpec, _best, _Node, check_choices, parse_tree
+from speclm.quant import quantize_model
+from speclm.tree import ROOT
+from tiny import loaded, tiny_model
+
+PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
+N = 40
+SHAPES = {
+    "chain3": [[0], [0, 0], [0, 0, 0]],
+    "wide": [[0], [1], [2], [3]],
+    "medusa-like": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]],
+}
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trees")
+    out = {}
+    for name, choices in SHAPES.items():
+        out[name] = str(root / f"{name}.json")
+        with open(out[name], "w") as f:
+            json.dump(choices, f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def int8_target(target):
+    model = quantize_model(copy.deepcopy(target.model), "int8")
+    return loaded(model, target.tokenizer, name="tiny-target-int8")
+
+
+def plain(target, prompts, n=N):
+    return SpecEngine(target).generate(prompts, method="none", max_new_tokens=n)
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp32"])
+def test_trees_reproduce_plain_greedy_decoding(target, int8_target, unrelated_draft, trees, weights):
+    """Every tree shape, draft and draft+pld, alone and in a ragged batch: plain decoding's tokens."""
+    tgt = int8_target if weights == "int8" else target
+    ref = [o.token_ids for o in plain(tgt, PROMPTS)]
+    for draft in (unrelated_draft, tgt):
+        engine = SpecEngine(tgt, draft=draft)
+        for tree in ("auto", *trees.values()):
+            for method in ("draft", "draft+pld"):
+                batch = engine.generate(PROMPTS, method=method, tree=tree, max_new_tokens=N)
+                assert [o.token_ids for o in batch] == ref, (draft.name, tree, method)
+                alone = engine.generate(PROMPTS[0], method=method, tree=tree, max_new_tokens=N)
+                assert alone.token_ids == ref[0], (draft.name, tree, method)
+                assert alone.stats.verified_nodes > 0
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_draft_equal_to_the_target_is_accepted_whole(int8_target, trees, shape):
+    """On int8 weights a draft identical to the target agrees with it bit for bit, so every round
+    accepts the tree's deepest first-choice path: the draft's cache must hold exactly the
+    committed tokens' keys and values after each round's moves and rollback."""
+    depth = max(map(len, SHAPES[shape]))
+    for prompt in PROMPTS:
+        ref = plain(int8_target, prompt)
+        out = SpecEngine(int8_target, draft=int8_target).generate(prompt, method="draft", tree=trees[shape],
+                                                                  max_new_tokens=N)
+        assert out.token_ids == ref.token_ids
+        # the prefill commits one token, every later round depth + 1 (the last one fewer, at EOS or the budget)
+        n = len(ref.token_ids)
+        assert out.stats.target_forwards == 1 + -(-(n - 1) // (depth + 1))
+        assert out.stats.accepted_per_position[0] >= out.stats.target_forwards - 2  # the last round may draft nothing
+        assert out.stats.verified_nodes >= len(SHAPES[shape])
+
+
+def test_auto_tree_budget_follows_the_measured_costs():
+    """Greedy auto trees keep the nodes of highest cumulative probability, as many as maximise
+    (1 + their probability) / (drafting time + verification time), parents always with them."""
+    nodes = [_Node(1, ROOT, 0, (0,), 0.9, None), _Node(2, ROOT, 0, (1,), 0.05, None),
+             _Node(3, 0, 1, (0, 0), 0.6, None), _Node(4, 2, 2, (0, 0, 0), 0.3, None)]
+    free = _best(nodes, lambda n: 1.0, spent=0.0)  # verification costs the same at any size: keep all
+    assert [n.token for n in free] == [1, 2, 3, 4] and [n.parent for n in free] == [ROOT, ROOT, 0, 2]
+    steep = _best(nodes, lambda n: float(n), spent=0.0)  # each node costs a whole forward: keep none
+    assert steep == []
+    linear = _best(nodes, lambda n: 1.0 + 0.4 * (n - 1), spent=0.0)  # 0.9 and 0.6 pay for 0.4 each, 0.3 does not
+    assert [n.token for n in linear] == [1, 3] and [n.parent for n in linear] == [ROOT, 0]
+
+
+def test_tree_files_are_checked(tmp_path):
+    assert parse_tree("chain") is None and parse_tree(None) is None
+    assert parse_tree("auto") == TreeSpec()
+    good = tmp_path / "good.json"
+    good.write_text("[[0, 0], [0], [1]]")
+    spec = parse_tree(str(good))
+    assert spec.choices == ((0,), (1,), (0, 0)) and spec.max_depth == 2 and spec.max_nodes == 3
+    bad = {
+        "missing.json": None,
+        "notjson.json": "[[0],",
+        "empty.json": "[]",
+        "orphan.json": "[[0], [1, 0]]",
+        "negative.json": "[[-1]]",
+        "twice.json": "[[0], [0]]",
+        "flat.json": "[0, 1]",
+        "bool.json": "[[true]]",
+        "huge.json": json.dumps([[i] for i in range(MAX_NODES + 1)]),
+    }
+    for name, text in bad.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(UsageError):
+            parse_tree(str(path))
+    assert check_choices([[0], [0, 1]]) == ((0,), (0, 1))  # rank 1 without rank 0 below a node: allowed
+
+
+def test_tree_needs_a_draft_method(target):
+    with pytest.raises(UsageError, match="--tree applies"):
+        SpecEngine(target).generate("abc", method="pld", tree="auto", max_new_tokens=4)
+    assert SpecEngine(target).generate("abc", method="pld", tree="chain", max_new_tokens=4).token_ids
+
+
+def test_tree_padding_in_a_batch_keeps_rows_apart(int8_target, unrelated_draft):
+    """Rows with trees of different sizes share forwards (padding nodes); each row's sampled output
+    is the one it gets alone with its seed (int8 weights: a row's bits do not depend on the batch)."""
+    draft = loaded(quantize_model(copy.deepcopy(unrelated_draft.model), "int8"), unrelated_draft.tokenizer, name="d8")
+    engine = SpecEngine(int8_target, draft=draft)
+    batch = engine.generate(PROMPTS, method="draft", tree="auto", max_new_tokens=N, temperature=0.9, seed=5)
+    alone = [engine.generate(p, method="draft", tree="auto", max_new_tokens=N, temperature=0.9, seed=5 + i)
+             for i, p in enumerate(PROMPTS)]
+    assert [o.token_ids for o in batch] == [o.token_ids for o in alone]
