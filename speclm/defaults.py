@@ -78,7 +78,8 @@ ATTENTION_QUERY_TILE: int = _BY_NAME["ATTENTION_QUERY_TILE"]
 ATTENTION_SLOT_BLOCK: int = _BY_NAME["ATTENTION_SLOT_BLOCK"]
 WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 
-# --tree's default for `draft` and `draft+pld`: "chain" or "auto" (speclm.proposers.draft_tree)
+# --tree's default for `draft` and `draft+pld`: "chain" or "auto" (speclm.proposers.draft_tree). Chain:
+# on the AVX2 machine auto trees measured slower than chains (benchmarks/avx2/trees-int8-qwen1.5b-60)
 TREE = "chain"
 
 # --k's bound: acceptance decays with draft position (the tuned k are 2-6), so more drafts only widen verification

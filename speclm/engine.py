@@ -40,6 +40,7 @@ from speclm.models.loading import LoadedModel
 from speclm.prefix_cache import PrefixCaches
 from speclm.costmodel import verification_costs
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec, parse_tree
+from speclm.proposers.base import Verified
 from speclm.proposers import Draft, DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
 from speclm.sampling import SamplingParams
 from speclm.runtime import bound_freed_memory
@@ -308,7 +309,8 @@ class SpecEngine:
             tree = draft.tree()  # (B, N) nodes; the chain is its own special case
             have = target_kv.lengths_list()
             feed, parents = _feed(contexts, have, tree)
-            logits = target_kv.forward(feed, 1 + tree.width, parents=parents)  # (B, 1+N, V): root, then each node
+            wanted = proposer.hidden_layers if proposer else ()  # features a proposer drafts from
+            logits = target_kv.forward(feed, 1 + tree.width, parents=parents, hidden_layers=wanted)  # (B, 1+N, V)
             if prefill:  # the slots now hold each row's prompt
                 for b, r in enumerate(active):
                     cache.add(target_kv, b, r.context[: r.prompt_len])
@@ -322,7 +324,7 @@ class SpecEngine:
                 target_kv.move_path(b, [len(c) + n for n in path], len(c))
             target_kv.truncate(keep)
             if proposer:
-                proposer.rollback(keep, verdict.paths)
+                proposer.accept(Verified(keep, verdict.paths, target_kv.hidden))
             sizes, depths = tree.sizes, tree.max_depths()
             chain_alternatives = draft.alternatives is not None and draft.parents is None
 

@@ -116,6 +116,7 @@ class StaticKV:
         # parent is not the slot before them (forward's `parents`); emptied as they are rolled back
         self._links: list[dict[int, int]] = [{} for _ in range(batch_size)]
         self.forward_seconds = 0.0  # time spent inside model forwards, for overhead accounting
+        self.hidden: dict[int, torch.Tensor] | None = None  # the last forward's hidden states, where asked
 
     @property
     def chunk_invariant(self) -> bool:
@@ -154,13 +155,17 @@ class StaticKV:
 
     @torch.inference_mode()
     def forward(self, rows: list[list[int]], logits_to_keep: int, head=None,
-                parents: list[list[int] | None] | None = None) -> torch.Tensor:
+                parents: list[list[int] | None] | None = None, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens.
         head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward.
         parents: per row (or None: a chain), for each of its tokens the slot of its parent, or -1
         for the slot before its own. A token then attends the slots of its ancestors, through
         this and earlier forwards, and sits at the position of its depth: a tree's node computes
-        what a plain step after its root path would (speclm.attention.attend_each_query)."""
+        what a plain step after its root path would (speclm.attention.attend_each_query).
+        hidden_layers: layer indices (-1: after the final norm) whose hidden states (B,
+        logits_to_keep, E) of the same tokens the forward leaves in `self.hidden`; none asked,
+        none kept (self.hidden is then None). On transformers' own forward (other architectures)
+        the last layer's are after the final norm, as transformers reports them."""
         counts = [len(r) for r in rows]
         width = max(counts)
         assert width >= 1 and min(counts) >= logits_to_keep >= 1
@@ -188,12 +193,15 @@ class StaticKV:
         ragged = min(counts) < width
         cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep]) if ragged else None  # (B, K)
         t0 = time.perf_counter()
+        self.hidden = {} if hidden_layers else None
         if self.lean is not None:
             keep_cols = cols if ragged else slice(width - logits_to_keep, width)
-            logits = self.lean(ids, slots, self, starts, counts, window, keep_cols, head, positions, tree)
+            logits = self.lean(ids, slots, self, starts, counts, window, keep_cols, head, positions, tree,
+                               tuple(hidden_layers), self.hidden)
         else:
             assert head is None, "a replaced output head needs speclm's lean forward"
-            logits = self._transformers_forward(ids, slots, positions, tree, window, starts, counts, logits_to_keep, cols)
+            logits = self._transformers_forward(ids, slots, positions, tree, window, starts, counts, logits_to_keep, cols,
+                                                tuple(hidden_layers))
         self.forward_seconds += time.perf_counter() - t0
         self.lengths = self.lengths + n
         return logits
@@ -221,7 +229,8 @@ class StaticKV:
             out.append((at + 1, apart[::-1]))
         return out
 
-    def _transformers_forward(self, ids, slots, positions, tree, window, starts, counts, logits_to_keep, cols):
+    def _transformers_forward(self, ids, slots, positions, tree, window, starts, counts, logits_to_keep, cols,
+                              hidden_layers=()):
         """The model's own forward, this cache handed in as `past_key_values` (via _SlotWriter)."""
         # query (b, i) sees slots 0..lengths[b] + i, or its tree's slots; padding queries see the
         # same, harmlessly (a prefill's mask; decode forwards attend per query, speclm.attention)
@@ -243,10 +252,16 @@ class StaticKV:
                 past_key_values=self._writer,
                 use_cache=True,
                 logits_to_keep=keep,
+                output_hidden_states=bool(hidden_layers),
             )
         logits = out.logits  # (B, keep or U, V)
         if gather is not None:
             logits = logits[self._rows[:, None], gather]  # (B, K, V)
+        if hidden_layers:  # transformers' hidden_states: [0] the embeddings, [i + 1] layer i's output, [-1] normed
+            columns = cols if cols is not None else slice(ids.shape[1] - logits_to_keep, None)
+            for layer in hidden_layers:
+                states = out.hidden_states[layer + 1 if layer >= 0 else -1]  # (B, M, E)
+                self.hidden[layer] = (states[self._rows[:, None], columns] if cols is not None else states[:, columns]).float()
         return logits.float()
 
     def move_path(self, row: int, sources: list[int], start: int) -> None:

@@ -179,13 +179,17 @@ class LeanForward:
             self._sin = torch.cat((-sin, sin), dim=-1)
 
     @torch.inference_mode()
-    def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None):
+    def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None,
+                 hidden_layers: tuple[int, ...] = (), hidden: dict | None = None):
         """ids, slots (B, M); kv: the StaticKV (its buffers are written at `slots`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
         head: (R, E) -> (R, V') in place of the model's output head (a draft's restricted vocabulary);
         positions (B, M), tree: where some rows hold a tree (speclm.kv.StaticKV.forward), each token's
-        position and the slots each query attends (speclm.attention.Tree), else None."""
+        position and the slots each query attends (speclm.attention.Tree), else None.
+        hidden_layers, hidden: the dict `hidden` receives, for each layer index asked, the hidden
+        states (B, K, E) of the kept rows: layer i's output (the residual stream after it), and for
+        -1 the final norm's, what the output head reads. Nothing is kept when none are asked."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
@@ -245,9 +249,14 @@ class LeanForward:
                 out, h = out[kept_rows], h[kept_rows]
             h = _by_rows(layer.attn_out, out, h)
             h = _by_rows(layer.mlp, h)
+            if i in hidden_layers:
+                hidden[i] = (h if i == last or kept_rows is None else h[kept_rows]).view(batch, -1, h.shape[-1])
         kept = h.shape[0] // batch  # h (B K, E): the kept rows, row by row
         head = self.head if head is None else head
-        return head(self.norm(h)).float().view(batch, kept, -1)  # (B, K, V)
+        normed = self.norm(h)
+        if -1 in hidden_layers:
+            hidden[-1] = normed.view(batch, kept, -1)
+        return head(normed).float().view(batch, kept, -1)  # (B, K, V)
 
 
 def _flat_tree(tree: list, starts: list[int], width: int) -> list[int]:

@@ -34,7 +34,8 @@ class PlantedAlternativeProposer(Proposer):
     def select(self, rows):
         self.rows = [self.rows[r] for r in rows]
 
-    def rollback(self, keep, paths):
+    def accept(self, verified):
+        keep, paths = verified.keep, verified.paths
         # what a chain proposer keeps: the committed tokens before its draft, then its own accepted
         # chain tokens (an accepted alternative is a sibling it never fed)
         self.rollbacks.append([k - len(p) + next((j for j, n in enumerate(p) if n != j), len(p))

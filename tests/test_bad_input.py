@@ -142,6 +142,17 @@ CASES = {
         f"k must be <= {MAX_K} (tokens drafted per round), got 10000"),
     "bench: k far too large": lambda t, m, f, o: (
         bench(f["target"], o, "--methods", "none,pld:k=10000"), f"k must be <= {MAX_K}"),
+    "generate: tree file not JSON": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "draft", "--draft", f["draft"], "--tree",
+                 str(lines_file(t, "[[0], [1"))), "not JSON"),
+    "generate: tree node without its parent": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "draft", "--draft", f["draft"], "--tree",
+                 str(lines_file(t, "[[0], [1, 0]]"))), "its parent [1] is not"),
+    "generate: tree for pld": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "pld", "--tree", "auto"), "--tree applies to"),
+    "bench: tree file missing": lambda t, m, f, o: (
+        bench(f["target"], o, "--methods", "none,draft:tree=" + str(t / "nope.json"), "--draft", f["draft"]),
+        "neither chain, auto nor a readable JSON file"),
     # the fault set up first (these return None), then the command line
     "generate: KV cache beyond the memory": lambda t, m, f, o: (
         no_memory(m) or generate(f["target"], "--prompt", "hi"), "of memory is available"),

@@ -8,6 +8,7 @@ from speclm import SpecEngine
 from speclm.engine import GenerationOptions
 from speclm.defaults import NGRAM_MIN_DRAFT_PLD as DRAFT_LOOKUP_NGRAM_MIN
 from speclm.proposers import DraftLookupProposer, lookup
+from speclm.proposers.base import Verified
 from speclm.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -25,7 +26,7 @@ def test_rows_choose_lookup_or_the_model_and_the_cache_keeps_only_committed_toke
     assert proposer.kv.lengths_list() == [len(REPEATS) + 2, len(FRESH) + 2]
     # 2 lookup tokens and 1 model token accepted: the lookup row's cache held the model's own
     # drafts past its context, none of them committed
-    proposer.rollback([len(REPEATS) + 2, len(FRESH) + 1], [[0, 1], [0]])
+    proposer.accept(Verified([len(REPEATS) + 2, len(FRESH) + 1], [[0, 1], [0]]))
     assert proposer.kv.lengths_list() == [len(REPEATS), len(FRESH) + 1]
     assert proposer.lookups == 1
 
@@ -36,7 +37,7 @@ def test_all_rows_by_lookup_run_no_model_forward_and_the_model_catches_up_later(
     draft = proposer.propose([REPEATS], [4], GREEDY, [None])
     assert draft.forwards == 0 and draft.draft_probs is None
     assert draft.tokens[0].tolist() == [7, 8, 5, 6] and proposer.kv.lengths_list() == [0]
-    proposer.rollback([len(REPEATS) + 4], [[0, 1, 2, 3]])
+    proposer.accept(Verified([len(REPEATS) + 4], [[0, 1, 2, 3]]))
     later = REPEATS + [7, 8, 5, 6, 3, 4]  # committed meanwhile; 3 4 never occurred before
     draft = proposer.propose([later], [2], GREEDY, [None])
     assert draft.forwards == 2 and draft.lengths.tolist() == [2]

@@ -5,13 +5,14 @@ import copy
 import json
 
 import pytest
+import torch
 
 from speclm import SpecEngine
 from speclm.errors import UsageError
 from speclm.proposers.draft_tree import MAX_NODES, TreeSpec, _best, _Node, check_choices, parse_tree
 from speclm.quant import quantize_model
 from speclm.tree import ROOT
-from tiny import loaded, tiny_model
+from tiny import loaded
 
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
 N = 40
@@ -132,3 +133,51 @@ def test_tree_padding_in_a_batch_keeps_rows_apart(int8_target, unrelated_draft):
     alone = [engine.generate(p, method="draft", tree="auto", max_new_tokens=N, temperature=0.9, seed=5 + i)
              for i, p in enumerate(PROMPTS)]
     assert [o.token_ids for o in batch] == [o.token_ids for o in alone]
+
+
+def test_a_proposer_gets_the_accepted_path_and_the_targets_hidden_states(target):
+    """The one hook: after each round `accept` receives the accepted path of the proposer's own
+    draft and, for the layers it asks for, the target's hidden states at the root and every node."""
+    from speclm.proposers import Draft, Proposer
+
+    seen = []
+
+    class Asks(Proposer):
+        hidden_layers = (-1,)
+        max_nodes = 2
+
+        def propose(self, contexts, max_tokens, params, generators):
+            tokens = [[7, 8][: max(0, m)] for m in max_tokens]
+            draft = Draft.from_rows(tokens)
+            draft.parents = torch.tensor([[-1, -1][: len(t)] + [-2] * (draft.width - len(t)) for t in tokens])
+            return draft
+
+        def accept(self, verified):
+            seen.append(verified)
+
+    engine = SpecEngine(target)
+    engine.make_proposer = lambda opts: Asks()
+    ref = plain(target, PROMPTS[0], n=6)
+    out = engine.generate(PROMPTS[0], method="pld", max_new_tokens=6)
+    assert out.token_ids == ref.token_ids
+    hidden_size = target.model.config.hidden_size
+    for v in seen[1:-1]:  # rounds with two sibling nodes (the prefill round drafts nothing)
+        assert v.hidden[-1].shape == (1, 3, hidden_size) and len(v.paths[0]) <= 1
+        # the root's features give the target's logits after it: the verifier's argmax decided the path
+        root_next = int(target.model.lm_head(v.hidden[-1][0, 0]).argmax())
+        assert (v.paths[0] == [0]) == (root_next == 7) and (v.paths[0] == [1]) == (root_next == 8)
+
+
+def test_acceptance_is_measured_by_rank_and_draft_probability():
+    """A node the target tested (a child of the root or of an accepted node) counts toward its
+    (rank, probability tenth) cell; untested nodes do not."""
+    from speclm.proposers.draft_tree import DraftTimes, record_acceptance
+
+    times = DraftTimes()
+    assert times.acceptance(0.75, 0) == pytest.approx(0.75)  # before any measurement: the draft's probability
+    nodes = [_Node(1, ROOT, 0, (0,), 0.9, None, local=0.9), _Node(2, ROOT, 0, (1,), 0.05, None, local=0.05),
+             _Node(3, 0, 1, (0, 0), 0.5, None, local=0.55), _Node(4, 1, 1, (1, 0), 0.01, None, local=0.2)]
+    for _ in range(20):
+        record_acceptance(times, nodes, [0])  # node 0 accepted; 1 rejected; 2 tested and rejected; 3 untested
+    assert times.acceptance(0.9, 0) > 0.95 and times.acceptance(0.55, 0) < 0.1
+    assert times.acceptance(0.05, 1) < 0.05 and times.acceptance(0.2, 0) == pytest.approx(0.25)  # untested: its prior

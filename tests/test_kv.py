@@ -260,3 +260,29 @@ def test_decode_attention_bits_do_not_depend_on_its_query_tiles():
         for out, keys, values in outs[1:]:
             assert torch.equal(out, outs[0][0]) and torch.equal(keys, outs[0][1]) and torch.equal(values, outs[0][2])
         assert outs[0][0].abs().sum() > 0
+
+
+def test_forward_returns_hidden_states_only_when_asked(tok, monkeypatch):
+    """hidden_layers: the forward leaves the asked layers' hidden states of the kept tokens in
+    `kv.hidden` ((B, K, E); -1 after the final norm, what the output head reads), on the lean
+    forward and on transformers'; nothing is kept when none are asked."""
+    import speclm.kv as kv_mod
+    from tiny import tiny_model
+
+    model = tiny_model(len(tok), seed=4)
+    prompt = tok("hidden states of a tree").input_ids
+    kv = StaticKV(model, 1, 64)
+    kv.forward([prompt], 1)
+    assert kv.hidden is None
+    logits = kv.forward([[5, 6, 7]], 2, hidden_layers=(0, 1, -1))
+    assert set(kv.hidden) == {0, 1, -1} and kv.hidden[-1].shape == (1, 2, model.config.hidden_size)
+    assert torch.allclose(model.lm_head(kv.hidden[-1]), logits, atol=1e-5)
+    assert torch.allclose(model.model.norm(kv.hidden[1]), kv.hidden[-1], atol=1e-6)
+    lean = {k: v.clone() for k, v in kv.hidden.items()}
+    with monkeypatch.context() as m:
+        m.setattr(kv_mod.lean, "supports", lambda m: False)
+        kv = StaticKV(model, 1, 64)
+        kv.forward([prompt], 1)
+        kv.forward([[5, 6, 7]], 2, hidden_layers=(0, -1))
+        for layer in (0, -1):
+            assert torch.allclose(kv.hidden[layer], lean[layer], atol=1e-5), layer

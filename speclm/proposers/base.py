@@ -2,8 +2,7 @@
 
 A proposer sees each active row's committed tokens (prompt + generated) and proposes up to
 `max_tokens[b]` next tokens per row. It may keep state (a draft model's KV cache); the engine
-tells it which rows leave the batch (`select`) and how long a prefix of each row survived
-verification (`rollback`).
+tells it which rows leave the batch (`select`) and what verification accepted (`accept`).
 """
 
 from __future__ import annotations
@@ -14,6 +13,17 @@ import torch
 
 from speclm.sampling import SamplingParams
 from speclm.tree import PAD, ROOT, DraftTree
+
+
+@dataclass
+class Verified:
+    """What a round's verification produced, as a proposer receives it (`Proposer.accept`)."""
+
+    keep: list[int]  # per row: committed tokens now, the round's last (recovered or bonus) token not counted
+    paths: list[list[int]]  # per row: the accepted nodes of the proposer's draft, from the root down
+    # layer -> (B, 1 + N, E): the target's hidden states at the root and at each node of the draft,
+    # for the layers the proposer asked for (Proposer.hidden_layers; -1: after the final norm), else None
+    hidden: dict[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -95,6 +105,7 @@ class Proposer:
 
     name = "proposer"
     max_nodes = 0  # the most draft tokens it proposes per row and round (the KV caches' headroom)
+    hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states `accept` receives
 
     def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
               max_new_tokens: list[int] | None = None) -> None:
@@ -121,11 +132,12 @@ class Proposer:
     ) -> Draft:
         raise NotImplementedError
 
-    def rollback(self, keep: list[int], paths: list[list[int]]) -> None:
-        """Verification accepted paths[b] (node indices of this proposer's last draft, from the
-        root down) in row b, which now holds keep[b] committed tokens, the accepted nodes' tokens
-        and one more from the target among them; anything cached past what the proposer can keep
-        is stale."""
+    def accept(self, verified: Verified) -> None:
+        """The one hook after verification: row b accepted verified.paths[b] (node indices of this
+        proposer's last draft) and holds verified.keep[b] committed tokens, plus one more from the
+        target that the proposer has not seen; anything it cached past what it can keep is stale.
+        With `hidden_layers`, verified.hidden holds the target's features there (a head drafts
+        from them)."""
 
     def select(self, rows: list[int]) -> None:
         """Only these rows stay in the batch."""

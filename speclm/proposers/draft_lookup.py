@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from speclm.proposers.base import Draft
+from speclm.proposers.base import Draft, Verified
 from speclm.tree import DraftTree
 from speclm.proposers.draft_model import DraftModelProposer
 from speclm.proposers.prompt_lookup import PromptLookupProposer
@@ -78,9 +78,10 @@ class DraftLookupProposer(DraftModelProposer):
                 zip(found, by_lookup, draft.tokens.tolist(), draft.lengths.tolist())]
         return _mixed(rows, by_lookup, draft, params)
 
-    def rollback(self, keep: list[int], paths: list[list[int]]) -> None:
+    def accept(self, verified: Verified) -> None:
         if not self._cut:
-            return super().rollback(keep, paths)
+            return super().accept(verified)
+        keep, paths = verified.keep, verified.paths
         # the model's tokens past a lookup row's context were never committed
         kept = [k - len(p) if cut is not None else None for k, p, cut in zip(keep, paths, self._cut)]
         model_paths = [[] if cut is not None else p for p, cut in zip(paths, self._cut)]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from speclm.proposers.base import Draft, Proposer
+from speclm.proposers.base import Draft, Proposer, Verified
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec, grow, record_acceptance
 from speclm.proposers.draft_vocab import RestrictedHead, restricted_head
 from speclm.kv import StaticKV
@@ -105,7 +105,9 @@ class DraftModelProposer(Proposer):
             vocab = head.vocab_size if head is not None else logits.shape[-1]
             grown = grow(self.kv, head, vocab, self.tree, logits, self.kv.lengths_list(), max_tokens, params,
                          generators, began, self._times)
-            self._slots, self._nodes = grown.slots, grown.nodes
+            self._slots = grown.slots
+            # greedy acceptance, measured for growing greedy trees by cost (a sampled node's is another matter)
+            self._nodes = grown.nodes if params.greedy else []
             return Draft(grown.tokens, grown.lengths, grown.probs, forwards=1 + grown.forwards, parents=grown.parents)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         others = torch.full((batch, width), -1, dtype=torch.long) if self.alternatives > 0 else None
@@ -150,8 +152,8 @@ class DraftModelProposer(Proposer):
         alternatives = others[:, :steps] if others is not None else None
         return Draft(tokens[:, :steps], lengths, draft_probs, forwards=steps, alternatives=alternatives)
 
-    def rollback(self, keep: list[int], paths: list[list[int]]) -> None:
-        self.kv.truncate(self._keep_cached(keep, paths))
+    def accept(self, verified: Verified) -> None:
+        self.kv.truncate(self._keep_cached(verified.keep, verified.paths))
 
     def _keep_cached(self, keep: list[int], paths: list[list[int]]) -> list[int]:
         """Per row, how many tokens of its cache stay: the committed ones before this round's draft,
