@@ -144,10 +144,10 @@ def test_a_proposer_gets_the_accepted_path_and_the_targets_hidden_states(target)
 
     class Asks(Proposer):
         hidden_layers = (-1,)
-        max_nodes = 2
+        k, max_nodes = 1, 2
 
         def propose(self, contexts, max_tokens, params, generators):
-            tokens = [[7, 8][: max(0, m)] for m in max_tokens]
+            tokens = [[7, 8] if m > 0 else [] for m in max_tokens]  # two siblings: one deep
             draft = Draft.from_rows(tokens)
             draft.parents = torch.tensor([[-1, -1][: len(t)] + [-2] * (draft.width - len(t)) for t in tokens])
             return draft
@@ -164,7 +164,8 @@ def test_a_proposer_gets_the_accepted_path_and_the_targets_hidden_states(target)
     for v in seen[1:-1]:  # rounds with two sibling nodes (the prefill round drafts nothing)
         assert v.hidden[-1].shape == (1, 3, hidden_size) and len(v.paths[0]) <= 1
         # the root's features give the target's logits after it: the verifier's argmax decided the path
-        root_next = int(target.model.lm_head(v.hidden[-1][0, 0]).argmax())
+        with torch.no_grad():
+            root_next = int(target.model.lm_head(v.hidden[-1][0, 0]).argmax())
         assert (v.paths[0] == [0]) == (root_next == 7) and (v.paths[0] == [1]) == (root_next == 8)
 
 

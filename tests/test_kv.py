@@ -276,8 +276,9 @@ def test_forward_returns_hidden_states_only_when_asked(tok, monkeypatch):
     assert kv.hidden is None
     logits = kv.forward([[5, 6, 7]], 2, hidden_layers=(0, 1, -1))
     assert set(kv.hidden) == {0, 1, -1} and kv.hidden[-1].shape == (1, 2, model.config.hidden_size)
-    assert torch.allclose(model.lm_head(kv.hidden[-1]), logits, atol=1e-5)
-    assert torch.allclose(model.model.norm(kv.hidden[1]), kv.hidden[-1], atol=1e-6)
+    with torch.no_grad():
+        assert torch.allclose(model.lm_head(kv.hidden[-1]), logits, atol=1e-5)
+        assert torch.allclose(model.model.norm(kv.hidden[1]), kv.hidden[-1], atol=1e-6)
     lean = {k: v.clone() for k, v in kv.hidden.items()}
     with monkeypatch.context() as m:
         m.setattr(kv_mod.lean, "supports", lambda m: False)

@@ -104,6 +104,7 @@ class Proposer:
     """Base class; stateless proposers only implement `propose`."""
 
     name = "proposer"
+    k = 0  # the deepest draft it proposes per round (the engine's budgets: min(k, tokens left - 1))
     max_nodes = 0  # the most draft tokens it proposes per row and round (the KV caches' headroom)
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states `accept` receives
 
