@@ -16,9 +16,11 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from speclm.bench.machine import cpu_name
+from speclm.models.store import model_home
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tokens per forward, measured
 CONTEXT = 256  # cached tokens each measured forward attends
@@ -51,10 +53,6 @@ class ForwardCosts:
         return {str(k): v for k, v in self.seconds.items()}
 
 
-def _home() -> Path:
-    return Path(os.environ.get("SPECLM_HOME") or Path.home() / ".cache" / "speclm")
-
-
 def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     """Median seconds of forwards over each size, taken in turns (this machine's speed drifts
     within a minute; in turns a slow spell slows every size alike)."""
@@ -80,14 +78,8 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
 def verification_costs(model, key: str) -> ForwardCosts:
     """This model's ForwardCosts, measured on first use and read from the cache after. key names
     the model and its weights (the thread count and the CPU are added here)."""
-    cpu = ""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
-    except OSError:
-        pass
-    name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{key}-{torch.get_num_threads()}t-{cpu}")
-    path = _home() / "costs" / f"{name[:200]}.json"
+    name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{key}-{torch.get_num_threads()}t-{cpu_name()}")
+    path = model_home() / "costs" / f"{name[:200]}.json"
     try:
         data = json.loads(path.read_text())
         return ForwardCosts({int(k): float(v) for k, v in data["seconds"].items()})

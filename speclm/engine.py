@@ -40,8 +40,8 @@ from speclm.models.loading import LoadedModel
 from speclm.prefix_cache import PrefixCaches
 from speclm.costmodel import verification_costs
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec, parse_tree
-from speclm.proposers.base import Verified
-from speclm.proposers import Draft, DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
+from speclm.proposers import (Draft, DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer,
+                              Verified)
 from speclm.sampling import SamplingParams
 from speclm.runtime import bound_freed_memory
 from speclm.stats import RequestStats

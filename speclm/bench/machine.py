@@ -6,22 +6,25 @@ import os
 import platform
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform reports."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine_facts() -> dict:
     import torch
     import transformers
 
     from speclm.quant import int8_kernels
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
