@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from speclm.proposers.base import Draft, Verified
-from speclm.tree import DraftTree
+from speclm.tree import PAD, DraftTree
 from speclm.proposers.draft_model import DraftModelProposer
 from speclm.proposers.prompt_lookup import PromptLookupProposer
 from speclm.sampling import SamplingParams
@@ -81,13 +81,11 @@ class DraftLookupProposer(DraftModelProposer):
     def accept(self, verified: Verified) -> None:
         if not self._cut:
             return super().accept(verified)
-        keep, paths = verified.keep, verified.paths
-        # the model's tokens past a lookup row's context were never committed
-        kept = [k - len(p) if cut is not None else None for k, p, cut in zip(keep, paths, self._cut)]
-        model_paths = [[] if cut is not None else p for p, cut in zip(paths, self._cut)]
-        cached = self._keep_cached([k if c is None else c for k, c in zip(keep, kept)], model_paths)
+        # a lookup row keeps its context alone: the model's tokens past it were never committed
+        keep = [k if cut is None else cut for k, cut in zip(verified.keep, self._cut)]
+        paths = [p if cut is None else [] for p, cut in zip(verified.paths, self._cut)]
         self._cut = []
-        self.kv.truncate(cached)
+        self.kv.truncate(self._keep_cached(keep, paths))
 
 
 def _mixed(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: SamplingParams) -> Draft:
@@ -97,9 +95,10 @@ def _mixed(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: S
     draft = Draft.from_rows(rows, forwards=model.forwards)
     if model.parents is not None:  # the model's rows are trees: they keep their parents, lookup rows are chains
         chain = DraftTree.chain(draft.tokens, draft.lengths).parents
-        draft.parents = torch.where(torch.tensor(by_lookup)[:, None], chain, model.parents[:, : draft.width]
-                                    if model.width >= draft.width else
-                                    torch.cat([model.parents, chain[:, model.width :]], 1))
+        trees = torch.full_like(chain, PAD)  # (B, K): past a model row's nodes, padding
+        width = min(model.width, draft.width)
+        trees[:, :width] = model.parents[:, :width]
+        draft.parents = torch.where(torch.tensor(by_lookup)[:, None], chain, trees)
     if model.alternatives is not None:  # the model's rows keep their alternatives
         others = torch.full(draft.tokens.shape, -1, dtype=torch.long)
         for b, (r, hit) in enumerate(zip(rows, by_lookup)):

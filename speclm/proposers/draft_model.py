@@ -157,7 +157,8 @@ class DraftModelProposer(Proposer):
 
     def _keep_cached(self, keep: list[int], paths: list[list[int]]) -> list[int]:
         """Per row, how many tokens of its cache stay: the committed ones before this round's draft,
-        then the accepted nodes the draft fed (a tree's are moved into place first)."""
+        then the accepted nodes the draft fed (a tree's are moved into place first, and what the
+        target accepted of a greedy tree is counted for growing the next ones)."""
         out = []
         for b, (k, path) in enumerate(zip(keep, paths)):
             start = k - len(path)  # committed tokens before this round's draft
