@@ -10,7 +10,10 @@
     print(out.text, out.stats.mean_accepted_tokens)
 """
 
-from speclm.engine import METHODS, Completion, GenerationOptions, SpecEngine, TextStream
+from speclm.batch import Batch
+from speclm.defaults import METHODS
+from speclm.engine import Completion, GenerationOptions, SpecEngine, TextStream
+from speclm.requests import Request
 from speclm.errors import PullError, SpeclmError, UsageError
 from speclm.models import LoadedModel, load_model, pull
 from speclm.quant import QUANTIZE_MODES, quantize_model
@@ -21,7 +24,7 @@ from speclm.stats import RequestStats
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS", "Completion", "GenerationOptions", "SpecEngine", "TextStream",
+    "METHODS", "Completion", "GenerationOptions", "SpecEngine", "TextStream", "Batch", "Request",
     "PullError", "SpeclmError", "UsageError",
     "LoadedModel", "load_model", "pull", "SamplingParams", "RequestStats",
     "QUANTIZE_MODES", "quantize_model", "set_threads", "keep_freed_memory",

@@ -47,11 +47,13 @@ def per_query(starts: list[int], counts: list[int], tree: Tree | None = None):
 
 
 def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: list[int],
-                      counts: list[int], scaling: float | None, tree: Tree | None = None) -> torch.Tensor:
-    """q (B, M, H, D); keys, values (B, H_kv, >= W, D) -> (B, M, H, D): row b's query i attends
-    alone over slots [0, starts[b] + i]; padding columns (i >= counts[b]) stay zero. tree: where
-    a row holds a tree (speclm.kv.StaticKV.forward's parents), query i attends slots
-    [0, reach) and then `apart`: the slots and order of a plain step at its position."""
+                      counts: list[int], scaling: float | None, tree: Tree | None = None,
+                      cache_rows: list[int] | None = None) -> torch.Tensor:
+    """q (B, M, H, D); keys, values (P, H_kv, >= W, D) -> (B, M, H, D): row b's query i attends
+    alone over slots [0, starts[b] + i] of cache row cache_rows[b] (None: row b, P = B); padding
+    columns (i >= counts[b]) stay zero. tree: where a row holds a tree (speclm.kv.StaticKV.forward's
+    parents), query i attends slots [0, reach) and then `apart`: the slots and order of a plain
+    step at its position."""
     batch, width, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads  # query head h reads kv head h // groups, as repeat_kv lays them out
@@ -66,7 +68,8 @@ def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     per_row = []
     for b in range(batch):
-        row_keys, row_values = (keys, values) if batch == 1 else (keys[b : b + 1], values[b : b + 1])
+        at = b if cache_rows is None else cache_rows[b]
+        row_keys, row_values = (keys, values) if keys.shape[0] == 1 else (keys[at : at + 1], values[at : at + 1])
         outs = [F.scaled_dot_product_attention(qi.reshape(1, kv_heads, groups, dim), visible(row_keys, b, i),
                                                visible(row_values, b, i), scale=scaling)
                 for i, qi in enumerate(q[b].unbind(0)[: counts[b]])]  # qi (H, D): a kv head's query heads as its "queries"

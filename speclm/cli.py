@@ -259,16 +259,13 @@ def _generate(args) -> int:
             print()
             _print_stats(stream.completion.stats, weights, sys.stderr)
         return 0
-    for start in range(0, len(prompts), args.batch_size):
-        chunk = encoded[start : start + args.batch_size]
-        results = engine.generate(chunk, **_as_kwargs(opts, seed_offset=start))
-        for r in results:
-            r.prompt_index += start
-            if args.json:
-                print(json.dumps(r.to_dict(), ensure_ascii=False), flush=True)
-            else:
-                print(r.text)
-                _print_stats(r.stats, weights, sys.stderr)
+    # up to batch-size prompts decode together; as one finishes the next joins; printed in order
+    for r in engine.completions(encoded, args.batch_size, **_as_kwargs(opts, seed_offset=0)):
+        if args.json:
+            print(json.dumps(r.to_dict(), ensure_ascii=False), flush=True)
+        else:
+            print(r.text)
+            _print_stats(r.stats, weights, sys.stderr)
     return 0
 
 

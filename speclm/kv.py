@@ -1,11 +1,16 @@
-"""A preallocated KV cache for the rows of a batch that advance at different speeds.
+"""A preallocated KV cache for the rows of a batch that advance at different speeds, join and leave:
+where each token's keys and values go and which slots each token sees (speclm.runner runs the
+model's forward over it).
 
-Every layer's keys and values live in one tensor (B, H_kv, capacity, D) allocated when the
-request starts, sized to its longest row (prompt + max_new_tokens + one round of draft).
-Row b's i-th token is written at slot lengths[b] + i, so a slot's index is its position id.
-Rolling a row back is moving lengths[b]: slots past it are garbage that attention never
-reads (a query sees only the slots before it) and the next forward overwrites. Nothing is concatenated or copied per step; the only
-copy is when finished rows leave the batch.
+Every layer's keys and values live in one tensor (P, H_kv, capacity, D), a pool of P cache rows
+allocated when the cache is made, each sized to the longest request expected (prompt +
+max_new_tokens + one round of draft). The batch's rows are an ordered list of cache rows: a
+request joining takes a free one (`add`), a finished one gives its back (`select`), and no other
+row's keys or values move. Row b's i-th token is written at slot lengths[b] + i, so a slot's
+index is its position id. Rolling a row back is moving lengths[b]: slots past it are garbage
+that attention never reads (a query sees only the slots before it) and the next forward
+overwrites. Nothing is concatenated or copied per step; the pool is copied only when a caller
+asks for more rows or tokens than it was made for (doubling).
 
 A forward feeds each row its own number of new tokens, left-aligned: row b's n_b tokens
 take columns [0, n_b) and the columns after them are padding. Padding writes finite values
@@ -16,14 +21,12 @@ needs are gathered from its own last columns.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
-from speclm import lean
-from speclm.attention import is_prefill, per_query, use_exact_attention
+from speclm.attention import is_prefill
 from speclm.errors import UsageError
-from speclm.lean import LeanForward
+from speclm.runner import ModelRunner, Plan
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -62,37 +65,15 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1024:.1f} KiB"
 
 
-class _SlotWriter:
-    """What the model sees as `past_key_values`: `update` writes this forward's keys and
-    values at the slots the StaticKV chose and returns every layer's visible window."""
-
-    def __init__(self, kv: "StaticKV"):
-        self.kv = kv
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None):
-        kv = self.kv  # key, value (B, H_kv, M, D)
-        keys, values = kv.keys[layer_idx], kv.values[layer_idx]
-        if keys.dtype != key.dtype:  # first write decides the dtype (fp32, or bf16/fp16 models)
-            keys = kv.keys[layer_idx] = keys.to(key.dtype)
-            values = kv.values[layer_idx] = values.to(value.dtype)
-        keys[kv._write_rows, :, kv._write_slots] = key.transpose(1, 2)  # (B, M, H, D) at (B, M) slots
-        values[kv._write_rows, :, kv._write_slots] = value.transpose(1, 2)
-        return keys[:, :, : kv._window], values[:, :, : kv._window]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.kv.lengths.max()) if self.kv.batch_size else 0
-
-
 class StaticKV:
-    def __init__(self, model, batch_size: int, capacity: int):
-        """Decode forwards attend per query (speclm.attention), so that a token's logits do not
-        depend on the other tokens of a forward. The target needs it; a draft model gets it
-        too, at no measurable cost (its forwards are 1-2 tokens), so that a draft identical
-        to the target is accepted in full."""
+    def __init__(self, model, batch_size: int, capacity: int, pool: int = 0):
+        """batch_size rows now, each up to `capacity` tokens; `pool`: cache rows to allocate for rows
+        that join later (at least batch_size). Decode forwards attend per query
+        (speclm.attention), so that a token's logits do not depend on the other tokens of a
+        forward. The target needs it; a draft model gets it too, at no measurable cost (its
+        forwards are 1-2 tokens), so that a draft identical to the target is accepted in full."""
         self.model = model
-        self.lean = LeanForward(model) if lean.supports(model) else None
-        if self.lean is None:
-            use_exact_attention(model)
+        self.runner = ModelRunner(model)  # which forward runs, and its time
         self.device = model.device
         cfg = model.config
         cfg = getattr(cfg, "text_config", None) or cfg
@@ -101,49 +82,96 @@ class StaticKV:
         self.capacity = capacity
         # zeros, not empty: a masked slot still enters q.k before masking, and garbage NaNs would
         # survive it (NaN + -inf = NaN)
-        shape = (batch_size, heads, capacity, head_dim)
+        pool = max(batch_size, pool, 1)
+        shape = (pool, heads, capacity, head_dim)
         dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-        # keys and values of every layer: layers x 2 x B x H_kv x capacity x D elements
-        check_memory(cfg.num_hidden_layers * 2 * batch_size * heads * capacity * head_dim * dtype.itemsize,
-                     self.device, f"{batch_size} row(s) x {capacity} tokens x {cfg.num_hidden_layers} layers")
+        # keys and values of every layer: layers x 2 x P x H_kv x capacity x D elements
+        check_memory(cfg.num_hidden_layers * 2 * pool * heads * capacity * head_dim * dtype.itemsize,
+                     self.device, f"{pool} row(s) x {capacity} tokens x {cfg.num_hidden_layers} layers")
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) valid slots per row
-        self._writer = _SlotWriter(self)
         self._slots = torch.arange(capacity, device=self.device)  # built once
-        self._rows = torch.arange(batch_size, device=self.device)
+        self._rows = torch.arange(batch_size, device=self.device)  # (B,) each batch row's cache row
+        self._free = list(range(batch_size, pool))  # cache rows no batch row holds
         # per row: slot -> its parent's slot, for the tree slots past the committed tokens whose
         # parent is not the slot before them (forward's `parents`); emptied as they are rolled back
         self._links: list[dict[int, int]] = [{} for _ in range(batch_size)]
-        self.forward_seconds = 0.0  # time spent inside model forwards, for overhead accounting
-        self.hidden: dict[int, torch.Tensor] | None = None  # the last forward's hidden states, where asked
+
+    @property
+    def lean(self):
+        return self.runner.lean
+
+    @property
+    def forward_seconds(self) -> float:
+        """Time spent inside model forwards, for overhead accounting."""
+        return self.runner.forward_seconds
+
+    @property
+    def hidden(self) -> dict[int, torch.Tensor] | None:
+        """The last forward's hidden states, where asked (`forward`'s hidden_layers)."""
+        return self.runner.hidden
 
     @property
     def chunk_invariant(self) -> bool:
         """A token's keys and values do not depend on how its prompt was split into forwards, so a
         prefix's may come from another prompt's forward (speclm.prefix_cache)."""
-        return self.lean is not None and self.lean.chunk_invariant
+        return self.runner.chunk_invariant
 
     def load_prefix(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
         """Row `row` starts with n slots copied from keys, values (per layer (H_kv, >= n, D))."""
+        self.reserve(n)
+        at = int(self._rows[row])
         for store, source in ((self.keys, keys), (self.values, values)):
             for t, s in zip(store, source):
-                t[row, :, :n] = s[:, :n]
+                t[at, :, :n] = s[:, :n]
         self.lengths[row] = n
 
     def export(self, row: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of row `row`'s first n slots, per layer (H_kv, n, D)."""
-        return ([t[row, :, :n].clone() for t in self.keys], [t[row, :, :n].clone() for t in self.values])
+        at = int(self._rows[row])
+        return ([t[at, :, :n].clone() for t in self.keys], [t[at, :, :n].clone() for t in self.values])
 
     @property
     def batch_size(self) -> int:
         return int(self.lengths.shape[0])
 
+    @property
+    def pool_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    def add(self, count: int) -> list[int]:
+        """`count` empty rows join the batch after the others; returns their batch indices. They
+        take free cache rows; only a full pool is copied (into one twice its size, or as large as needed)."""
+        if count > len(self._free):
+            self._grow_pool(max(2 * self.pool_size, self.batch_size + count))
+        taken, self._free = self._free[:count], self._free[count:]
+        first = self.batch_size
+        self._rows = torch.cat([self._rows, torch.tensor(taken, dtype=torch.long, device=self.device)])
+        self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long, device=self.device)])
+        self._links += [{} for _ in range(count)]
+        return list(range(first, first + count))
+
+    def _grow_pool(self, size: int) -> None:
+        old = self.pool_size
+        shape = self.keys[0].shape
+        check_memory(len(self.keys) * 2 * (size - old) * shape[1] * shape[2] * shape[3] * self.keys[0].dtype.itemsize,
+                     self.device, f"{size - old} more row(s) x {shape[2]} tokens x {len(self.keys)} layers")
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                store[i] = torch.cat([t, t.new_zeros(size - old, *t.shape[1:])])
+        self._free += list(range(old, size))
+
     def lengths_list(self) -> list[int]:
         return self.lengths.tolist()
 
+    def reserve(self, tokens: int) -> None:
+        """Every row may hold `tokens` tokens (a copy where it is more than the capacity)."""
+        if tokens > self.capacity:
+            self._grow(tokens)
+
     def _grow(self, needed: int) -> None:
-        """Only when a caller under-estimated the request's length: one copy, doubling."""
+        """Only when a caller under-estimated a request's length: one copy, doubling."""
         new_cap = max(needed, 2 * self.capacity)
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
@@ -155,8 +183,10 @@ class StaticKV:
 
     @torch.inference_mode()
     def forward(self, rows: list[list[int]], logits_to_keep: int, head=None,
-                parents: list[list[int] | None] | None = None, hidden_layers: tuple[int, ...] = ()) -> torch.Tensor:
+                parents: list[list[int] | None] | None = None, hidden_layers: tuple[int, ...] = (),
+                only: list[int] | None = None) -> torch.Tensor:
         """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens.
+        only: the batch rows `rows` are for, in order (None: every row); the others are untouched.
         head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward.
         parents: per row (or None: a chain), for each of its tokens the slot of its parent, or -1
         for the slot before its own. A token then attends the slots of its ancestors, through
@@ -169,41 +199,40 @@ class StaticKV:
         counts = [len(r) for r in rows]
         width = max(counts)
         assert width >= 1 and min(counts) >= logits_to_keep >= 1
+        batch = list(range(self.batch_size)) if only is None else list(only)
+        assert len(batch) == len(rows)
+        whole = only is None
+        lengths = self.lengths if whole else self.lengths[batch]  # (B,)
+        cache_rows = self._rows if whole else self._rows[batch]  # (B,)
+        self.reserve(int(lengths.max()) + width)  # a caller that under-estimated a request's length
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)  # (B, M)
         n = torch.tensor(counts, dtype=torch.long, device=self.device)  # (B,)
         offsets = self._slots[:width]  # (M,)
-        slots = self.lengths[:, None] + offsets  # (B, M): where each token's keys and values go
+        slots = lengths[:, None] + offsets  # (B, M): where each token's keys and values go
         window = int(slots[:, -1].max()) + 1
-        starts = self.lengths.tolist()
+        starts = lengths.tolist()
         tree = positions = None
         parents = parents if parents is not None else [None] * len(rows)
-        if any(p is not None for p in parents) or any(self._links):
+        if any(p is not None for p in parents) or any(self._links[b] for b in batch):
             assert not is_prefill(starts), "a prefill has no tree"
-            tree = [self._visible(b, starts[b], width, p) for b, p in enumerate(parents)]
+            tree = [self._visible(b, start, width, p) for b, start, p in zip(batch, starts, parents)]
             tree = tree if any(row is not None for row in tree) else None
         if tree is not None:
             positions = slots.clone()  # (B, M): a node's position is its depth's
             for b, row in enumerate(tree):
                 if row is not None:
                     positions[b] = torch.tensor([reach + len(apart) - 1 for reach, apart in row], dtype=torch.long)
-        if window > self.capacity:
-            self._grow(window)
         # which columns hold each row's last `logits_to_keep` tokens; all rows agree when the
         # feed is not ragged, the usual case after prefill
         ragged = min(counts) < width
         cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep]) if ragged else None  # (B, K)
-        t0 = time.perf_counter()
-        self.hidden = {} if hidden_layers else None
-        if self.lean is not None:
-            keep_cols = cols if ragged else slice(width - logits_to_keep, width)
-            logits = self.lean(ids, slots, self, starts, counts, window, keep_cols, head, positions, tree,
-                               tuple(hidden_layers), self.hidden)
+        plan = Plan(ids, slots, starts, counts, window, cache_rows, positions, tree, logits_to_keep, cols)
+        logits = self.runner.run(self, plan, head, tuple(hidden_layers))
+        if whole:
+            self.lengths = self.lengths + n
         else:
-            assert head is None, "a replaced output head needs speclm's lean forward"
-            logits = self._transformers_forward(ids, slots, positions, tree, window, starts, counts, logits_to_keep, cols,
-                                                tuple(hidden_layers))
-        self.forward_seconds += time.perf_counter() - t0
-        self.lengths = self.lengths + n
+            self.lengths = self.lengths.clone()
+            self.lengths[batch] += n
         return logits
 
     def _visible(self, b: int, start: int, width: int, parents: list[int] | None) -> list[tuple[int, list[int]]] | None:
@@ -229,41 +258,6 @@ class StaticKV:
             out.append((at + 1, apart[::-1]))
         return out
 
-    def _transformers_forward(self, ids, slots, positions, tree, window, starts, counts, logits_to_keep, cols,
-                              hidden_layers=()):
-        """The model's own forward, this cache handed in as `past_key_values` (via _SlotWriter)."""
-        # query (b, i) sees slots 0..lengths[b] + i, or its tree's slots; padding queries see the
-        # same, harmlessly (a prefill's mask; decode forwards attend per query, speclm.attention)
-        mask = self._slots[None, None, None, :window] <= slots[:, None, :, None]  # (B, 1, M, W)
-        for b, row in enumerate(tree or ()):
-            for i, (reach, apart) in enumerate(row or ()):
-                mask[b, 0, i, reach:] = False
-                mask[b, 0, i, apart] = True
-        if cols is not None:
-            keep, gather = torch.unique(cols, return_inverse=True)  # keep (U,), gather (B, K) into it
-        else:
-            keep, gather = logits_to_keep, None
-        self._write_rows, self._write_slots, self._window = self._rows[:, None], slots, window
-        with per_query(starts, counts, tree):
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=slots if positions is None else positions,
-                past_key_values=self._writer,
-                use_cache=True,
-                logits_to_keep=keep,
-                output_hidden_states=bool(hidden_layers),
-            )
-        logits = out.logits  # (B, keep or U, V)
-        if gather is not None:
-            logits = logits[self._rows[:, None], gather]  # (B, K, V)
-        if hidden_layers:  # transformers' hidden_states: [0] the embeddings, [i + 1] layer i's output, [-1] normed
-            columns = cols if cols is not None else slice(ids.shape[1] - logits_to_keep, None)
-            for layer in hidden_layers:
-                states = out.hidden_states[layer + 1 if layer >= 0 else -1]  # (B, M, E)
-                self.hidden[layer] = (states[self._rows[:, None], columns] if cols is not None else states[:, columns]).float()
-        return logits.float()
-
     def move_path(self, row: int, sources: list[int], start: int) -> None:
         """Row `row`'s slots `sources` (ascending, each at or past its target) are copied to slots
         start, start + 1, ... in every layer: a tree's accepted path, each node's keys and values
@@ -273,9 +267,10 @@ class StaticKV:
         if pairs:
             src = torch.tensor([s for s, _ in pairs], device=self.device)
             dst = torch.tensor([t for _, t in pairs], device=self.device)
+            at = int(self._rows[row])
             for store in (self.keys, self.values):
                 for t in store:
-                    t[row, :, dst] = t[row, :, src]
+                    t[at, :, dst] = t[at, :, src]
         self._links[row] = {s: p for s, p in self._links[row].items() if s < start}
 
     def truncate(self, keep: torch.Tensor | list[int]) -> None:
@@ -287,10 +282,11 @@ class StaticKV:
                 del links[s]
 
     def select(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep only these batch rows (finished rows leave the batch): one copy per exit."""
+        """Keep only these batch rows, in this order (finished rows leave the batch): their cache
+        rows are free for rows that join later; nothing is copied."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        self.keys = [t[rows] for t in self.keys]
-        self.values = [t[rows] for t in self.values]
+        kept = set(rows.tolist())
+        self._free += [int(self._rows[b]) for b in range(self.batch_size) if b not in kept]
         self.lengths = self.lengths[rows]
         self._links = [self._links[r] for r in rows.tolist()]
-        self._rows = torch.arange(len(rows), device=self.device)
+        self._rows = self._rows[rows]

@@ -180,7 +180,7 @@ class LeanForward:
 
     @torch.inference_mode()
     def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None,
-                 hidden_layers: tuple[int, ...] = (), hidden: dict | None = None):
+                 hidden_layers: tuple[int, ...] = (), hidden: dict | None = None, cache_rows=None):
         """ids, slots (B, M); kv: the StaticKV (its buffers are written at `slots`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
@@ -189,16 +189,20 @@ class LeanForward:
         position and the slots each query attends (speclm.attention.Tree), else None.
         hidden_layers, hidden: the dict `hidden` receives, for each layer index asked, the hidden
         states (B, K, E) of the kept rows: layer i's output (the residual stream after it), and for
-        -1 the final norm's, what the output head reads. Nothing is kept when none are asked."""
+        -1 the final norm's, what the output head reads. Nothing is kept when none are asked.
+        cache_rows (B,): each row's cache row in kv's pool (None: row b)."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
         self._grow_rotary(window)
         half, split = dim // 2, (heads + kv_heads) * dim
         per_query = self.chunk_invariant or not is_prefill(starts)
-        rows = kv._rows[:, None]
+        rows = torch.arange(batch, device=ids.device)[:, None]  # (B, 1) batch rows
+        cache_rows = rows[:, 0] if cache_rows is None else cache_rows  # (B,)
+        cache_list = cache_rows.tolist()
+        at_rows = cache_rows[:, None]  # (B, 1) where each row's keys and values live
         one_row = batch == 1
-        start = starts[0]
+        start, first = starts[0], cache_list[0]
         # a decode forward: rotary, cache writes and attention in one compiled call per layer
         compiled = self.compiled if (per_query and h.dtype == torch.float32 and dim % 32 == 0
                                      and kv.keys[0].dtype == torch.float32) else None
@@ -222,7 +226,8 @@ class LeanForward:
             qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
             if compiled is not None:
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
-                                                heads, kv_heads, self.scaling, flat)  # (R, H D)
+                                                heads, kv_heads, self.scaling, flat,
+                                                cache_rows=cache_list)  # (R, H D)
             else:
                 qk = qkv[:, :split].view(-1, heads + kv_heads, dim)
                 qk = qk * cos + qk.roll(half, dims=-1) * sin  # rotary on q and k at once
@@ -231,16 +236,18 @@ class LeanForward:
                 v = qkv[:, split:].view(batch, width, kv_heads, dim)
                 keys, values = kv.keys[i], kv.values[i]  # (B, H_kv, capacity, D)
                 if one_row:  # the usual case: a slice copy, no scatter
-                    keys[0, :, start : start + width] = k[0].transpose(0, 1)
-                    values[0, :, start : start + width] = v[0].transpose(0, 1)
+                    keys[first, :, start : start + width] = k[0].transpose(0, 1)
+                    values[first, :, start : start + width] = v[0].transpose(0, 1)
                 else:
-                    keys[rows, :, slots] = k.to(keys.dtype)
-                    values[rows, :, slots] = v.to(values.dtype)
+                    keys[at_rows, :, slots] = k.to(keys.dtype)
+                    values[at_rows, :, slots] = v.to(values.dtype)
                 if per_query:
-                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, tree)  # (B, M, H, D)
+                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, tree, cache_list)  # (B, M, H, D)
                 else:
                     # a prefill's rows all start at slot 0, left-aligned: its mask is the causal one,
                     # which lets SDPA skip the blocks above the diagonal
+                    if cache_list != list(range(keys.shape[0])):  # the batch's own rows of the pool
+                        keys, values = keys[cache_rows], values[cache_rows]
                     o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :window], values[:, :, :window],
                                                        is_causal=True, scale=self.scaling, enable_gqa=heads > kv_heads)
                     out = o.transpose(1, 2)

@@ -117,12 +117,16 @@ def test_readme_is_a_short_guide():
 
 def test_readme_python_quick_start_runs(folders, monkeypatch, capsys):
     text = (ROOT / "README.md").read_text()
-    code = re.search(r"^```python\n(.*?)^```", text, re.S | re.M).group(1)
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)  # run in order, one namespace
+    code = "\n".join(blocks)
+    assert len(blocks) >= 2 and "engine.batch(" in blocks[1]
     assert 'load_model("qwen2.5-coder-1.5b"' in code and 'load_model("qwen2.5-coder-0.5b"' in code
     code = code.replace('"qwen2.5-coder-1.5b"', repr(folders["target"])).replace('"qwen2.5-coder-0.5b"', repr(folders["draft"]))
     code = code.replace("max_new_tokens=128", "max_new_tokens=12")  # tiny models: a short reply is enough
+    code = code.replace('temperature=0.7, seed=1)', 'temperature=0.7, seed=1, max_new_tokens=12)')
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
     out = namespace["out"]
     assert len(out.token_ids) >= 1 and out.stats.target_forwards >= 1
+    assert namespace["a"].done and namespace["b"].done and not namespace["batch"].active
     assert capsys.readouterr().out.strip()  # it printed the text and statistics

@@ -22,12 +22,11 @@ def test_rows_choose_lookup_or_the_model_and_the_cache_keeps_only_committed_toke
     draft = proposer.propose([REPEATS, FRESH], [3, 3], GREEDY, [None, None])
     assert draft.lengths.tolist() == [3, 3] and draft.forwards == 3
     assert draft.tokens[0].tolist() == lookup(REPEATS, 3, 3, 2) == [7, 8, 5]
-    # the model drafted both rows (one batch) and fed all but its last token
-    assert proposer.kv.lengths_list() == [len(REPEATS) + 2, len(FRESH) + 2]
-    # 2 lookup tokens and 1 model token accepted: the lookup row's cache held the model's own
-    # drafts past its context, none of them committed
+    # the model ran the fresh row alone and fed all but its last token; the lookup row waits
+    assert proposer.kv.lengths_list() == [0, len(FRESH) + 2]
+    # 2 lookup tokens and 1 model token accepted
     proposer.accept(Verified([len(REPEATS) + 2, len(FRESH) + 1], [[0, 1], [0]]))
-    assert proposer.kv.lengths_list() == [len(REPEATS), len(FRESH) + 1]
+    assert proposer.kv.lengths_list() == [0, len(FRESH) + 1]
     assert proposer.lookups == 1
 
 
@@ -72,14 +71,16 @@ def test_long_prompts_leave_the_draft_model_off_and_draft_as_pld(target):
     proposer = DraftLookupProposer(target.model, k=6, ngram_min=2, prompt_ratio=3.0, lookup_k=2)
     prompt = [1, 2, 3, 4, 5, 6, 7, 3, 9, 9]  # 10 tokens; its last token, 9, occurred once before
     proposer.start(1, 64, [len(prompt)], [3])  # 10 > 3 * 3: off
-    assert not proposer.model_on
+    assert proposer.model_on == [False]
     draft = proposer.propose([prompt], [5], GREEDY, [None])
     # pld's settings: any n-gram (here the unigram 9), lookup_k tokens
     assert draft.tokens[0].tolist() == lookup(prompt, 2, 3, 1) == [9] and draft.forwards == 0
     proposer.start(1, 64, [len(prompt)], [4])  # 10 <= 3 * 4: on
-    assert proposer.model_on
-    proposer.start(2, 64, [len(prompt), 100], [4, 4])  # one short prompt in the batch: on
-    assert proposer.model_on
+    assert proposer.model_on == [True]
+    proposer.start(2, 64, [len(prompt), 100], [4, 4])  # each row decides for itself
+    assert proposer.model_on == [True, False]
+    proposer.add(1, [3], [1])  # a row joining later too
+    assert proposer.model_on == [True, False, True]
 
 
 @pytest.mark.parametrize("ratio, model_runs", [(0.0, False), (float("inf"), True)])

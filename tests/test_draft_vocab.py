@@ -61,7 +61,7 @@ def test_first_ids_round_down_to_whole_column_groups():
 
 def _spy_drafts(monkeypatch):
     """Every draft token the engine sends to verification."""
-    import speclm.engine as engine_mod
+    import speclm.batch as engine_mod
 
     seen: list[int] = []
     real = engine_mod.verify_tree
@@ -104,8 +104,8 @@ def test_default_restriction_and_where_it_does_not_apply(tok, target):
     # a vocabulary smaller than the default is scored whole: nothing is restricted
     proposer = engine.make_proposer(GenerationOptions(method="draft"))
     proposer.start(1, 64)
-    proposer._restrict([[1, 2, 3]])
-    assert proposer.head is None
+    proposer.vocabs.read([0], [[1, 2, 3]])
+    assert proposer.head is None and proposer.vocabs.token_ids(0) is None
     assert isinstance(proposer, DraftModelProposer)
 
 

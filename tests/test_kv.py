@@ -70,7 +70,7 @@ def test_lean_forward_matches_transformers(target, tok):
 
 
 def test_transformers_path_when_lean_unsupported(target, tok, monkeypatch):
-    import speclm.kv as kv_mod
+    import speclm.runner as kv_mod
 
     monkeypatch.setattr(kv_mod.lean, "supports", lambda model: False)
     ids = tok("fallback path").input_ids
@@ -188,7 +188,7 @@ def test_tree_nodes_get_the_bits_of_a_plain_step(tok, monkeypatch):
     the compiled kernel, the torch ops and the transformers path; fed in one forward or level by
     level (as a draft grows a tree, ancestors in earlier forwards); and after `move_path` the
     cache continues as if the accepted path had been fed plainly."""
-    import speclm.kv as kv_mod
+    import speclm.runner as kv_mod
     from speclm.quant import quantize_model
     from tiny import require_compiled_kernels, tiny_model
 
@@ -266,7 +266,7 @@ def test_forward_returns_hidden_states_only_when_asked(tok, monkeypatch):
     """hidden_layers: the forward leaves the asked layers' hidden states of the kept tokens in
     `kv.hidden` ((B, K, E); -1 after the final norm, what the output head reads), on the lean
     forward and on transformers'; nothing is kept when none are asked."""
-    import speclm.kv as kv_mod
+    import speclm.runner as kv_mod
     from tiny import tiny_model
 
     model = tiny_model(len(tok), seed=4)

@@ -159,7 +159,7 @@ def test_int8_logits_stay_close_to_fp32(tok):
 def test_int8_exact_through_the_transformers_forward_too(int8_pair, monkeypatch):
     """Models the lean forward does not cover run transformers' forward with speclm's
     per-query attention; speculative output still equals plain output on int8 weights."""
-    import speclm.kv as kv_mod
+    import speclm.runner as kv_mod
 
     monkeypatch.setattr(kv_mod.lean, "supports", lambda model: False)
     target, draft = int8_pair

@@ -176,7 +176,7 @@ def _redraw_after_verify(monkeypatch, position):
                 verdict.tokens[b, n] = torch.multinomial(probs[b, at], 1, generator=g).item()
         return verdict
 
-    monkeypatch.setattr("speclm.engine.verify_tree", verify)
+    monkeypatch.setattr("speclm.batch.verify_tree", verify)
 
 
 def bonus_from_previous_position(monkeypatch):

@@ -109,15 +109,28 @@ struct AttentionShape {
   int64_t batch, rows, width, dim, capacity;
 };
 
+// decode_attention's `cache_rows`: the cache row (first index of keys and values) of batch row b;
+// empty: row b.
+inline int64_t cache_row(const std::vector<int64_t>& cache_rows, int64_t b) {
+  return cache_rows.empty() ? b : cache_rows[b];
+}
+
 inline AttentionShape check_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& keys, const at::Tensor& values, const std::vector<int64_t>& starts,
                                       const std::vector<int64_t>& counts, int64_t heads, int64_t kv_heads,
-                                      const std::vector<int64_t>& tree, int64_t query_tile) {
+                                      const std::vector<int64_t>& tree, int64_t query_tile,
+                                      const std::vector<int64_t>& cache_rows) {
   AttentionShape s{};
   s.batch = static_cast<int64_t>(starts.size());
   TORCH_CHECK(query_tile >= 1, "query_tile must be >= 1");
-  TORCH_CHECK(s.batch >= 1 && counts.size() == starts.size() && keys.dim() == 4 && keys.size(0) == s.batch,
-              "one start and count per cache row");
+  TORCH_CHECK(s.batch >= 1 && counts.size() == starts.size() && keys.dim() == 4, "one start and count per row");
+  if (cache_rows.empty()) {
+    TORCH_CHECK(keys.size(0) == s.batch, "one cache row per batch row");
+  } else {
+    TORCH_CHECK(static_cast<int64_t>(cache_rows.size()) == s.batch, "one cache row per batch row");
+    for (int64_t b = 0; b < s.batch; ++b)
+      TORCH_CHECK(cache_rows[b] >= 0 && cache_rows[b] < keys.size(0), "cache row out of range");
+  }
   s.rows = qkv.size(0);
   s.width = s.rows / s.batch;
   s.dim = keys.size(3);

@@ -458,9 +458,9 @@ inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
-                            int64_t query_tile) {
+                            int64_t query_tile, const std::vector<int64_t>& cache_rows) {
   const speclm_common::AttentionShape shape = speclm_common::check_attention(
-      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile);
+      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile, cache_rows);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
   const int64_t capacity = shape.capacity, half = dim / 2;
   auto visible = [&](int64_t b, int64_t i) { return speclm_common::visible_of(tree, b * width + i, starts[b] + i); };
@@ -481,8 +481,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     }
   };
   for (int64_t b = 0; b < batch; ++b) {
-    float* kb = kp + b * kv_heads * capacity * dim;
-    float* vb = vp + b * kv_heads * capacity * dim;
+    float* kb = kp + speclm_common::cache_row(cache_rows, b) * kv_heads * capacity * dim;
+    float* vb = vp + speclm_common::cache_row(cache_rows, b) * kv_heads * capacity * dim;
     for (int64_t i = 0; i < width; ++i) {
       const int64_t r = b * width + i, slot = starts[b] + i, at = visible(b, i).position();
       const float* row = src + r * stride;
@@ -528,8 +528,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       const int64_t nq = static_cast<int64_t>(who.size());
       if (nq == 0) continue;
       inverse.resize(nq);
-      const float* kg = kp + (b * kv_heads + g) * capacity * dim;
-      const float* vg = vp + (b * kv_heads + g) * capacity * dim;
+      const float* kg = kp + (speclm_common::cache_row(cache_rows, b) * kv_heads + g) * capacity * dim;
+      const float* vg = vp + (speclm_common::cache_row(cache_rows, b) * kv_heads + g) * capacity * dim;
       // Queries in tiles, so that a tile's scores stay in cache through the softmax and the
       // weighing of values (a prefill has thousands of queries per kv head: their scores all
       // at once were tens of MB, written and read back from memory). Each query's operations
@@ -608,5 +608,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
-        py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE);
+        py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE,
+        py::arg("cache_rows") = std::vector<int64_t>());
 }

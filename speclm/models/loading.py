@@ -112,14 +112,17 @@ def _converted_gguf(path: Path, progress: bool) -> Path:
         raise UsageError(str(exc)) from exc
 
 
-def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quantize: str = "none",
+def load_model(name, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", quantize: str = "none",
                progress: bool = True, cache: bool = True) -> LoadedModel:
-    """Load model and tokenizer; `name` as in `resolve_model`. quantize="int8" gives every
-    linear layer, output head included, int8 weights (speclm.quant); quantize="int4" int4 ones
-    (grouped scales; meant for draft models). A quantized model is written once to the
-    quantized-weights cache (speclm.models.qcache; `cache=False`: neither read nor written) and
-    later loads read it; the first quantization reads the weights one decoder layer at a time
-    (speclm.models.weights), so the fp32 model is never held whole."""
+    """Load model and tokenizer; `name` as in `resolve_model`, or a transformers causal LM already
+    loaded (then `tokenizer` is its tokenizer, and the model is used as it is: its dtype, its
+    device unless `device` names another; quantize converts its linear layers in place, without
+    the cache). quantize="int8" gives every linear layer, output head included, int8 weights
+    (speclm.quant); quantize="int4" int4 ones (grouped scales; meant for draft models). A
+    quantized model is written once to the quantized-weights cache (speclm.models.qcache;
+    `cache=False`: neither read nor written) and later loads read it; the first quantization
+    reads the weights one decoder layer at a time (speclm.models.weights), so the fp32 model is
+    never held whole."""
     import torch
 
     from speclm.quant import QUANTIZE_MODES
@@ -128,6 +131,11 @@ def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quanti
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not '{quantize}'")
     if quantize != "none" and device != "cpu":
         raise UsageError(f"quantize={quantize} is a CPU path (speclm's and oneDNN's int8 kernels); on a GPU use quantize=none")
+    if not isinstance(name, (str, Path)):
+        return _loaded_objects(name, tokenizer, device, quantize)
+    if tokenizer is not None:
+        raise UsageError("tokenizer= goes with a loaded model; a model named by a string loads its own")
+    name = str(name)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -158,6 +166,33 @@ def load_model(name: str, *, dtype: str = "float32", device: str = "cpu", quanti
     eos.update(store._as_list(tokenizer.eos_token_id))
     release_freed_memory()  # what building the model freed (fp32 layers, file reads) goes back to the system
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)), quantize=quantize)
+
+
+def _loaded_objects(model, tokenizer, device: str, quantize: str) -> LoadedModel:
+    """A transformers model and tokenizer the caller loaded, checked and taken as they are."""
+    from speclm.quant import quantize_model
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "get_output_embeddings") or not callable(getattr(model, "forward", None)):
+        raise UsageError(f"load_model takes a model name or a loaded transformers model, not {type(model).__name__}")
+    name = getattr(config, "_name_or_path", "") or type(model).__name__
+    check_causal_lm(config.to_dict(), name)
+    if tokenizer is None or not callable(tokenizer) or not hasattr(tokenizer, "get_vocab"):
+        raise UsageError("a loaded model needs its tokenizer: load_model(model, tokenizer=tokenizer)")
+    if quantize != "none" and getattr(model, "speclm_quantize", "none") not in ("none", quantize):
+        raise UsageError(f"this model is already quantized as {model.speclm_quantize}")
+    if quantize != "none" and str(getattr(model, "device", "cpu")) != "cpu":
+        raise UsageError(f"quantize={quantize} is a CPU path; this model is on {model.device}")
+    model = quantize_model(model, quantize)
+    if str(getattr(model, "device", device)) != device:
+        model.to(device)
+    model.eval()
+    eos: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    eos.update(store._as_list(getattr(generation, "eos_token_id", None)))
+    eos.update(store._as_list(tokenizer.eos_token_id))
+    kind = getattr(model, "speclm_quantize", "none")
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)), quantize=kind)
 
 
 def _local_folder(name: str, source: str) -> Path:

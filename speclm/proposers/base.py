@@ -86,6 +86,20 @@ class Draft:
         rows = [[(j, t) for j, t in enumerate(row) if t >= 0] for row in self.alternatives.tolist()]
         return rows, max(len(r) for r in rows)
 
+    def spread(self, rows: list[int], batch_size: int) -> "Draft":
+        """This draft of rows `rows` as a draft of batch_size rows, the others drafting nothing."""
+        at = torch.tensor(rows, dtype=torch.long)
+
+        def place(t: torch.Tensor | None, fill) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = t.new_full((batch_size, *t.shape[1:]), fill)
+            out[at] = t
+            return out
+
+        return Draft(place(self.tokens, 0), place(self.lengths, 0), place(self.draft_probs, 0.0), self.forwards,
+                     place(self.alternatives, -1), place(self.parents, PAD))
+
     @staticmethod
     def from_rows(rows: list[list[int]], draft_probs: torch.Tensor | None = None, forwards: int = 0) -> "Draft":
         """Each row's token list, padded to the longest."""
@@ -109,9 +123,14 @@ class Proposer:
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states `accept` receives
 
     def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
-              max_new_tokens: list[int] | None = None) -> None:
-        """A new batch of requests begins; no row will hold more than `capacity` tokens. Where
-        known, each row's prompt length and its budget of new tokens."""
+              max_new_tokens: list[int] | None = None, pool: int = 0) -> None:
+        """A new batch begins with batch_size rows (`add`); no row will hold more than `capacity`
+        tokens; `pool`: rows to make room for (rows join later)."""
+        self.add(batch_size, prompt_lengths, max_new_tokens)
+
+    def add(self, count: int, prompt_lengths: list[int] | None = None, max_new_tokens: list[int] | None = None) -> None:
+        """`count` rows join the batch after the others (between rounds). Where known, each row's
+        prompt length and its budget of new tokens."""
 
     @property
     def forward_seconds(self) -> float:
@@ -141,4 +160,4 @@ class Proposer:
         from them)."""
 
     def select(self, rows: list[int]) -> None:
-        """Only these rows stay in the batch."""
+        """Only these rows stay in the batch, in this order (finished rows leave)."""

@@ -9,11 +9,11 @@ The draft model runs in a round only if some row needs it, and catches up on the
 meanwhile in one forward the next time it runs (speclm.proposers.draft_model feeds every
 committed token its cache lacks).
 
-A batch whose every prompt is longer than `prompt_ratio` times its budget of new tokens never
-starts the draft model: its prefill costs in proportion to the prompt and its gain over lookup
-in proportion to the tokens generated, and long prompts are where lookup finds most to copy
+A row whose prompt is longer than `prompt_ratio` times its budget of new tokens never runs the
+draft model: its prefill costs in proportion to the prompt and its gain over lookup in
+proportion to the tokens generated, and long prompts are where lookup finds most to copy
 (Spec-Bench's summarization and RAG prompts: prompt lookup beat the draft model on each of the
-six measured; docs/methods.md). Lookup then drafts alone with pld's settings.
+six measured; docs/methods.md). Lookup then drafts that row alone, with pld's settings.
 
 Every choice depends on the context and the request alone, never on the target, so the
 verifier's rejection sampling stays exact.
@@ -38,8 +38,8 @@ class DraftLookupProposer(DraftModelProposer):
                  lookup_k: int = 4, prefix_cache=None, tree=None, times=None):
         """k, confidence, vocab, always, alternatives: the draft model's (DraftModelProposer); ngram_max,
         ngram_min: the lookup's while the draft model runs; prompt_ratio: the draft model stays off
-        for a batch whose every prompt is longer than this times its max_new_tokens (0: always
-        off, inf: always on); lookup_k: tokens per lookup draft when the model is off; prefix_cache:
+        for a row whose prompt is longer than this times its max_new_tokens (0: always off, inf:
+        always on); lookup_k: tokens per lookup draft when the model is off; prefix_cache:
         the draft model's (speclm.prefix_cache); tree: the draft model's tree (None: a chain)."""
         super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always, alternatives=alternatives,
                          prefix_cache=prefix_cache, tree=tree, times=times)
@@ -47,32 +47,42 @@ class DraftLookupProposer(DraftModelProposer):
         self.alone = PromptLookupProposer(k=lookup_k, max_ngram=ngram_max, min_ngram=1)  # as method pld
         self.prompt_ratio = prompt_ratio
         self.max_nodes = max(self.max_nodes, lookup_k)
-        self.model_on = True  # this batch runs the draft model
+        self.model_on: list[bool] = []  # per row: the draft model drafts it (else lookup alone, as pld)
         self.lookups = 0  # rows drafted by lookup since start (statistics)
         # per row, this round: the context length of a row drafted by lookup while the model
         # drafted too (its cache then holds the model's tokens, not the lookup's), else None
         self._cut: list[int | None] = []
 
-    def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None) -> None:
-        super().start(batch_size, capacity)
-        self.lookups, self._cut = 0, []
-        self.model_on = prompt_lengths is None or max_new_tokens is None or any(
-            length <= self.prompt_ratio * budget for length, budget in zip(prompt_lengths, max_new_tokens))
+    def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None, pool: int = 0) -> None:
+        self.lookups, self._cut, self.model_on = 0, [], []
+        super().start(batch_size, capacity, prompt_lengths, max_new_tokens, pool)
+
+    def add(self, count: int, prompt_lengths=None, max_new_tokens=None) -> None:
+        super().add(count)
+        if prompt_lengths is None or max_new_tokens is None:
+            self.model_on += [True] * count
+        else:
+            self.model_on += [length <= self.prompt_ratio * budget for length, budget in zip(prompt_lengths, max_new_tokens)]
+
+    def select(self, rows: list[int]) -> None:
+        super().select(rows)
+        self.model_on = [self.model_on[r] for r in rows]
 
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
-        found = (self.beside if self.model_on else self.alone).found(contexts, max_tokens)
-        by_lookup = [len(f) > 0 for f in found]
-        self.lookups += sum(by_lookup)
+        found = [(self.beside if on else self.alone).found([c], [m])[0]
+                 for c, m, on in zip(contexts, max_tokens, self.model_on)]
+        by_lookup = [len(f) > 0 or not on for f, on in zip(found, self.model_on)]
+        self.lookups += sum(len(f) > 0 for f in found)
         self._cut = []
-        if not self.model_on or not any(m > 0 and not hit for m, hit in zip(max_tokens, by_lookup)):
+        if not any(m > 0 and not hit for m, hit in zip(max_tokens, by_lookup)):
             return Draft.from_rows(found)  # no row needs the model: one-hot drafts
-        # lookup rows get no budget from the model: it computes them alongside (batched) but draws
-        # nothing from their generators, so a row samples as it would alone
+        # rows drafted by lookup (or never by the model) get no budget from it: it does not run them
+        # and draws nothing from their generators, so a row samples as it would alone
         budgets = [0 if hit else m for m, hit in zip(max_tokens, by_lookup)]
         draft = super().propose(contexts, budgets, params, generators)
         if not any(by_lookup):
             return draft
-        # rows with a lookup draft take it in place of the model's (computed alongside, batched)
+        # rows with a lookup draft take it in place of the model's
         self._cut = [len(c) if hit else None for c, hit in zip(contexts, by_lookup)]
         rows = [f if hit else t[:n] for f, hit, t, n in
                 zip(found, by_lookup, draft.tokens.tolist(), draft.lengths.tolist())]

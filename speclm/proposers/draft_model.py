@@ -16,7 +16,7 @@ import torch
 
 from speclm.proposers.base import Draft, Proposer, Verified
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec, grow, record_acceptance
-from speclm.proposers.draft_vocab import RestrictedHead, restricted_head
+from speclm.proposers.draft_vocab import RestrictedHead, RowVocabs
 from speclm.kv import StaticKV
 from speclm.prefix_cache import PrefixCache
 from speclm.sampling import SamplingParams, processed_probs, sample
@@ -50,17 +50,25 @@ class DraftModelProposer(Proposer):
         self.vocab, self.always = vocab, tuple(always)
         self.prefix_cache = prefix_cache
         self.kv: StaticKV | None = None
-        self.head: RestrictedHead | None = None
+        self.vocabs = RowVocabs(model, vocab, self.always)  # each row's restricted vocabulary
         self._prefill_seconds = 0.0
 
-    def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None) -> None:
-        self.kv = StaticKV(self.model, batch_size, capacity)
-        self.head = None
+    def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None, pool: int = 0) -> None:
+        self.kv = StaticKV(self.model, 0, capacity, pool=max(batch_size, pool))
+        self.vocabs = RowVocabs(self.model, self.vocab, self.always)
         self._prefill_seconds = 0.0
+        self.add(batch_size, prompt_lengths, max_new_tokens)
 
-    def _restrict(self, contexts: list[list[int]]) -> None:
-        """At a batch's first proposal: the head over the vocab lowest ids, the prompts' and `always`."""
-        self.head = restricted_head(self.model, self.vocab, [t for c in contexts for t in c] + list(self.always))
+    def add(self, count: int, prompt_lengths=None, max_new_tokens=None) -> None:
+        self.kv.add(count)
+        self.vocabs.add(count)
+        self._slots += [[] for _ in range(count)] if self._slots else []
+        self._nodes += [[] for _ in range(count)] if self._nodes else []
+
+    @property
+    def head(self) -> RestrictedHead | None:
+        """The draft's output head over its rows' vocabularies (None: the whole vocabulary)."""
+        return self.vocabs.head
 
     @property
     def forward_seconds(self) -> float:
@@ -72,42 +80,60 @@ class DraftModelProposer(Proposer):
 
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
         batch = len(contexts)
-        width = min(self.k, max(max_tokens))
-        if width <= 0:
+        rows = [b for b in range(batch) if max_tokens[b] > 0]  # rows that draft this round; the others wait
+        if not rows or self.k <= 0:
             return Draft.empty(batch)
-        have = self.kv.lengths_list()
-        prefill = not any(have)  # the batch's first proposal: the draft reads the prompts
+        draft = self._draft([contexts[b] for b in rows], rows, [max_tokens[b] for b in rows], params,
+                            [generators[b] for b in rows])
+        return draft if len(rows) == batch else draft.spread(rows, batch)
+
+    def _draft(self, contexts, rows, max_tokens, params: SamplingParams, generators) -> Draft:
+        """Draft for batch rows `rows` (contexts, budgets and generators theirs, in order); the
+        Draft's rows are theirs."""
+        batch, kv = len(rows), self.kv
+        only = None if batch == kv.batch_size else rows  # forwards over these rows alone
+        width = min(self.k, max(max_tokens))
+        lengths = kv.lengths_list()
+        have = [lengths[b] for b in rows]
+        new = [i for i, h in enumerate(have) if h == 0]  # rows drafting for the first time read their prompts
         began = time.perf_counter()
-        if prefill:
-            self._restrict(contexts)
-        head = self.head
-        if prefill and all(len(c) > 1 for c in contexts):
+        if new:
+            self.vocabs.read([rows[i] for i in new], [contexts[i] for i in new])
+        head = self.vocabs.head
+        if new and all(len(contexts[i]) > 1 for i in new):
             # The target prefilled the prompt alone and fed its first token in a decode forward;
             # mirror that split (where a prefill attends batched and a decode forward per query,
             # they round differently), so that a draft equal to the target computes the same bits.
             # The prompt's longest cached prefix is copied in first (leaving a token to feed).
             cache = self.prefix_cache
-            if cache is not None:
-                have = [cache.reuse(self.kv, b, c, len(c) - 2) for b, c in enumerate(contexts)]
-            self.kv.forward([c[h:-1] for c, h in zip(contexts, have)], 1, head)
-            if cache is not None:
-                for b, c in enumerate(contexts):
-                    cache.add(self.kv, b, c[:-1])
-            have = self.kv.lengths_list()
+            for i in new:
+                if cache is not None:
+                    have[i] = cache.reuse(kv, rows[i], contexts[i], len(contexts[i]) - 2)
+            kv.forward([contexts[i][have[i]:-1] for i in new], 1, head, only=[rows[i] for i in new])
+            for i in new:
+                if cache is not None:
+                    cache.add(kv, rows[i], contexts[i][:-1])
+                have[i] = len(contexts[i]) - 1
         # logits over the draft's vocabulary: all V ids, or head.ids (S,) when restricted
         t0 = time.perf_counter()
-        logits = self.kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head)[:, -1]  # (B, V or S)
-        if not prefill and max(len(c) - h for c, h in zip(contexts, have)) == 1:
+        logits = kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head, only=only)[:, -1]  # (B, V or S)
+        if not new and max(len(c) - h for c, h in zip(contexts, have)) == 1:
             self._times.record(1, time.perf_counter() - t0)
-        if prefill:
+        if new:
             self._prefill_seconds += time.perf_counter() - began
         if self.tree is not None:
             vocab = head.vocab_size if head is not None else logits.shape[-1]
-            grown = grow(self.kv, head, vocab, self.tree, logits, self.kv.lengths_list(), max_tokens, params,
-                         generators, began, self._times)
-            self._slots = grown.slots
-            # greedy acceptance, measured for growing greedy trees by cost (a sampled node's is another matter)
-            self._nodes = grown.nodes if params.greedy else []
+            lengths = kv.lengths_list()
+            lengths = [lengths[b] for b in rows]
+            grown = grow(kv, self.vocabs, rows, vocab, self.tree, logits, lengths, max_tokens, params, generators,
+                         began, self._times, only)
+            # per batch row: the draft cache slot of each node it fed, and (greedy) the nodes, for
+            # measuring acceptance (a sampled node's is another matter)
+            self._slots = [[] for _ in range(kv.batch_size)]
+            self._nodes = [[] for _ in range(kv.batch_size)]
+            for i, b in enumerate(rows):
+                self._slots[b] = grown.slots[i]
+                self._nodes[b] = grown.nodes[i] if params.greedy else []
             return Draft(grown.tokens, grown.lengths, grown.probs, forwards=1 + grown.forwards, parents=grown.parents)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         others = torch.full((batch, width), -1, dtype=torch.long) if self.alternatives > 0 else None
@@ -115,42 +141,51 @@ class DraftModelProposer(Proposer):
         probs = [] if not params.greedy else None
         steps = 0
         gauge = self.confidence > 0 or self.alternatives > 0  # the draft's probability of its token is needed
+        vocab = self.vocabs
         for j in range(width):
             if params.greedy:
-                step = logits.argmax(-1)  # (B,) indices into the draft's vocabulary
-                sure = torch.softmax(logits, -1).gather(-1, step[:, None])[:, 0] if gauge else None
+                mask = vocab.mask(rows, logits.shape[-1])  # each row's own columns
+                own = logits if mask is None else logits.masked_fill(~mask.to(logits.device), float("-inf"))
+                step = own.argmax(-1).cpu()  # (B,) columns of the head
+                ids = step if head is None else head.ids[step]  # token ids
+                sure = torch.softmax(own, -1).gather(-1, step[:, None].to(own.device))[:, 0].cpu() if gauge else None
             else:
-                p = processed_probs(logits, params)  # (B, V or S)
-                probs.append(p if head is None else _full_vocabulary(p, head))
-                # only rows still drafting draw (from their own generators), so that a row's draws do
-                # not depend on how long the other rows of the batch draft
-                step = torch.tensor([sample(p[b].cpu(), generators[b]) if j < drafted[b] else 0 for b in range(batch)])
-                sure = p.gather(-1, step[:, None].to(p.device))[:, 0] if gauge else None
+                # each row's distribution over its own vocabulary, drawn from its own generator; only
+                # rows still drafting draw, so a row's draws do not depend on the other rows
+                dists = [processed_probs(vocab.logits(b, logits[i : i + 1]), params)[0].cpu()
+                         for i, b in enumerate(rows)]  # (S_b,) each
+                probs.append(torch.stack([_on_vocabulary(d, vocab.token_ids(b), self._vocab_size(logits))
+                                          for d, b in zip(dists, rows)]))
+                columns = [sample(d, g) if j < n else 0 for d, g, n in zip(dists, generators, drafted)]
+                ids = torch.tensor([_own_token(vocab, b, c) for b, c in zip(rows, columns)], dtype=torch.long)
+                sure = torch.tensor([float(d[c]) for d, c in zip(dists, columns)]) if gauge else None
             if others is not None:  # rows unsure of this token get an alternative for it
-                branch = (sure < self.alternatives).cpu()
-                if bool(branch.any()):  # greedy: the second choice; sampling: a second draw from p
-                    other = (logits.scatter(-1, step[:, None].to(logits.device), float("-inf")).argmax(-1).cpu()
-                             if params.greedy else
-                             torch.tensor([sample(p[b].cpu(), generators[b]) if branch[b] and j < drafted[b] else 0
-                                           for b in range(batch)]))
-                    ids = other if head is None else head.ids[other]
-                    others[:, j] = torch.where(branch, ids, -1)
-            step = step.cpu()
-            if head is not None:
-                step = head.ids[step]  # token ids
-            tokens[:, j] = step
+                branch = sure < self.alternatives
+                if bool(branch.any()):  # greedy: the second choice; sampling: a second draw
+                    if params.greedy:
+                        second = own.scatter(-1, step[:, None].to(own.device), float("-inf")).argmax(-1).tolist()
+                        other = second if head is None else head.ids[second].tolist()
+                    else:
+                        other = [_own_token(vocab, b, sample(d, g)) if branch[i] and j < drafted[i] else 0
+                                 for i, (b, d, g) in enumerate(zip(rows, dists, generators))]
+                    others[:, j] = torch.where(branch, torch.tensor(other, dtype=torch.long), -1)
+            tokens[:, j] = ids
             steps = j + 1
             if self.confidence > 0:  # a row stops after a token its draft was unsure of
                 unsure = (sure < self.confidence).tolist()
                 drafted = [min(d, j + 1) if below else d for d, below in zip(drafted, unsure)]
             if any(d > j + 1 for d in drafted):  # some row still drafts: feed this step's tokens
-                logits = self.kv.forward([[t] for t in step.tolist()], 1, head)[:, -1]
+                logits = kv.forward([[t] for t in ids.tolist()], 1, head, only=only)[:, -1]
             else:
                 break
         lengths = torch.tensor(drafted, dtype=torch.long)
         draft_probs = torch.stack(probs, dim=1) if probs is not None else None  # (B, steps, V)
         alternatives = others[:, :steps] if others is not None else None
         return Draft(tokens[:, :steps], lengths, draft_probs, forwards=steps, alternatives=alternatives)
+
+    def _vocab_size(self, logits: torch.Tensor) -> int:
+        head = self.vocabs.head
+        return head.vocab_size if head is not None else logits.shape[-1]
 
     def accept(self, verified: Verified) -> None:
         self.kv.truncate(self._keep_cached(verified.keep, verified.paths))
@@ -177,10 +212,19 @@ class DraftModelProposer(Proposer):
 
     def select(self, rows: list[int]) -> None:
         self.kv.select(rows)
+        self.vocabs.select(rows)
+        self._slots = [self._slots[r] for r in rows] if self._slots else []
+        self._nodes = [self._nodes[r] for r in rows] if self._nodes else []
 
 
-def _full_vocabulary(probs: torch.Tensor, head: RestrictedHead) -> torch.Tensor:
-    """probs (B, S) over head.ids -> (B, V), zero elsewhere: the distribution the verifier reads."""
-    full = probs.new_zeros(probs.shape[0], head.vocab_size)
-    full[:, head.ids.to(probs.device)] = probs
-    return full
+def _own_token(vocab: RowVocabs, b: int, column: int) -> int:
+    """The token id of a column of row b's own logits (RowVocabs.logits)."""
+    ids = vocab.token_ids(b)
+    return column if ids is None else int(ids[column])
+
+
+def _on_vocabulary(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """probs (S_b,) over token ids `ids` -> (V,), zero elsewhere: the distribution the verifier reads."""
+    if ids is None:
+        return probs
+    return probs.new_zeros(vocab_size).index_copy_(0, ids.to(probs.device), probs)

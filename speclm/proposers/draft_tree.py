@@ -165,15 +165,17 @@ class GrownTree:
     nodes: list[list[_Node]]  # per row, its nodes as verified (for measuring acceptance)
 
 
-def grow(kv, head, vocab_size: int, spec: TreeSpec, root_logits: torch.Tensor, lengths: list[int],
+def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logits: torch.Tensor, lengths: list[int],
          budgets: list[int], params: SamplingParams, generators: list, began: float,
-         times: DraftTimes | None = None) -> GrownTree:
-    """Grow each row's tree from the draft's logits after its last committed token, root_logits
-    (B, S) over the draft's vocabulary (head.ids, or all V ids where head is None). kv: the
-    draft's StaticKV, holding lengths[b] tokens of row b; budgets: each row's deepest path;
-    began: when this round's drafting began; times: the proposer's measurements (greedy auto
-    trees of one row then expand a level only while the cost model expects it to pay)."""
+         times: DraftTimes | None = None, only: list[int] | None = None) -> GrownTree:
+    """Grow a tree for each of the draft's batch rows `rows` from the draft's logits after its last
+    committed token, root_logits (B, S) over its head's columns (vocabs: each row's own columns and
+    their token ids, speclm.proposers.draft_vocab.RowVocabs). kv: the draft's StaticKV, holding
+    lengths[i] tokens of row rows[i] (only: rows to feed, None: all of kv's); budgets: each row's
+    deepest path; began: when this round's drafting began; times: the proposer's measurements
+    (greedy auto trees of one row then expand a level only while the cost model expects it to pay)."""
     batch = root_logits.shape[0]
+    head = vocabs.head
     by_cost = (spec.choices is None and params.greedy and spec.costs is not None and times is not None
                and batch == 1)
     nodes: list[list[_Node]] = [[] for _ in range(batch)]
@@ -186,7 +188,8 @@ def grow(kv, head, vocab_size: int, spec: TreeSpec, root_logits: torch.Tensor, l
         for b in range(batch):
             for parent, logits in frontier[b]:
                 ranks = _ranks_wanted(spec, nodes[b], parent)
-                for rank, token, p, q in _children(logits, ranks, params, generators[b], head, vocab_size):
+                for rank, token, p, q in _children(vocabs.logits(rows[b], logits), ranks, params, generators[b],
+                                                   vocabs.token_ids(rows[b]), vocab_size):
                     value = times.acceptance(p, rank) if by_cost else p
                     if rank == 0 and by_cost:
                         times.top = 0.9 * times.top + 0.1 * value
@@ -214,7 +217,7 @@ def grow(kv, head, vocab_size: int, spec: TreeSpec, root_logits: torch.Tensor, l
             for i, n in enumerate(row):
                 n.slot = start + i
         t0 = time.perf_counter()
-        logits = kv.forward(feed, width, head, parents=parents)  # (B, width, S)
+        logits = kv.forward(feed, width, head, parents=parents, only=only)  # (B, width, S)
         if times is not None:
             times.record(width, time.perf_counter() - t0)
         lengths = [length + width for length in lengths]
@@ -244,15 +247,17 @@ def _to_expand(spec: TreeSpec, nodes: list[_Node], grown: list[int]) -> list[int
     return sorted(best)
 
 
-def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, generator, head, vocab_size: int):
-    """(rank, token id, draft probability, distribution drawn from (V,) or None) for each wanted rank."""
+def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, generator, ids: torch.Tensor | None,
+              vocab_size: int):
+    """(rank, token id, draft probability, distribution drawn from (V,) or None) for each wanted rank;
+    logits (S,) over token ids `ids` (None: all V)."""
     if not ranks:
         return []
     if params.greedy:
         probs = torch.softmax(logits.float(), -1)
         top = torch.topk(probs, min(max(ranks) + 1, probs.shape[-1]))
         picked = [(r, int(top.indices[r]), float(top.values[r])) for r in ranks if r < len(top.indices)]
-        return [(r, int(head.ids[i]) if head is not None else i, p, None) for r, i, p in picked]
+        return [(r, int(ids[i]) if ids is not None else i, p, None) for r, i, p in picked]
     q = processed_probs(logits, params).cpu()  # (S,)
     out, wanted = [], set(ranks)
     left = q.clone()
@@ -262,8 +267,8 @@ def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, ge
         dist = left / left.sum()
         i = sample(dist, generator)
         if r in wanted:
-            full = dist if head is None else dist.new_zeros(vocab_size).index_copy_(0, head.ids, dist)
-            out.append((r, int(head.ids[i]) if head is not None else i, float(q[i]), full))
+            full = dist if ids is None else dist.new_zeros(vocab_size).index_copy_(0, ids, dist)
+            out.append((r, int(ids[i]) if ids is not None else i, float(q[i]), full))
         left[i] = 0.0  # the next rank is drawn without it
     return out
 

@@ -31,8 +31,7 @@ class RestrictedHead:
 
     def __init__(self, head: nn.Module, first: int, extra: list[int]):
         vocab = head.out_features
-        first = min(vocab, first) // ALIGN * ALIGN  # whole column groups: views of the weights, no copy
-        extra_ids = torch.tensor(sorted({t for t in extra if first <= t < vocab}), dtype=torch.long)
+        first, extra_ids = _split(vocab, first, extra)
         self.ids = torch.cat([torch.arange(first), extra_ids])  # (S,)
         if not len(self.ids):
             raise ValueError("a restricted draft vocabulary needs at least one token")
@@ -63,11 +62,85 @@ def _outputs(head: nn.Module, ids: torch.Tensor):
     return lambda x: F.linear(x, weight, bias)
 
 
+def _split(vocab_size: int, first: int, extra: list[int]) -> tuple[int, torch.Tensor]:
+    """The lowest ids kept (rounded down to whole column groups: views of the weights, no copy)
+    and the extra ids past them, ascending."""
+    first = min(vocab_size, first) // ALIGN * ALIGN
+    return first, torch.tensor(sorted({int(t) for t in extra if first <= t < vocab_size}), dtype=torch.long)
+
+
+def restricts(model, vocab: int) -> bool:
+    """Whether `vocab` restricts this model's head: not 0 nor at least the vocabulary's size, a head
+    of a kind speclm slices, and a model speclm's lean forward (the only one that takes a replaced
+    head) runs."""
+    head = model.get_output_embeddings()
+    return (bool(vocab) and isinstance(head, (QuantLinear, nn.Linear)) and vocab < head.out_features
+            and lean.supports(model))
+
+
 def restricted_head(model, vocab: int, tokens: list[int]) -> RestrictedHead | None:
     """The model's output head over its `vocab` lowest ids and `tokens`; None where nothing is
-    restricted: vocab 0 or not below the vocabulary's size, a head of another kind, or a model
-    that speclm's lean forward (the only one that takes a replaced head) does not run."""
-    head = model.get_output_embeddings()
-    if not vocab or not isinstance(head, (QuantLinear, nn.Linear)) or vocab >= head.out_features:
-        return None
-    return RestrictedHead(head, vocab, tokens) if lean.supports(model) else None
+    restricted (`restricts`)."""
+    return RestrictedHead(model.get_output_embeddings(), vocab, tokens) if restricts(model, vocab) else None
+
+
+class RowVocabs:
+    """The rows of a batch each with its own restricted vocabulary (the lowest ids, its own prompt's
+    tokens, `always`) under one RestrictedHead over their union: a row's logits are its own
+    columns of the union's, in ascending id order, so what it drafts does not depend on the other
+    rows of the batch (each column of the head is computed on its own: speclm.quant's kernels).
+    The union grows as rows join; rows that left keep their columns until it is rebuilt."""
+
+    def __init__(self, model, vocab: int, always: tuple[int, ...]):
+        self.model, self.vocab, self.always = model, vocab, tuple(always)
+        self.head: RestrictedHead | None = None
+        self.ids: list[torch.Tensor | None] = []  # per row: its own token ids (S_b,), ascending; None: not read yet
+        self._at: list[torch.Tensor | None] = []  # per row: its columns of the head (S_b,); None: all of them
+
+    def add(self, count: int) -> None:
+        self.ids += [None] * count
+        self._at += [None] * count
+
+    def select(self, rows: list[int]) -> None:
+        self.ids = [self.ids[r] for r in rows]
+        self._at = [self._at[r] for r in rows]
+
+    def read(self, rows: list[int], contexts: list[list[int]]) -> None:
+        """Rows `rows` start drafting: their vocabularies from their contexts (prompt + first token)."""
+        if not restricts(self.model, self.vocab):
+            return
+        size = self.model.get_output_embeddings().out_features
+        for b, context in zip(rows, contexts):
+            first, extra = _split(size, self.vocab, list(context) + list(self.always))
+            self.ids[b] = torch.cat([torch.arange(first), extra])
+        first = _split(size, self.vocab, [])[0]
+        held = set() if self.head is None else set(self.head.ids[first:].tolist())
+        wanted = {t for ids in self.ids if ids is not None for t in ids[first:].tolist()}
+        if self.head is None or not wanted <= held:  # a new row's tokens are not columns yet
+            self.head = RestrictedHead(self.model.get_output_embeddings(), self.vocab, sorted(wanted))
+        for b, ids in enumerate(self.ids):
+            whole = ids is None or len(ids) == len(self.head.ids)
+            self._at[b] = None if whole else torch.searchsorted(self.head.ids, ids)
+
+    def logits(self, b: int, logits: torch.Tensor) -> torch.Tensor:
+        """Row b's logits (..., S) over the head's columns -> (..., S_b) over its own."""
+        at = self._at[b]
+        return logits if at is None else logits[..., at.to(logits.device)]
+
+    def token_ids(self, b: int) -> torch.Tensor | None:
+        """Row b's column -> token id (S_b,); None: columns are token ids (no restriction)."""
+        if self.head is None:
+            return None
+        return self.head.ids if self._at[b] is None else self.ids[b]
+
+    def mask(self, rows: list[int], width: int) -> torch.Tensor | None:
+        """(len(rows), S) True at each row's own columns; None where every row reads them all."""
+        if all(self._at[b] is None for b in rows):
+            return None
+        out = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, b in enumerate(rows):
+            if self._at[b] is None:
+                out[i] = True
+            else:
+                out[i, self._at[b]] = True
+        return out

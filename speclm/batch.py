@@ -1,0 +1,301 @@
+"""A running decode: requests join between rounds and leave when done; one target forward per step.
+
+Contract:
+- Every method runs through the same round and the same verifier; `none` proposes nothing, so
+  each target forward commits exactly one token (plain autoregressive decoding).
+- Greedy output equals plain greedy decoding of the target, token for token. With int8 weights
+  (speclm.quant) the target's forward is batch-invariant, so this holds exactly; in fp32 the
+  CPU's matmuls round by shape, so a floating-point near-tie can still flip a token.
+- A request's output does not depend on which requests share its batch or when they joined: its
+  rows of every forward compute what they would alone (speclm's kernels and per-query
+  attention, on quantized weights), its draft draws only from its own generator, and a draft
+  model reads only its own prompt (speclm.proposers.draft_vocab.RowVocabs).
+- Sampled output follows the target's processed distribution exactly.
+- A request stops at any EOS id (which is returned), at exactly its max_new_tokens, or when a
+  stop string appears (the text ends before it; the ids end with the token that completed it).
+- A request may start from the keys and values of the longest prefix its prompt shares with a
+  recent prompt (speclm.prefix_cache), only where those are the bits its own prefill would
+  compute.
+
+A step is one of:
+- the prefill of the requests that joined since the last step: their prompts in one forward of
+  their own (as plain decoding reads a prompt, so that its keys and values are the same bits
+  with and without speculation), which commits each one's first token;
+- a round for every other request (`_round`): propose -> score -> verify -> commit.
+Requests with equal proposer options (GenerationOptions.proposer_key) share one proposer, which
+drafts their rows together; each request's tokens are verified with its own sampling options.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from speclm.kv import StaticKV
+from speclm.options import GenerationOptions
+from speclm.proposers import Draft, Proposer, Verified
+from speclm.requests import Request
+from speclm.text import stop_cut
+from speclm.tree import PAD, ROOT, DraftTree
+from speclm.verify import Verdict, verify_tree
+
+
+@dataclass
+class _Group:
+    """Requests that share a proposer (equal GenerationOptions.proposer_key), in its row order."""
+
+    options: GenerationOptions
+    proposer: Proposer | None
+    requests: list[Request]
+
+
+@dataclass
+class _Proposal:
+    """One group's part of a round."""
+
+    group: _Group
+    rows: list[int]  # its requests' batch rows, in its order
+    draft: Draft
+    tree: DraftTree  # (G, N_g)
+    sizes: list[int]  # per request: its tree's nodes
+    depths: list[int]  # per request: its tree's depth (the longest path it can accept)
+    seconds: float  # proposing
+    prefill_seconds: float  # of which the draft model's reading of prompts
+    forward_seconds: float  # of which inside the draft model's forwards
+
+
+class Batch:
+    """Requests decoding together. `join` adds one (it starts at the next step); `step` runs one
+    target forward and returns the requests that committed tokens; a finished request has left
+    by the time `step` returns it."""
+
+    def __init__(self, engine, rows: int = 1, capacity: int = 0):
+        """rows: the batch's expected most requests at once (its caches' rows; more are made room
+        for by copying); capacity: tokens a request may hold (prompt + max_new_tokens), at least."""
+        self.engine, self.rows, self.capacity = engine, max(1, rows), capacity
+        self.kv: StaticKV | None = None  # the target's cache, made at the first prefill
+        self.requests: list[Request] = []  # decoding, in the target cache's row order
+        self.joining: list[Request] = []
+        self.groups: dict[GenerationOptions, _Group] = {}
+        self.eos = set(engine.target.eos_token_ids)
+
+    def join(self, request: Request) -> Request:
+        self.joining.append(request)
+        return request
+
+    @property
+    def size(self) -> int:
+        return len(self.requests) + len(self.joining)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.requests or self.joining)
+
+    def step(self) -> list[Request]:
+        if self.joining:
+            return self._prefill()
+        if self.requests:
+            return self._round()
+        return []
+
+    # ---------------------------------------------------------------- joining
+    def _group(self, options: GenerationOptions, joining: list[Request]) -> _Group:
+        key = options.proposer_key()
+        group = self.groups.get(key)
+        if group is None:
+            proposer = self.engine.make_proposer(options)
+            group = self.groups[key] = _Group(key, proposer, [])
+            if proposer is not None:
+                proposer.start(0, self._capacity(joining), pool=self.rows)
+        return group
+
+    def _capacity(self, requests: list[Request]) -> int:
+        """Tokens per cache row: the longest request, and one round past its last token (a final
+        round may feed a whole draft beyond it). A longer one later grows the caches (a copy)."""
+        headroom = max((g.proposer.max_nodes for g in self.groups.values() if g.proposer), default=0)
+        longest = max([self.capacity] + [r.prompt_len + r.max_new for r in requests])
+        return longest + headroom + 1
+
+    def _prefill(self) -> list[Request]:
+        joining, self.joining = self.joining, []
+        now = time.perf_counter()
+        groups = [self._group(r.options, joining) for r in joining]
+        if self.kv is None:
+            self.kv = StaticKV(self.engine.target.model, 0, self._capacity(joining), pool=self.rows)
+        self.kv.reserve(self._capacity(joining))  # a longer request than those before: one copy
+        rows = self.kv.add(len(joining))
+        cache = self.engine.prefix.target  # each starts from the longest prefix of its prompt held there
+        for b, r in zip(rows, joining):
+            r.joined_at = now
+            r.stats.cached_tokens = cache.reuse(self.kv, b, r.prompt, r.prompt_len - 1)
+        for group, r in zip(groups, joining):
+            group.requests.append(r)
+            if group.proposer is not None:
+                group.proposer.add(1, [r.prompt_len], [r.max_new])
+        self.requests += joining
+        seen, have = self.kv.forward_seconds, self.kv.lengths_list()
+        logits = self.kv.forward([r.context[have[b]:] for b, r in zip(rows, joining)], 1, only=rows)  # (J, 1, V)
+        for b, r in zip(rows, joining):
+            cache.add(self.kv, b, r.prompt)
+        spent = self.kv.forward_seconds - seen
+        by_sampling: dict = {}  # each joining request's first token, drawn with its own options
+        for i, r in enumerate(joining):
+            by_sampling.setdefault(r.options.sampling, []).append(i)
+        for params, at in by_sampling.items():
+            first = verify_tree(logits[at], Draft.empty(len(at)).tree(), params, [joining[i].generator for i in at])
+            for j, i in enumerate(at):
+                self._commit(joining[i], first.committed(j))
+        for r in joining:
+            s = r.stats
+            s.target_forwards += 1
+            s.forward_seconds += spent
+            s.wall_seconds = s.prefill_seconds = s.verify_seconds = time.perf_counter() - now
+            s.new_tokens = len(r.generated)
+        self._leave()
+        return joining
+
+    # ---------------------------------------------------------------- a round
+    def _round(self) -> list[Request]:
+        requests, kv = self.requests, self.kv
+        target_seen = kv.forward_seconds
+        row_of = {id(r): b for b, r in enumerate(requests)}
+        proposals = [self._propose(g, [row_of[id(r)] for r in g.requests]) for g in self.groups.values()]  # 1. propose
+        t1 = time.perf_counter()
+        tree = _batch_tree(proposals, len(requests))  # (B, N)
+        contexts = [r.context for r in requests]
+        feed, parents = _feed(contexts, kv.lengths_list(), tree)  # 2. score
+        wanted = tuple(sorted({layer for p in proposals if p.group.proposer for layer in p.group.proposer.hidden_layers}))
+        logits = kv.forward(feed, 1 + tree.width, parents=parents, hidden_layers=wanted)  # (B, 1 + N, V)
+        verdicts = [self._verify(p, logits) for p in proposals]  # 3. verify
+        t2 = time.perf_counter()
+        paths: list[list[int]] = [[] for _ in requests]  # 4. commit
+        for p, verdict in zip(proposals, verdicts):
+            for i, b in enumerate(p.rows):
+                paths[b] = verdict.paths[i]
+        keep = [len(c) + len(path) for c, path in zip(contexts, paths)]
+        for b, (c, path) in enumerate(zip(contexts, paths)):
+            kv.move_path(b, [len(c) + n for n in path], len(c))  # the accepted path's keys and values into place
+        kv.truncate(keep)
+        target_spent = kv.forward_seconds - target_seen
+        for p, verdict in zip(proposals, verdicts):
+            if p.group.proposer is not None:
+                hidden = {layer: kv.hidden[layer][p.rows, : 1 + p.tree.width] for layer in p.group.proposer.hidden_layers}
+                p.group.proposer.accept(Verified([keep[b] for b in p.rows], verdict.paths, hidden or None))
+            for i, b in enumerate(p.rows):
+                r = requests[b]
+                self._count(r, p, i, verdict, t2 - t1, target_spent)
+                self._commit(r, verdict.committed(i))
+                r.stats.new_tokens = len(r.generated)
+                r.stats.wall_seconds = time.perf_counter() - r.joined_at
+        self._leave()
+        return requests
+
+    def _propose(self, group: _Group, rows: list[int]) -> _Proposal:
+        """The group's draft for its requests, at batch rows `rows`."""
+        proposer = group.proposer
+        t0 = time.perf_counter()
+        if proposer is None:
+            draft = Draft.empty(len(rows))
+            prefill = forwards = 0.0
+        else:
+            read_before, forwards_before = proposer.prefill_seconds, proposer.forward_seconds
+            # each row's budget: min(k, tokens left - 1), so a commit never passes max_new_tokens
+            budgets = [min(proposer.k, r.tokens_left - 1) for r in group.requests]
+            draft = proposer.propose([r.context for r in group.requests], budgets, group.options.sampling,
+                                     [r.generator for r in group.requests]).trimmed()
+            prefill = proposer.prefill_seconds - read_before
+            forwards = proposer.forward_seconds - forwards_before
+        tree = draft.tree()
+        return _Proposal(group, rows, draft, tree, tree.sizes, tree.max_depths(), time.perf_counter() - t0, prefill,
+                         forwards)
+
+    @staticmethod
+    def _verify(p: _Proposal, logits: torch.Tensor) -> Verdict:
+        """The group's rows, verified with its sampling options; each request draws from its own generator."""
+        return verify_tree(logits[p.rows, : 1 + p.tree.width], p.tree, p.group.options.sampling,
+                           [r.generator for r in p.group.requests])
+
+    @staticmethod
+    def _count(r: Request, p: _Proposal, i: int, verdict: Verdict, verify_seconds: float, target_seconds: float) -> None:
+        s, draft = r.stats, p.draft
+        s.target_forwards += 1
+        s.draft_forwards += draft.forwards
+        s.draft_seconds += p.seconds
+        s.draft_prefill_seconds += p.prefill_seconds
+        s.verify_seconds += verify_seconds
+        s.forward_seconds += target_seconds + p.forward_seconds
+        size = p.sizes[i]
+        s.verified_nodes += size
+        accepted = len(verdict.paths[i])
+        if draft.alternatives is not None and draft.parents is None:  # a chain's extra leaves, counted apart
+            chain = int(draft.lengths[i])
+            s.alternatives += size - chain
+            s.accepted_alternatives += int(accepted > 0 and verdict.paths[i][-1] >= draft.width)
+            s.record_acceptance(chain, accepted)
+        else:
+            s.record_acceptance(size, accepted, p.depths[i])
+
+    # ---------------------------------------------------------------- committing and leaving
+    def _commit(self, r: Request, new: list[int]) -> None:
+        first_new = len(r.generated)
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new, r.finish_reason = new[: i + 1], "stop"
+                break
+        r.context.extend(new)
+        cut = stop_cut(self.engine.target.tokenizer, r.generated, first_new, r.options.stop)
+        if cut is not None:
+            del r.context[r.prompt_len + cut :]
+            r.finish_reason = "stop"
+        elif r.finish_reason is None and len(r.generated) >= r.max_new:
+            r.finish_reason = "length"
+
+    def _leave(self) -> None:
+        """Finished requests leave: their cache rows are free for the next to join."""
+        still = [b for b, r in enumerate(self.requests) if not r.done]
+        if len(still) == len(self.requests):
+            return
+        self.kv.select(still)
+        self.requests = [self.requests[b] for b in still]
+        for key, group in list(self.groups.items()):
+            kept = [i for i, r in enumerate(group.requests) if not r.done]
+            if len(kept) < len(group.requests):
+                group.requests = [group.requests[i] for i in kept]
+                if group.proposer is not None and group.requests:
+                    group.proposer.select(kept)
+            if not group.requests:
+                del self.groups[key]  # its proposer's caches go with it
+
+
+def _batch_tree(proposals: list[_Proposal], batch: int) -> DraftTree:
+    """Every group's tree in one (B, N) tree for the target's forward (probabilities stay with
+    each group's own tree, which its verification reads)."""
+    width = max((p.tree.width for p in proposals), default=0)
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    parents = torch.full((batch, width), PAD, dtype=torch.long)
+    for p in proposals:
+        if p.tree.width:
+            rows = torch.tensor(p.rows, dtype=torch.long)
+            tokens[rows, : p.tree.width] = p.tree.tokens
+            parents[rows, : p.tree.width] = p.tree.parents
+    return DraftTree(tokens, parents, None)
+
+
+def _feed(contexts: list[list[int]], have: list[int], tree: DraftTree) -> tuple[list[list[int]], list[list[int]] | None]:
+    """What the target reads this round, per row: the committed tokens it has not seen (the last
+    of them the tree's root), then every node of the tree (padding nodes too: a row's logits sit
+    at fixed columns). And per token its parent's slot (speclm.kv.StaticKV.forward), or None
+    where every row is a chain: node n sits at slot len(context) + n."""
+    nodes = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    feed, links, chain = [], [], True
+    for c, h, row, up in zip(contexts, have, nodes, parents):
+        feed.append(c[h:] + row)
+        # a padding node (after every real one) continues from the node before it, as in a chain
+        slot = [len(c) - 1 if p == ROOT or (p == PAD and n == 0) else len(c) + n - 1 if p == PAD else len(c) + p
+                for n, p in enumerate(up)]
+        chain = chain and all(s == len(c) + n - 1 for n, s in enumerate(slot))
+        links.append([-1] * (len(c) - h) + slot)
+    return feed, None if chain else links

@@ -1,0 +1,47 @@
+"""One request as the engine runs it: its ids, its options, its own random generator, its stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from speclm.options import GenerationOptions
+from speclm.stats import RequestStats
+
+
+@dataclass(eq=False)  # compared by identity: two requests are never the same one
+class Request:
+    index: int  # the caller's number for it (generate: its position in the prompt list)
+    context: list[int]  # prompt + generated ids
+    prompt_len: int
+    max_new: int  # max_new_tokens, cut to what the model's context leaves
+    options: GenerationOptions
+    # its own draws (sampling), seeded by the caller; None: greedy. Never a batch-wide draw, so a
+    # request's output does not depend on which others share its batch.
+    generator: torch.Generator | None
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"; None while it runs
+    joined_at: float = 0.0  # time.perf_counter() when its prefill began
+
+    @staticmethod
+    def of(index: int, ids: list[int], options: GenerationOptions, seed: int, max_context: int | None) -> "Request":
+        limit = max_context or 1 << 62
+        generator = None if options.sampling.greedy else torch.Generator().manual_seed(seed)
+        return Request(index, list(ids), len(ids), min(options.max_new_tokens, limit - len(ids)), options, generator)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.context[: self.prompt_len]
+
+    @property
+    def generated(self) -> list[int]:
+        return self.context[self.prompt_len :]
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_new - len(self.generated)
