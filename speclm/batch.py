@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speclm.errors import UsageError
 from speclm.kv import StaticKV
 from speclm.options import GenerationOptions
 from speclm.proposers import Draft, Proposer, Verified
@@ -82,8 +83,20 @@ class Batch:
         self.eos = set(engine.target.eos_token_ids)
 
     def join(self, request: Request) -> Request:
+        if request.done or any(r is request for r in self.requests + self.joining):
+            raise UsageError("a request joins one batch once, before it is done")
         self.joining.append(request)
         return request
+
+    def cancel(self, request: Request) -> None:
+        """The request stops now (finish_reason "cancelled"); its cache rows are free at once."""
+        if request.done:
+            return
+        request.finish_reason = "cancelled"
+        if any(r is request for r in self.joining):
+            self.joining = [r for r in self.joining if r is not request]
+        else:
+            self._leave()
 
     @property
     def size(self) -> int:

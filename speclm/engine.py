@@ -35,7 +35,7 @@ class Completion:
     prompt_index: int
     text: str
     token_ids: list[int]  # generated ids only
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled" (Batch.cancel)
     stats: RequestStats
 
     def to_dict(self) -> dict:

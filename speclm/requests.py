@@ -21,7 +21,7 @@ class Request:
     # request's output does not depend on which others share its batch.
     generator: torch.Generator | None
     stats: RequestStats = field(default_factory=RequestStats)
-    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"; None while it runs
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length" or "cancelled"; None while it runs
     joined_at: float = 0.0  # time.perf_counter() when its prefill began
 
     @staticmethod

@@ -180,3 +180,24 @@ def test_load_model_takes_a_loaded_transformers_model_and_tokenizer(tok):
         load_model(42)
     with pytest.raises(UsageError, match="goes with a loaded model"):
         load_model("qwen2.5-coder-0.5b", tokenizer=tok)
+
+
+def test_a_cancelled_request_leaves_and_the_others_go_on(int8_pair):
+    t8, d8 = int8_pair
+    engine = SpecEngine(t8, draft=d8)
+    alone = [engine.generate(p, method="draft", max_new_tokens=N) for p in PROMPTS[:3]]
+    batch = engine.batch(rows=3)
+    requests = [batch.join(engine.request(p, method="draft", max_new_tokens=N)) for p in PROMPTS[:3]]
+    batch.step()
+    batch.step()
+    batch.cancel(requests[1])
+    assert requests[1].finish_reason == "cancelled" and batch.kv.batch_size == 2
+    assert len(batch.kv._free) == batch.kv.pool_size - 2  # its cache row is free
+    waiting = batch.join(engine.request(PROMPTS[3], method="draft", max_new_tokens=N))
+    batch.cancel(waiting)  # before its prefill: it never takes a row
+    while batch.active:
+        batch.step()
+    assert [requests[0].generated, requests[2].generated] == [alone[0].token_ids, alone[2].token_ids]
+    assert waiting.generated == [] and engine.completion(waiting).finish_reason == "cancelled"
+    with pytest.raises(UsageError, match="joins one batch once"):
+        batch.join(requests[0])
