@@ -135,9 +135,10 @@ class Batch:
         joining, self.joining = self.joining, []
         now = time.perf_counter()
         groups = [self._group(r.options, joining) for r in joining]
+        capacity = self._capacity(joining)
         if self.kv is None:
-            self.kv = StaticKV(self.engine.target.model, 0, self._capacity(joining), pool=self.rows)
-        self.kv.reserve(self._capacity(joining))  # a longer request than those before: one copy
+            self.kv = StaticKV(self.engine.target.model, 0, capacity, pool=self.rows)
+        self.kv.reserve(capacity)  # a longer request than those before: one copy
         rows = self.kv.add(len(joining))
         cache = self.engine.prefix.target  # each starts from the longest prefix of its prompt held there
         for b, r in zip(rows, joining):

@@ -88,7 +88,8 @@ class SpecEngine:
         if size < 1:
             raise UsageError(f"batch-size must be >= 1, got {size}")
         seed = opts.seed if opts.seed is not None else secrets.randbits(62)
-        requests = [self.request(ids, opts, index=i, seed=seed + i) for i, ids in enumerate(encoded)]
+        self._check_models(opts)
+        requests = [Request.of(i, ids, opts, seed + i, self.target.max_context) for i, ids in enumerate(encoded)]
         waiting = deque(requests)
         batch = self.batch(rows=min(size, len(requests)), capacity=max(r.prompt_len + r.max_new for r in requests))
         given = 0
@@ -103,9 +104,7 @@ class SpecEngine:
 
     def stream(self, prompt, **options) -> "TextStream":
         """Iterate over text deltas as tokens are committed; `.completion` holds the result after."""
-        opts = GenerationOptions(**options)
-        seed = opts.seed if opts.seed is not None else secrets.randbits(62)
-        return TextStream(self, self.request(self.encode([prompt], opts.chat)[0], opts, seed=seed))
+        return TextStream(self, self.request(prompt, GenerationOptions(**options)))
 
     def batch(self, rows: int = 1, capacity: int = 0) -> Batch:
         """A running decode that requests join between steps (`Batch.join`, `Batch.step`); rows:
@@ -119,12 +118,14 @@ class SpecEngine:
         GenerationOptions, or its keyword arguments); seed: its generator's (default: options.seed,
         else random)."""
         opts = options if options is not None else GenerationOptions(**kwargs)
-        ids = prompt if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)) else None
-        ids = self.encode([prompt if ids is None else ids], opts.chat)[0]
-        if opts.method in DRAFT_METHODS and self.draft is None:
-            raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
+        ids = self.encode([prompt], opts.chat)[0]
+        self._check_models(opts)
         seed = seed if seed is not None else opts.seed if opts.seed is not None else secrets.randbits(62)
         return Request.of(index, ids, opts, seed, self.target.max_context)
+
+    def _check_models(self, opts: GenerationOptions) -> None:
+        if opts.method in DRAFT_METHODS and self.draft is None:
+            raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
 
     def completion(self, request: Request) -> Completion:
         text = final_text(self.target.tokenizer, request.generated, request.options.stop)

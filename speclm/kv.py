@@ -65,6 +65,13 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1024:.1f} KiB"
 
 
+def _check_rows(shape: tuple[int, ...], layers: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Keys and values of `layers` layers, each (rows, H_kv, capacity, D), fit in memory (check_memory)."""
+    rows, heads, capacity, dim = shape
+    check_memory(layers * 2 * rows * heads * capacity * dim * dtype.itemsize, device,
+                 f"{rows} row(s) x {capacity} tokens x {layers} layers")
+
+
 class StaticKV:
     def __init__(self, model, batch_size: int, capacity: int, pool: int = 0):
         """batch_size rows now, each up to `capacity` tokens; `pool`: cache rows to allocate for rows
@@ -85,9 +92,7 @@ class StaticKV:
         pool = max(batch_size, pool, 1)
         shape = (pool, heads, capacity, head_dim)
         dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-        # keys and values of every layer: layers x 2 x P x H_kv x capacity x D elements
-        check_memory(cfg.num_hidden_layers * 2 * pool * heads * capacity * head_dim * dtype.itemsize,
-                     self.device, f"{pool} row(s) x {capacity} tokens x {cfg.num_hidden_layers} layers")
+        _check_rows(shape, cfg.num_hidden_layers, dtype, self.device)
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) valid slots per row
@@ -154,9 +159,7 @@ class StaticKV:
 
     def _grow_pool(self, size: int) -> None:
         old = self.pool_size
-        shape = self.keys[0].shape
-        check_memory(len(self.keys) * 2 * (size - old) * shape[1] * shape[2] * shape[3] * self.keys[0].dtype.itemsize,
-                     self.device, f"{size - old} more row(s) x {shape[2]} tokens x {len(self.keys)} layers")
+        _check_rows((size - old, *self.keys[0].shape[1:]), len(self.keys), self.keys[0].dtype, self.device)
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 store[i] = torch.cat([t, t.new_zeros(size - old, *t.shape[1:])])

@@ -36,7 +36,7 @@ class GenerationOptions:
     # draft: score only the this many lowest token ids, the prompt's tokens and EOS
     # (speclm.proposers.draft_vocab; 0: the whole vocabulary; None: speclm.defaults.DRAFT_VOCAB)
     draft_vocab: int | None = None
-    # draft+pld: no draft model for a batch whose every prompt is longer than this times its
+    # draft+pld: no draft model for a request whose prompt is longer than this times its
     # max_new_tokens (prompt lookup alone); 0: never the model, inf: always
     draft_prompt_ratio: float = defaults.DRAFT_PROMPT_RATIO
     # draft, draft+pld: the draft's shape each round: "chain", "auto" (a tree grown from the draft's

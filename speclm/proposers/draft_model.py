@@ -16,7 +16,7 @@ import torch
 
 from speclm.proposers.base import Draft, Proposer, Verified
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec, grow, record_acceptance
-from speclm.proposers.draft_vocab import RestrictedHead, RowVocabs
+from speclm.proposers.draft_vocab import RestrictedHead, RowVocabs, on_vocabulary, token_of
 from speclm.kv import StaticKV
 from speclm.prefix_cache import PrefixCache
 from speclm.sampling import SamplingParams, processed_probs, sample
@@ -121,11 +121,11 @@ class DraftModelProposer(Proposer):
             self._times.record(1, time.perf_counter() - t0)
         if new:
             self._prefill_seconds += time.perf_counter() - began
+        vocab_size = head.vocab_size if head is not None else logits.shape[-1]  # the target's V
         if self.tree is not None:
-            vocab = head.vocab_size if head is not None else logits.shape[-1]
             lengths = kv.lengths_list()
             lengths = [lengths[b] for b in rows]
-            grown = grow(kv, self.vocabs, rows, vocab, self.tree, logits, lengths, max_tokens, params, generators,
+            grown = grow(kv, self.vocabs, rows, vocab_size, self.tree, logits, lengths, max_tokens, params, generators,
                          began, self._times, only)
             # per batch row: the draft cache slot of each node it fed, and (greedy) the nodes, for
             # measuring acceptance (a sampled node's is another matter)
@@ -142,9 +142,9 @@ class DraftModelProposer(Proposer):
         steps = 0
         gauge = self.confidence > 0 or self.alternatives > 0  # the draft's probability of its token is needed
         vocab = self.vocabs
+        mask = vocab.mask(rows, logits.shape[-1]) if params.greedy else None  # each row's own columns
         for j in range(width):
             if params.greedy:
-                mask = vocab.mask(rows, logits.shape[-1])  # each row's own columns
                 own = logits if mask is None else logits.masked_fill(~mask.to(logits.device), float("-inf"))
                 step = own.argmax(-1).cpu()  # (B,) columns of the head
                 ids = step if head is None else head.ids[step]  # token ids
@@ -154,10 +154,9 @@ class DraftModelProposer(Proposer):
                 # rows still drafting draw, so a row's draws do not depend on the other rows
                 dists = [processed_probs(vocab.logits(b, logits[i : i + 1]), params)[0].cpu()
                          for i, b in enumerate(rows)]  # (S_b,) each
-                probs.append(torch.stack([_on_vocabulary(d, vocab.token_ids(b), self._vocab_size(logits))
-                                          for d, b in zip(dists, rows)]))
+                probs.append(torch.stack([on_vocabulary(d, vocab.token_ids(b), vocab_size) for d, b in zip(dists, rows)]))
                 columns = [sample(d, g) if j < n else 0 for d, g, n in zip(dists, generators, drafted)]
-                ids = torch.tensor([_own_token(vocab, b, c) for b, c in zip(rows, columns)], dtype=torch.long)
+                ids = torch.tensor([token_of(vocab.token_ids(b), c) for b, c in zip(rows, columns)], dtype=torch.long)
                 sure = torch.tensor([float(d[c]) for d, c in zip(dists, columns)]) if gauge else None
             if others is not None:  # rows unsure of this token get an alternative for it
                 branch = sure < self.alternatives
@@ -166,7 +165,7 @@ class DraftModelProposer(Proposer):
                         second = own.scatter(-1, step[:, None].to(own.device), float("-inf")).argmax(-1).tolist()
                         other = second if head is None else head.ids[second].tolist()
                     else:
-                        other = [_own_token(vocab, b, sample(d, g)) if branch[i] and j < drafted[i] else 0
+                        other = [token_of(vocab.token_ids(b), sample(d, g)) if branch[i] and j < drafted[i] else 0
                                  for i, (b, d, g) in enumerate(zip(rows, dists, generators))]
                     others[:, j] = torch.where(branch, torch.tensor(other, dtype=torch.long), -1)
             tokens[:, j] = ids
@@ -182,10 +181,6 @@ class DraftModelProposer(Proposer):
         draft_probs = torch.stack(probs, dim=1) if probs is not None else None  # (B, steps, V)
         alternatives = others[:, :steps] if others is not None else None
         return Draft(tokens[:, :steps], lengths, draft_probs, forwards=steps, alternatives=alternatives)
-
-    def _vocab_size(self, logits: torch.Tensor) -> int:
-        head = self.vocabs.head
-        return head.vocab_size if head is not None else logits.shape[-1]
 
     def accept(self, verified: Verified) -> None:
         self.kv.truncate(self._keep_cached(verified.keep, verified.paths))
@@ -216,15 +211,3 @@ class DraftModelProposer(Proposer):
         self._slots = [self._slots[r] for r in rows] if self._slots else []
         self._nodes = [self._nodes[r] for r in rows] if self._nodes else []
 
-
-def _own_token(vocab: RowVocabs, b: int, column: int) -> int:
-    """The token id of a column of row b's own logits (RowVocabs.logits)."""
-    ids = vocab.token_ids(b)
-    return column if ids is None else int(ids[column])
-
-
-def _on_vocabulary(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """probs (S_b,) over token ids `ids` -> (V,), zero elsewhere: the distribution the verifier reads."""
-    if ids is None:
-        return probs
-    return probs.new_zeros(vocab_size).index_copy_(0, ids.to(probs.device), probs)

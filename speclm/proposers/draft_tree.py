@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from speclm.errors import UsageError
+from speclm.proposers.draft_vocab import on_vocabulary, token_of
 from speclm.sampling import SamplingParams, processed_probs, sample
 from speclm.tree import PAD, ROOT
 
@@ -257,7 +258,7 @@ def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, ge
         probs = torch.softmax(logits.float(), -1)
         top = torch.topk(probs, min(max(ranks) + 1, probs.shape[-1]))
         picked = [(r, int(top.indices[r]), float(top.values[r])) for r in ranks if r < len(top.indices)]
-        return [(r, int(ids[i]) if ids is not None else i, p, None) for r, i, p in picked]
+        return [(r, token_of(ids, i), p, None) for r, i, p in picked]
     q = processed_probs(logits, params).cpu()  # (S,)
     out, wanted = [], set(ranks)
     left = q.clone()
@@ -267,8 +268,7 @@ def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, ge
         dist = left / left.sum()
         i = sample(dist, generator)
         if r in wanted:
-            full = dist if ids is None else dist.new_zeros(vocab_size).index_copy_(0, ids, dist)
-            out.append((r, int(ids[i]) if ids is not None else i, float(q[i]), full))
+            out.append((r, token_of(ids, i), float(q[i]), on_vocabulary(dist, ids, vocab_size)))
         left[i] = 0.0  # the next rank is drawn without it
     return out
 

@@ -84,6 +84,18 @@ def restricted_head(model, vocab: int, tokens: list[int]) -> RestrictedHead | No
     return RestrictedHead(model.get_output_embeddings(), vocab, tokens) if restricts(model, vocab) else None
 
 
+def token_of(ids: torch.Tensor | None, column: int) -> int:
+    """The token id of a column of logits over token ids `ids` (None: columns are token ids)."""
+    return column if ids is None else int(ids[column])
+
+
+def on_vocabulary(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """probs (S,) over token ids `ids` -> (V,), zero elsewhere: the distribution the verifier reads."""
+    if ids is None:
+        return probs
+    return probs.new_zeros(vocab_size).index_copy_(0, ids.to(probs.device), probs)
+
+
 class RowVocabs:
     """The rows of a batch each with its own restricted vocabulary (the lowest ids, its own prompt's
     tokens, `always`) under one RestrictedHead over their union: a row's logits are its own
@@ -116,9 +128,11 @@ class RowVocabs:
         first = _split(size, self.vocab, [])[0]
         held = set() if self.head is None else set(self.head.ids[first:].tolist())
         wanted = {t for ids in self.ids if ids is not None for t in ids[first:].tolist()}
-        if self.head is None or not wanted <= held:  # a new row's tokens are not columns yet
+        rebuilt = self.head is None or not wanted <= held  # a new row's tokens are not columns yet
+        if rebuilt:
             self.head = RestrictedHead(self.model.get_output_embeddings(), self.vocab, sorted(wanted))
-        for b, ids in enumerate(self.ids):
+        for b in range(len(self.ids)) if rebuilt else rows:  # the columns move only where the head is new
+            ids = self.ids[b]
             whole = ids is None or len(ids) == len(self.head.ids)
             self._at[b] = None if whole else torch.searchsorted(self.head.ids, ids)
 
