@@ -11,8 +11,8 @@ Contract:
   attention, on quantized weights), its draft draws only from its own generator, and a draft
   model reads only its own prompt (speclm.proposers.draft_vocab.RowVocabs).
 - Sampled output follows the target's processed distribution exactly.
-- A request stops at any EOS id (which is returned), at exactly its max_new_tokens, or when a
-  stop string appears (the text ends before it; the ids end with the token that completed it).
+- A request stops at any EOS id (which is returned; unless it set ignore_eos), at exactly its
+  max_new_tokens, or when a stop string appears (the text ends before it; the ids end with the token that completed it).
 - A request may start from the keys and values of the longest prefix its prompt shares with a
   recent prompt (speclm.prefix_cache), only where those are the bits its own prefill would
   compute.
@@ -20,8 +20,15 @@ Contract:
 A step is one of:
 - the prefill of the requests that joined since the last step: their prompts in one forward of
   their own (as plain decoding reads a prompt, so that its keys and values are the same bits
-  with and without speculation), which commits each one's first token;
+  with and without speculation), which commits each one's first token. With `prefill_chunk`, a
+  prompt is read at most that many tokens per step, and prefill steps alternate with rounds, so
+  that running requests keep committing tokens while a long prompt is read. Chunks only where
+  the forward is chunk-invariant (speclm's kernels on quantized weights: a token's keys and
+  values are the same bits however its prompt is split); elsewhere a prompt is read whole;
 - a round for every other request (`_round`): propose -> score -> verify -> commit.
+A round's draft length may be capped per group by a `speculation` policy
+(speclm.adaptive.Adaptive: from the batch's size, the measured forward costs and the rows'
+acceptance; 0 is plain decoding for that round); greedy output does not depend on it.
 Requests with equal proposer options (GenerationOptions.proposer_key) share one proposer, which
 drafts their rows together; each request's tokens are verified with its own sampling options.
 """
@@ -72,13 +79,23 @@ class Batch:
     target forward and returns the requests that committed tokens; a finished request has left
     by the time `step` returns it."""
 
-    def __init__(self, engine, rows: int = 1, capacity: int = 0):
+    def __init__(self, engine, rows: int = 1, capacity: int = 0, prefill_chunk: int | None = None,
+                 speculation=None):
         """rows: the batch's expected most requests at once (its caches' rows; more are made room
-        for by copying); capacity: tokens a request may hold (prompt + max_new_tokens), at least."""
+        for by copying); capacity: tokens a request may hold (prompt + max_new_tokens), at least;
+        prefill_chunk: prompt tokens a request reads per step at most (None: whole);
+        speculation: a policy capping each round's draft length (speclm.adaptive; None: the
+        methods' own k)."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise UsageError(f"prefill-chunk must be >= 1 token, got {prefill_chunk}")
         self.engine, self.rows, self.capacity = engine, max(1, rows), capacity
+        self.prefill_chunk, self.speculation = prefill_chunk, speculation
         self.kv: StaticKV | None = None  # the target's cache, made at the first prefill
         self.requests: list[Request] = []  # decoding, in the target cache's row order
+        self.reading: list[Request] = []  # prompts partly read; their cache rows follow those of `requests`
         self.joining: list[Request] = []
+        self._read_next = True  # with chunked prefill: whether the next step reads (else a round)
+        self.last_step = ""  # what the last step was: "prefill" or "round"
         self.groups: dict[GenerationOptions, _Group] = {}
         self.eos = set(engine.target.eos_token_ids)
 
@@ -100,16 +117,24 @@ class Batch:
 
     @property
     def size(self) -> int:
-        return len(self.requests) + len(self.joining)
+        return len(self.requests) + len(self.reading) + len(self.joining)
 
     @property
     def active(self) -> bool:
-        return bool(self.requests or self.joining)
+        return bool(self.requests or self.reading or self.joining)
 
     def step(self) -> list[Request]:
+        """One target forward: a prefill (of what joined, or a chunk of what is being read) or a
+        round. Returns the requests that committed tokens."""
         if self.joining:
+            self._admit()
+        read = bool(self.reading) and (self._read_next or not self.requests)
+        self._read_next = not read
+        if read:
+            self.last_step = "prefill"
             return self._prefill()
         if self.requests:
+            self.last_step = "round"
             return self._round()
         return []
 
@@ -131,57 +156,89 @@ class Batch:
         longest = max([self.capacity] + [r.prompt_len + r.max_new for r in requests])
         return longest + headroom + 1
 
-    def _prefill(self) -> list[Request]:
+    def _admit(self) -> None:
+        """Requests that joined take cache rows (after those of the others) and start from the
+        longest prefix of their prompt the prefix cache holds; they are read from the next step."""
         joining, self.joining = self.joining, []
         now = time.perf_counter()
-        groups = [self._group(r.options, joining) for r in joining]
+        for r in joining:
+            self._group(r.options, joining)  # a group's proposer is sized for its first requests
         capacity = self._capacity(joining)
         if self.kv is None:
             self.kv = StaticKV(self.engine.target.model, 0, capacity, pool=self.rows)
         self.kv.reserve(capacity)  # a longer request than those before: one copy
         rows = self.kv.add(len(joining))
-        cache = self.engine.prefix.target  # each starts from the longest prefix of its prompt held there
+        cache = self.engine.prefix.target
         for b, r in zip(rows, joining):
             r.joined_at = now
             r.stats.cached_tokens = cache.reuse(self.kv, b, r.prompt, r.prompt_len - 1)
-        for group, r in zip(groups, joining):
+        self.reading += joining
+
+    def _prefill(self) -> list[Request]:
+        """One forward over the prompts being read (each whole, or its next chunk); a request
+        whose prompt is then read commits its first token and starts decoding."""
+        kv, reading, first_row = self.kv, self.reading, len(self.requests)
+        now = time.perf_counter()
+        rows = list(range(first_row, first_row + len(reading)))
+        have = kv.lengths_list()
+        chunk = self.prefill_chunk if self.prefill_chunk and kv.chunk_invariant else None
+        ends = [r.prompt_len if chunk is None else min(r.prompt_len, have[b] + chunk) for b, r in zip(rows, reading)]
+        seen = kv.forward_seconds
+        logits = kv.forward([r.context[have[b]:end] for b, r, end in zip(rows, reading, ends)], 1, only=rows)  # (R, 1, V)
+        spent = kv.forward_seconds - seen
+        done = [i for i, (r, end) in enumerate(zip(reading, ends)) if end == r.prompt_len]
+        for r in reading:
+            r.stats.target_forwards += 1
+            r.stats.forward_seconds += spent
+            r.stats.prefill_seconds += time.perf_counter() - now
+        if not done:
+            return []
+        read = [reading[i] for i in done]
+        cache = self.engine.prefix.target
+        for i in done:
+            cache.add(kv, rows[i], reading[i].prompt)
+        # the read requests decode from now on: their rows move up behind the decoding ones (a
+        # permutation of the batch's rows; no keys or values move)
+        still = [i for i in range(len(reading)) if i not in set(done)]
+        kv.select(list(range(first_row)) + [rows[i] for i in done] + [rows[i] for i in still])
+        self.reading = [reading[i] for i in still]
+        for r in read:
+            group = self._group(r.options, read)
             group.requests.append(r)
             if group.proposer is not None:
                 group.proposer.add(1, [r.prompt_len], [r.max_new])
-        self.requests += joining
-        seen, have = self.kv.forward_seconds, self.kv.lengths_list()
-        logits = self.kv.forward([r.context[have[b]:] for b, r in zip(rows, joining)], 1, only=rows)  # (J, 1, V)
-        for b, r in zip(rows, joining):
-            cache.add(self.kv, b, r.prompt)
-        spent = self.kv.forward_seconds - seen
-        by_sampling: dict = {}  # each joining request's first token, drawn with its own options
-        for i, r in enumerate(joining):
-            by_sampling.setdefault(r.options.sampling, []).append(i)
+        self.requests += read
+        by_sampling: dict = {}  # each one's first token, drawn with its own options
+        for j, i in enumerate(done):
+            by_sampling.setdefault(reading[i].options.sampling, []).append((j, i))
         for params, at in by_sampling.items():
-            first = verify_tree(logits[at], Draft.empty(len(at)).tree(), params, [joining[i].generator for i in at])
-            for j, i in enumerate(at):
-                self._commit(joining[i], first.committed(j))
-        for r in joining:
+            first = verify_tree(logits[[i for _, i in at]], Draft.empty(len(at)).tree(), params,
+                                [reading[i].generator for _, i in at])
+            for n, (_, i) in enumerate(at):
+                self._commit(reading[i], first.committed(n))
+        for r in read:
             s = r.stats
-            s.target_forwards += 1
-            s.forward_seconds += spent
-            s.wall_seconds = s.prefill_seconds = s.verify_seconds = time.perf_counter() - now
+            s.wall_seconds = s.verify_seconds = time.perf_counter() - r.joined_at
+            s.prefill_seconds = s.wall_seconds
             s.new_tokens = len(r.generated)
         self._leave()
-        return joining
+        return read
 
     # ---------------------------------------------------------------- a round
     def _round(self) -> list[Request]:
         requests, kv = self.requests, self.kv
         target_seen = kv.forward_seconds
         row_of = {id(r): b for b, r in enumerate(requests)}
-        proposals = [self._propose(g, [row_of[id(r)] for r in g.requests]) for g in self.groups.values()]  # 1. propose
+        caps = self.speculation.caps(self) if self.speculation is not None else {}
+        proposals = [self._propose(g, [row_of[id(r)] for r in g.requests], caps.get(key))  # 1. propose
+                     for key, g in self.groups.items() if g.requests]
         t1 = time.perf_counter()
         tree = _batch_tree(proposals, len(requests))  # (B, N)
         contexts = [r.context for r in requests]
         feed, parents = _feed(contexts, kv.lengths_list(), tree)  # 2. score
         wanted = tuple(sorted({layer for p in proposals if p.group.proposer for layer in p.group.proposer.hidden_layers}))
-        logits = kv.forward(feed, 1 + tree.width, parents=parents, hidden_layers=wanted)  # (B, 1 + N, V)
+        only = list(range(len(requests))) if self.reading else None  # rows still reading sit this out
+        logits = kv.forward(feed, 1 + tree.width, parents=parents, hidden_layers=wanted, only=only)  # (B, 1 + N, V)
         verdicts = [self._verify(p, logits) for p in proposals]  # 3. verify
         t2 = time.perf_counter()
         paths: list[list[int]] = [[] for _ in requests]  # 4. commit
@@ -191,7 +248,7 @@ class Batch:
         keep = [len(c) + len(path) for c, path in zip(contexts, paths)]
         for b, (c, path) in enumerate(zip(contexts, paths)):
             kv.move_path(b, [len(c) + n for n in path], len(c))  # the accepted path's keys and values into place
-        kv.truncate(keep)
+        kv.truncate(keep + [kv.capacity] * len(self.reading))
         target_spent = kv.forward_seconds - target_seen
         for p, verdict in zip(proposals, verdicts):
             if p.group.proposer is not None:
@@ -200,23 +257,27 @@ class Batch:
             for i, b in enumerate(p.rows):
                 r = requests[b]
                 self._count(r, p, i, verdict, t2 - t1, target_spent)
+                if self.speculation is not None:
+                    self.speculation.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]), p.seconds, p.draft.forwards)
                 self._commit(r, verdict.committed(i))
                 r.stats.new_tokens = len(r.generated)
                 r.stats.wall_seconds = time.perf_counter() - r.joined_at
         self._leave()
         return requests
 
-    def _propose(self, group: _Group, rows: list[int]) -> _Proposal:
-        """The group's draft for its requests, at batch rows `rows`."""
+    def _propose(self, group: _Group, rows: list[int], cap: int | None = None) -> _Proposal:
+        """The group's draft for its requests, at batch rows `rows`; cap: its most draft tokens
+        per row this round (None: the proposer's k; 0: none, plain decoding)."""
         proposer = group.proposer
         t0 = time.perf_counter()
-        if proposer is None:
+        if proposer is None or cap == 0:
             draft = Draft.empty(len(rows))
             prefill = forwards = 0.0
         else:
             read_before, forwards_before = proposer.prefill_seconds, proposer.forward_seconds
             # each row's budget: min(k, tokens left - 1), so a commit never passes max_new_tokens
-            budgets = [min(proposer.k, r.tokens_left - 1) for r in group.requests]
+            k = proposer.k if cap is None else min(proposer.k, cap)
+            budgets = [min(k, r.tokens_left - 1) for r in group.requests]
             draft = proposer.propose([r.context for r in group.requests], budgets, group.options.sampling,
                                      [r.generator for r in group.requests]).trimmed()
             prefill = proposer.prefill_seconds - read_before
@@ -255,7 +316,7 @@ class Batch:
     def _commit(self, r: Request, new: list[int]) -> None:
         first_new = len(r.generated)
         for i, t in enumerate(new):
-            if t in self.eos:
+            if t in self.eos and not r.options.ignore_eos:
                 new, r.finish_reason = new[: i + 1], "stop"
                 break
         r.context.extend(new)
@@ -268,11 +329,13 @@ class Batch:
 
     def _leave(self) -> None:
         """Finished requests leave: their cache rows are free for the next to join."""
-        still = [b for b, r in enumerate(self.requests) if not r.done]
-        if len(still) == len(self.requests):
+        rows = self.requests + self.reading
+        still = [b for b, r in enumerate(rows) if not r.done]
+        if len(still) == len(rows):
             return
         self.kv.select(still)
-        self.requests = [self.requests[b] for b in still]
+        self.requests = [r for r in self.requests if not r.done]
+        self.reading = [r for r in self.reading if not r.done]
         for key, group in list(self.groups.items()):
             kept = [i for i, r in enumerate(group.requests) if not r.done]
             if len(kept) < len(group.requests):

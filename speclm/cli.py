@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=DRAFT_QUANTIZE_HELP + "; default int4 with --quantize int8 where speclm's kernels run")
     d.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 
+    from speclm.serve.options import add_serve_parser
+
+    add_serve_parser(sub, _add_draft_options, PREFIX_CACHE_HELP, DRAFT_QUANTIZE_HELP)
+
     m = sub.add_parser("models", help="the model catalog and cache")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("list", help="catalog models and what is cached")
@@ -100,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_decoding_options(g: argparse.ArgumentParser) -> None:
+    _add_draft_options(g)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches this (default 1: all)")
+    g.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
+    g.add_argument("--seed", type=int, default=None, help="row i samples with seed + i")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most (default %(default)s)")
+    g.add_argument("--chat", action="store_true", help="apply the target's chat template (one user message)")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
+
+
+def _add_draft_options(g: argparse.ArgumentParser) -> None:
+    """How each method proposes (generate's and serve's)."""
     g.add_argument("--k", type=int, default=None, help=defaults.k_help(None))
     g.add_argument("--confidence", type=float, default=None,
                    help="draft: stop a round's drafting after a token the draft gave less probability than this "
@@ -124,14 +141,6 @@ def _add_decoding_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-prompt-ratio", type=float, default=defaults.DRAFT_PROMPT_RATIO,
                    help="draft+pld: prompt lookup alone (no draft model) for prompts longer than this times "
                         "--max-new-tokens (default %(default)g; 0: never the model, inf: always)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
-                   "whose probability reaches this (default 1: all)")
-    g.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
-    g.add_argument("--seed", type=int, default=None, help="row i samples with seed + i")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most (default %(default)s)")
-    g.add_argument("--chat", action="store_true", help="apply the target's chat template (one user message)")
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "serve":
+            from speclm.serve.main import serve
+
+            return serve(args, progress=_progress())
         return _demo(args)
     except UsageError as exc:
         print(f"speclm: error: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from speclm import defaults
+from speclm.adaptive import Adaptive
 from speclm.batch import Batch
 from speclm.costmodel import verification_costs
 from speclm.defaults import DRAFT_METHODS
@@ -106,11 +107,23 @@ class SpecEngine:
         """Iterate over text deltas as tokens are committed; `.completion` holds the result after."""
         return TextStream(self, self.request(prompt, GenerationOptions(**options)))
 
-    def batch(self, rows: int = 1, capacity: int = 0) -> Batch:
+    def batch(self, rows: int = 1, capacity: int = 0, prefill_chunk: int | None = None,
+              speculation: Adaptive | None = None) -> Batch:
         """A running decode that requests join between steps (`Batch.join`, `Batch.step`); rows:
         the most requests expected at once, capacity: tokens a request may hold (both only sizes
-        to allocate; more grows the caches)."""
-        return Batch(self, rows, capacity)
+        to allocate; more grows the caches); prefill_chunk: prompt tokens read per step at most,
+        steps alternating with rounds (None: a prompt at once); speculation: a policy that caps
+        each round's draft length (`adaptive()`; None: the methods' k)."""
+        return Batch(self, rows, capacity, prefill_chunk, speculation)
+
+    def adaptive(self) -> Adaptive:
+        """Speculation that adapts each round's draft length to the batch (speclm.adaptive), from
+        this machine's measured forward costs."""
+        return Adaptive(self.forward_costs())
+
+    def forward_costs(self):
+        """The target's forward time by tokens read (speclm.costmodel; measured once per model, then cached)."""
+        return verification_costs(self.target.model, f"{self.target.name}-{self.target.quantize}")
 
     def request(self, prompt, options: GenerationOptions | None = None, index: int = 0, seed: int | None = None,
                 **kwargs) -> Request:
@@ -174,8 +187,7 @@ class SpecEngine:
     def _tree(self, opts: GenerationOptions) -> TreeSpec | None:
         spec = opts.tree_spec
         if spec is not None and spec.choices is None and opts.sampling.greedy:  # auto's budget: measured costs
-            key = f"{self.target.name}-{self.target.quantize}"
-            spec = replace(spec, costs=verification_costs(self.target.model, key))
+            spec = replace(spec, costs=self.forward_costs())
         return spec
 
     def _k(self, opts: GenerationOptions) -> int:

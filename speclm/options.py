@@ -25,6 +25,7 @@ class GenerationOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     chat: bool = False  # apply the target's chat template to each prompt as one user message
+    ignore_eos: bool = False  # go on past EOS to max_new_tokens (benchmarks of fixed lengths)
     ngram_max: int = defaults.NGRAM_MAX  # pld, draft+pld: longest n-gram to match
     ngram_min: int | None = None  # pld, draft+pld: shortest n-gram to match (None: the method's default)
     # draft: stop a round after a token the draft gave less probability than this (0: never;
@@ -101,4 +102,4 @@ class GenerationOptions:
     def proposer_key(self) -> "GenerationOptions":
         """What a proposer is made from (requests with equal keys share one, their rows drafted
         together): these options less those of the request alone."""
-        return replace(self, max_new_tokens=1, seed=None, stop=(), chat=False)
+        return replace(self, max_new_tokens=1, seed=None, stop=(), chat=False, ignore_eos=False)

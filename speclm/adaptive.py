@@ -1,0 +1,118 @@
+"""Speculation that adapts to the batch: each round's draft length from measured costs.
+
+On a CPU a target forward over n tokens costs about intercept + slope * n (speclm.costmodel), and
+a batch of B rows that each verify k drafted tokens reads B * (k + 1) of them. With one row the
+intercept (reading the weights) dominates and drafting is nearly free to verify; with many rows
+the slope does, and every drafted token is paid for whether it is accepted or not. So before
+each round `Adaptive.caps` picks the draft length k (0: plain decoding) that maximises the
+tokens the round is expected to commit per second:
+
+    sum over rows of E[tokens | k, a_row]  /  (T(B * (1 + k)) + drafting time for k)
+
+where E = (1 - a^(k+1)) / (1 - a) for a chain whose row accepts each next token with
+probability a. Each row's a is measured from its own rounds (decayed counts, starting from
+`prior`); a group's drafting time per draft forward is measured too. A tree-shaped draft is
+either kept whole or turned off (k = 0) by the same comparison, its expected tokens measured.
+
+A request that sets k keeps it. Greedy output does not depend on the draft, so it is unchanged.
+A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on nothing but its own seed, so it
+is reproducible in any batch; an unseeded one adapts (its output follows the target's
+distribution whatever the draft).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from speclm.costmodel import ForwardCosts
+
+
+@dataclass
+class _Rate:
+    """One request's acceptance, as decayed counts."""
+
+    hits: float = 0.0
+    tries: float = 0.0
+    gained: float = 0.0  # a tree's: accepted tokens per round
+    rounds: float = 0.0
+
+
+class Adaptive:
+    def __init__(self, costs: ForwardCosts, prior: float = 0.6, decay: float = 0.9):
+        self.costs, self.prior, self.decay = costs, prior, decay
+        self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
+        self._step: dict = {}  # group key -> seconds per draft forward (or per proposal, where none)
+        self.last: dict = {}  # the last round's caps, for metrics and tests
+
+    def acceptance(self, request) -> float:
+        """The request's estimated probability of accepting the next drafted token."""
+        rate = self._rates.get(request)
+        prior_weight = 2.0
+        if rate is None:
+            return self.prior
+        return (rate.hits + self.prior * prior_weight) / (rate.tries + prior_weight)
+
+    def observe(self, request, drafted: int, accepted: int, propose_seconds: float, forwards: int) -> None:
+        """One round of `request`: `drafted` tokens proposed (a tree's nodes), `accepted` on its path."""
+        if drafted <= 0:
+            return
+        rate = self._rates.setdefault(request, _Rate())
+        d = self.decay
+        rate.hits = d * rate.hits + accepted
+        rate.tries = d * rate.tries + min(accepted + 1, drafted)
+        rate.gained = d * rate.gained + accepted
+        rate.rounds = d * rate.rounds + 1
+        key = request.options.proposer_key()
+        step = propose_seconds / max(forwards, 1)  # per draft forward (prompt lookup: per proposal)
+        old = self._step.get(key)
+        self._step[key] = step if old is None else 0.8 * old + 0.2 * step
+
+    def _expected(self, request, k: int, tree: bool) -> float:
+        """Tokens a round commits for `request` with draft length k (the target's own token included)."""
+        if k == 0:
+            return 1.0
+        if tree:
+            rate = self._rates.get(request)
+            return 1.0 + (rate.gained / rate.rounds if rate is not None and rate.rounds else self.prior * 2)
+        a = min(self.acceptance(request), 0.999)
+        return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def caps(self, batch) -> dict:
+        """Per group key (GenerationOptions.proposer_key): its draft length cap this round (0: none;
+        None: a tree kept whole)."""
+        groups = [(key, g) for key, g in batch.groups.items() if g.requests and g.proposer is not None]
+        rows = len(batch.requests)
+        # groups whose k this policy leaves alone: a k set by the request, or a seeded sampled request
+        seeded = {key for key, g in groups if key.k is not None
+                  or any(not r.options.sampling.greedy and r.options.seed is not None for r in g.requests)}
+        trees = {key for key, g in groups if getattr(g.proposer, "tree", None) is not None}
+        free = [(key, g) for key, g in groups if key not in seeded]
+        if not free:
+            self.last = {}
+            return {}
+        # rows whose draft this policy does not choose: plain ones commit one token, seeded ones their method's
+        tokens0 = rows - sum(len(g.requests) for _, g in groups)
+        width0 = 0
+        for key, g in groups:
+            if key in seeded:
+                tokens0 += sum(self._expected(r, g.proposer.k, key in trees) for r in g.requests)
+                width0 = max(width0, g.proposer.max_nodes if key in trees else g.proposer.k)
+        longest = max((g.proposer.k for key, g in free if key not in trees), default=0)
+        choices = [(k, on) for k in range(longest + 1) for on in ((False, True) if any(key in trees for key, _ in free) else (False,))]
+        best, best_rate = (0, False), -1.0
+        for k, tree_on in choices:
+            tokens, drafting, width = tokens0, 0.0, width0
+            for key, g in free:
+                is_tree = key in trees
+                own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
+                tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
+                if own:
+                    drafting += self._step.get(key, 0.0) * own
+                    width = max(width, g.proposer.max_nodes if is_tree else own)
+            rate = tokens / (self.costs(rows * (1 + width)) + drafting)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = (k, tree_on), rate
+        k, tree_on = best
+        self.last = {key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k) for key, g in free}
+        return self.last

@@ -1,0 +1,321 @@
+"""The HTTP routes: OpenAI's chat and text completions (streaming by server-sent events or not),
+models, health, Prometheus metrics and a page to try it. Handlers check and encode a request,
+hand it to the engine thread (speclm.serve.scheduler) and relay its events."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import sys
+import traceback
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from speclm.errors import UsageError
+from speclm.options import GenerationOptions
+from speclm.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from speclm.serve.scheduler import Scheduler, Ticket
+
+PAGE = Path(__file__).parent / "static" / "index.html"
+OPEN_ROUTES = ("/health", "/")  # no API key: the page is static (it asks for the key to call the API)
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # the id clients pass as "model" and /v1/models lists
+    options: GenerationOptions  # the server's defaults for every request (method, k, draft options)
+    api_key: str | None = None
+    max_tokens_cap: int = 4096  # a request's max_tokens at most (400 beyond it)
+    max_body_bytes: int = 4 << 20  # a request body at most (413 beyond it)
+
+
+def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="speclm", docs_url=None, redoc_url=None, openapi_url=None)
+    engine, metrics = scheduler.engine, scheduler.metrics
+    key = config.api_key.encode() if config.api_key else None
+    app.state.scheduler = scheduler
+
+    app.add_middleware(_Guard, key=key, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return _error(exc)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception):  # logged with its traceback; the client gets one line
+        traceback.print_exception(exc, file=sys.stderr)
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        return _error(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def wrong_method(request: Request, exc):
+        return _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    @app.get("/health")
+    async def health():
+        if scheduler.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        if scheduler.failure:
+            return JSONResponse({"status": "failed", "error": scheduler.failure}, status_code=500)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        o = config.options
+        k = o.draft_length(engine.target.quantize, engine.draft.quantize if engine.draft is not None else None)
+        own = {"method": o.method, "k": k, "speculation": "adaptive" if scheduler.speculation is not None else "fixed",
+               "max_batch": scheduler.max_batch, "max_tokens": config.max_tokens_cap,
+               "context": engine.target.max_context, "draft": engine.draft.name if engine.draft is not None else None}
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "speclm", "speclm": own}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def page():
+        return HTMLResponse(PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", config.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = parse(ChatRequest, await _json(request, config.max_body_bytes))
+        tok = engine.target.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, f"model '{config.model_name}' has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that rejects this conversation (roles out of order, ...)
+            raise ApiError(400, f"messages: the chat template rejected them ({exc})", param="messages") from None
+        ids = tok(text, add_special_tokens=False).input_ids
+        limit = body.max_completion_tokens or body.max_tokens
+        return await _generate(request, body, ids, limit, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse(CompletionRequest, await _json(request, config.max_body_bytes))
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            vocab = engine.target.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            ids = list(prompt)
+        else:
+            ids = engine.target.tokenizer(prompt).input_ids
+        return await _generate(request, body, ids, body.max_tokens or 16, chat=False)
+
+    async def _generate(request: Request, body, ids: list[int], max_tokens: int | None, chat: bool):
+        if body.model is not None and body.model != config.model_name:
+            raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{config.model_name}'",
+                           param="model", code="model_not_found")
+        if not ids:
+            raise ApiError(400, "empty prompt", param="prompt")
+        context = engine.target.max_context
+        if context and len(ids) >= context:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {context} tokens",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > config.max_tokens_cap:
+            raise ApiError(400, f"max_tokens is {max_tokens}; this server allows at most {config.max_tokens_cap}",
+                           param="max_tokens")
+        options = _options(config.options, body, max_tokens or config.max_tokens_cap)
+        if options.method in ("draft", "draft+pld") and engine.draft is None:
+            raise ApiError(400, f"speculation: method '{options.method}' needs a draft model; this server has none",
+                           param="speculation")
+        try:
+            req = engine.request(ids, options)
+        except UsageError as exc:
+            raise ApiError(400, str(exc)) from None
+        ticket = scheduler.submit(req)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        shape = _Shape(rid, int(time.time()), config.model_name, chat)
+        if body.stream:
+            return StreamingResponse(_stream(ticket, shape, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text = []
+        while True:
+            event = await _next_event(ticket, request)
+            if event is None:  # the client went away
+                scheduler.cancel(ticket)
+                return Response(status_code=499)
+            if event[0] == "text":
+                text.append(event[1])
+            elif event[0] == "error":
+                raise ApiError(500, event[1], type="server_error")
+            else:
+                return JSONResponse(shape.whole("".join(text), ticket))
+
+    async def _stream(ticket: Ticket, shape: "_Shape", include_usage: bool):
+        try:
+            yield _sse(shape.chunk({"role": "assistant", "content": ""} if shape.chat else {"text": ""}))
+            while True:
+                event = await ticket.events.get()
+                if event[0] == "text":
+                    yield _sse(shape.chunk({"content": event[1]} if shape.chat else {"text": event[1]},
+                                           draft_accepted=event[2]))
+                elif event[0] == "error":
+                    yield _sse(ApiError(500, event[1], type="server_error").body())
+                    return
+                else:
+                    yield _sse(shape.last(ticket))
+                    if include_usage:
+                        yield _sse(shape.usage_chunk(ticket))
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:  # the client disconnected (or the stream ended): a running request leaves the batch
+            scheduler.cancel(ticket)
+
+    return app
+
+
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+class _Guard:
+    """The API key (every route but OPEN_ROUTES) and the count of requests by route and status.
+    Plain ASGI, not Starlette's BaseHTTPMiddleware: that one wraps `receive`, and a streaming
+    response then sees a client disconnect that did not happen once the body has been read."""
+
+    def __init__(self, app, key: bytes | None, metrics):
+        self.app, self.key, self.metrics = app, key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        if self.key is not None and path not in OPEN_ROUTES:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):  # constant time
+                self.metrics.http_requests.labels(route, "401").inc()
+                response = _error(ApiError(401, "missing or incorrect API key (Authorization: Bearer KEY)",
+                                           code="invalid_api_key"))
+                return await response(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def _options(defaults: GenerationOptions, body, max_tokens: int) -> GenerationOptions:
+    spec = body.speculation_spec()
+    changes = dict(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                   stop=tuple(body.stop or ()), chat=False, ignore_eos=body.ignore_eos)
+    if spec is not None:
+        if spec.method is not None and spec.method != defaults.method:
+            changes.update(method=spec.method, k=None, tree=None)
+        if spec.k is not None:
+            changes["k"] = spec.k
+        if spec.tree is not None:
+            changes["tree"] = spec.tree
+    try:
+        return replace(defaults, **changes)
+    except UsageError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+async def _json(request: Request, limit: int):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"the request body is {int(size)} bytes; this server accepts at most {limit}")
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes, the most this server accepts")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+
+
+async def _next_event(ticket: Ticket, request: Request):
+    """The ticket's next event, or None once the client has disconnected."""
+    import asyncio
+
+    while True:
+        try:
+            return await asyncio.wait_for(ticket.events.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@dataclass
+class _Shape:
+    """A response's id, time and model, and OpenAI's object shapes for chat or text completions."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, delta: dict, draft_accepted: bool | None = None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": delta["text"], "finish_reason": None, "logprobs": None}
+        if draft_accepted is not None:  # speclm's: the text came from draft tokens the target accepted
+            choice["draft_accepted"] = draft_accepted
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+
+    def last(self, ticket: Ticket) -> dict:
+        reason = _reason(ticket)
+        choice = ({"index": 0, "delta": {}, "finish_reason": reason} if self.chat
+                  else {"index": 0, "text": "", "finish_reason": reason, "logprobs": None})
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice],
+                "speculation": speculation(ticket)}
+
+    def usage_chunk(self, ticket: Ticket) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage(ticket)}
+
+    def whole(self, text: str, ticket: Ticket) -> dict:
+        reason = _reason(ticket)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                   "logprobs": None} if self.chat else {"index": 0, "text": text, "finish_reason": reason,
+                                                         "logprobs": None})
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage(ticket), "speculation": speculation(ticket)}
+
+
+def _reason(ticket: Ticket) -> str:
+    return "length" if ticket.request.finish_reason == "length" else "stop"
+
+
+def usage(ticket: Ticket) -> dict:
+    r = ticket.request
+    return {"prompt_tokens": r.prompt_len, "completion_tokens": len(r.generated),
+            "total_tokens": r.prompt_len + len(r.generated)}
+
+
+def speculation(ticket: Ticket) -> dict:
+    """The request's own speculation statistics."""
+    r, s = ticket.request, ticket.request.stats
+    return {"method": r.options.method, "draft_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+            "target_forwards": s.target_forwards, "tokens_per_forward": round(s.mean_accepted_tokens, 4),
+            "acceptance_rate": round(s.acceptance_rate, 4), "cached_prompt_tokens": s.cached_tokens}

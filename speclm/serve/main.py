@@ -1,0 +1,89 @@
+"""`speclm serve`: load the models, start the engine thread, serve with uvicorn until SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from speclm.errors import UsageError
+from speclm.options import GenerationOptions
+
+
+def serve(args, progress: bool = False) -> int:
+    import uvicorn
+
+    from speclm import kernels
+    from speclm.defaults import DRAFT_METHODS
+    from speclm.engine import SpecEngine
+    from speclm.models.loading import check_model_name, load_model
+    from speclm.serve.app import ServerConfig, create_app
+    from speclm.serve.metrics import Metrics
+    from speclm.serve.scheduler import Scheduler
+
+    method = args.method or ("draft+pld" if args.draft else "pld")
+    if method in DRAFT_METHODS and not args.draft:
+        raise UsageError(f"--method {method} needs --draft MODEL")
+    for name, value, low in (("max-batch", args.max_batch, 1), ("max-queue", args.max_queue, 0),
+                             ("max-tokens", args.max_tokens, 1), ("prefill-chunk", args.prefill_chunk, 1),
+                             ("prefix-cache", args.prefix_cache, 0), ("port", args.port, 0)):
+        if value < low:
+            raise UsageError(f"--{name} must be >= {low}, got {value}")
+    if not args.grace >= 0:
+        raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
+    options = GenerationOptions(
+        method=method, k=args.k, confidence=args.confidence, alternatives=args.alternatives, tree=args.tree,
+        draft_vocab=args.draft_vocab, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        draft_prompt_ratio=args.draft_prompt_ratio)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECLM_API_KEY") or None
+    check_model_name(args.target)
+    if args.draft:
+        check_model_name(args.draft)
+    target = load_model(args.target, quantize=args.quantize, progress=progress)
+    draft = None
+    if args.draft:
+        draft_mode = args.draft_quantize or (
+            "int4" if args.quantize == "int8" and kernels.compiled() is not None else args.quantize)
+        draft = load_model(args.draft, quantize=draft_mode, progress=progress)
+    engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
+    policy = engine.adaptive() if args.speculation == "adaptive" else None
+    scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
+                          prefill_chunk=args.prefill_chunk, speculation=policy, metrics=Metrics())
+    config = ServerConfig(args.served_model_name or args.target, options, api_key, args.max_tokens)
+    app = create_app(scheduler, config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """SIGTERM or SIGINT: new requests get 503 (and /health, so a balancer looks elsewhere) while
+            running ones finish, for --grace seconds at most; then what is left is cancelled and the
+            server exits (status 0). A second signal exits at once."""
+            if scheduler.draining:
+                return super().handle_exit(sig, frame)
+            scheduler.draining = True
+            threading.Thread(target=self._drain, name="speclm-drain", daemon=True).start()
+
+        def _drain(self):
+            deadline = time.monotonic() + args.grace
+            while scheduler.busy() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            scheduler.stop()  # cancels what is left: their streams end with an error event
+            self.should_exit = True
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                for server in self.servers:
+                    for sock in server.sockets:
+                        host, port = sock.getsockname()[:2]
+                        print(f"speclm: serving {config.model_name} ({method}, {args.speculation} speculation) on "
+                              f"http://{host}:{port}", file=sys.stderr, flush=True)
+
+    scheduler.start()
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                   timeout_graceful_shutdown=5, access_log=False))
+    try:
+        server.run()
+    finally:
+        scheduler.stop()
+    return 0 if server.started else 1

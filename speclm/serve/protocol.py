@@ -1,0 +1,192 @@
+"""What a client may send, checked, and the errors it gets back, in OpenAI's shapes.
+
+Field names and defaults follow OpenAI's API (temperature 1, top_p 1; `max_tokens` 16 for
+completions, the rest of the context for chat). One field is speclm's own, `speculation`:
+"off" (plain decoding), a method name ("draft", "pld", "draft+pld", "none"), or an object
+{"method": ..., "k": N, "tree": ...}; a request that sets k keeps it every round (else the
+server's adaptive speculation may lower it, speclm.adaptive).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from speclm.defaults import METHODS
+
+
+class ApiError(Exception):
+    """An error a client gets as OpenAI sends them: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class SpeculationSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: str | None = None
+    k: int | None = Field(default=None, ge=1, le=64)
+    tree: str | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v):
+        if v is not None and v not in METHODS:
+            raise ValueError(f"unknown method '{v}' (choose from {', '.join(METHODS)})")
+        return v
+
+    @field_validator("tree")
+    @classmethod
+    def _tree(cls, v):
+        if v is not None and v not in ("chain", "auto"):
+            raise ValueError("tree must be 'chain' or 'auto' (a tree file is the server's option only)")
+        return v
+
+
+class _Common(BaseModel):
+    """Fields chat and completions share. Unknown fields are ignored, as OpenAI's clients send many."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Any = None
+    speculation: Any = None  # speclm's own field: see the module docstring
+    ignore_eos: bool = False  # as vLLM's: generate max_tokens whatever the model says (load tests)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stops
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v):
+        if v:
+            raise ValueError("penalties change the target's distribution and are not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("speculation")
+    @classmethod
+    def _speculation(cls, v):
+        if v is None or v is True:
+            return None
+        if v is False or v == "off":
+            return SpeculationSpec(method="none")
+        if isinstance(v, str) and v in METHODS:
+            return SpeculationSpec(method=v)
+        if isinstance(v, dict):
+            try:
+                return SpeculationSpec.model_validate(v)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                field = ".".join(str(p) for p in err.get("loc", ()))
+                raise ValueError(f"{field}: {err.get('msg', 'invalid').removeprefix('Value error, ')}") from None
+        raise ValueError(f"must be 'off', a method ({', '.join(METHODS)}) or an object {{method, k, tree}}")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def speculation_spec(self) -> SpeculationSpec | None:
+        """None: the server's default; else the method (and k, tree) this request asked for."""
+        return self.speculation
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str]]
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (a list of one string)")
+            v = v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("empty prompt")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """The body as `model`, or a 400 ApiError naming the first bad field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith("function-after"))
+        message = err.get("msg", "invalid value").removeprefix("Value error, ")
+        raise ApiError(400, f"{where}: {message}" if where else message, param=where or None) from None
