@@ -7,7 +7,7 @@ SPECLM_TORCH_SPEC ?= torch==2.13.0
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test browser clean
 
 setup: $(VENV)/.installed
 
@@ -25,8 +25,13 @@ demo: setup
 
 # The whole suite, the real-model end-to-end test included. pytest exits 5 when it
 # collects no test, which fails this target like any other failure.
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q
+
+# The server's page is tested in a real headless browser: Debian's chromium (playwright drives it;
+# no browser download).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info

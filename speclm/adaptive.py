@@ -13,6 +13,8 @@ where E = (1 - a^(k+1)) / (1 - a) for a chain whose row accepts each next token 
 probability a. Each row's a is measured from its own rounds (decayed counts, starting from
 `prior`); a group's drafting time per draft forward is measured too. A tree-shaped draft is
 either kept whole or turned off (k = 0) by the same comparison, its expected tokens measured.
+While k = 0 nothing is learnt about acceptance, so one round in `probe` drafts anyway (k = 1, or
+the whole tree): at most one round in 32 costs a few more verified tokens per row.
 
 A request that sets k keeps it. Greedy output does not depend on the draft, so it is unchanged.
 A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on nothing but its own seed, so it
@@ -39,8 +41,9 @@ class _Rate:
 
 
 class Adaptive:
-    def __init__(self, costs: ForwardCosts, prior: float = 0.6, decay: float = 0.9):
-        self.costs, self.prior, self.decay = costs, prior, decay
+    def __init__(self, costs: ForwardCosts, prior: float = 0.6, decay: float = 0.9, probe: int = 32):
+        self.costs, self.prior, self.decay, self.probe = costs, prior, decay, probe
+        self._rounds = 0
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
         self._step: dict = {}  # group key -> seconds per draft forward (or per proposal, where none)
         self.last: dict = {}  # the last round's caps, for metrics and tests
@@ -84,8 +87,7 @@ class Adaptive:
         groups = [(key, g) for key, g in batch.groups.items() if g.requests and g.proposer is not None]
         rows = len(batch.requests)
         # groups whose k this policy leaves alone: a k set by the request, or a seeded sampled request
-        seeded = {key for key, g in groups if key.k is not None
-                  or any(not r.options.sampling.greedy and r.options.seed is not None for r in g.requests)}
+        seeded = {key for key, g in groups if key.k is not None or any(r.seeded for r in g.requests)}
         trees = {key for key, g in groups if getattr(g.proposer, "tree", None) is not None}
         free = [(key, g) for key, g in groups if key not in seeded]
         if not free:
@@ -114,5 +116,8 @@ class Adaptive:
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = (k, tree_on), rate
         k, tree_on = best
+        self._rounds += 1
+        if self._rounds % self.probe == 0:  # a probe: drafting off learns nothing about acceptance
+            k, tree_on = max(k, 1), True
         self.last = {key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k) for key, g in free}
         return self.last

@@ -90,6 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub, _add_draft_options, PREFIX_CACHE_HELP, DRAFT_QUANTIZE_HELP)
 
+    bs = sub.add_parser("bench-serve", help="load benchmark of a running `speclm serve`: throughput, TTFT and "
+                        "inter-token latency by concurrency and speculation mode")
+    bs.add_argument("--url", required=True, help="the server, on this machine (e.g. http://127.0.0.1:8000)")
+    bs.add_argument("--api-key", default=None, help="the server's key (default: env SPECLM_API_KEY)")
+    bs.add_argument("--concurrency", default="1,2,4,8", help="comma list of requests in flight at once "
+                    "(default %(default)s)")
+    bs.add_argument("--modes", default=None, help="comma list of off (plain decoding), on (the server's method, its "
+                    "k fixed), adaptive (the server's default); default all three the server can run")
+    bs.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
+    bs.add_argument("--categories", help="comma list of categories (default: all)")
+    bs.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    bs.add_argument("--requests", type=int, default=16, help="requests per cell, the same prompts in every cell, "
+                    "the categories in turn (default %(default)s)")
+    bs.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default %(default)s)")
+    bs.add_argument("--time-limit", type=float, default=300.0, help="seconds per cell after which no request "
+                    "starts (default %(default)g)")
+    bs.add_argument("--out", required=True, help="output folder: results.json, report.md, plots")
+
     m = sub.add_parser("models", help="the model catalog and cache")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("list", help="catalog models and what is cached")
@@ -160,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             from speclm.serve.main import serve
 
             return serve(args, progress=_progress())
+        if args.command == "bench-serve":
+            from speclm.serve.bench import bench_serve
+
+            return bench_serve(args, sys.argv[1:] if argv is None else list(argv), progress=_progress())
         return _demo(args)
     except UsageError as exc:
         print(f"speclm: error: {exc}", file=sys.stderr)

@@ -90,7 +90,8 @@ class SpecEngine:
             raise UsageError(f"batch-size must be >= 1, got {size}")
         seed = opts.seed if opts.seed is not None else secrets.randbits(62)
         self._check_models(opts)
-        requests = [Request.of(i, ids, opts, seed + i, self.target.max_context) for i, ids in enumerate(encoded)]
+        requests = [Request.of(i, ids, opts, seed + i, self.target.max_context, seeded=opts.seed is not None)
+                    for i, ids in enumerate(encoded)]
         waiting = deque(requests)
         batch = self.batch(rows=min(size, len(requests)), capacity=max(r.prompt_len + r.max_new for r in requests))
         given = 0
@@ -133,8 +134,9 @@ class SpecEngine:
         opts = options if options is not None else GenerationOptions(**kwargs)
         ids = self.encode([prompt], opts.chat)[0]
         self._check_models(opts)
+        seeded = seed is not None or opts.seed is not None
         seed = seed if seed is not None else opts.seed if opts.seed is not None else secrets.randbits(62)
-        return Request.of(index, ids, opts, seed, self.target.max_context)
+        return Request.of(index, ids, opts, seed, self.target.max_context, seeded)
 
     def _check_models(self, opts: GenerationOptions) -> None:
         if opts.method in DRAFT_METHODS and self.draft is None:

@@ -73,6 +73,10 @@ def _check_rows(shape: tuple[int, ...], layers: int, dtype: torch.dtype, device:
 
 
 class StaticKV:
+    # Every method that makes or writes the cache's tensors runs in inference mode: a cache grown
+    # inside a forward (inference mode) holds inference tensors, which torch lets only inference
+    # mode write, so all writes go through it alike.
+    @torch.inference_mode()
     def __init__(self, model, batch_size: int, capacity: int, pool: int = 0):
         """batch_size rows now, each up to `capacity` tokens; `pool`: cache rows to allocate for rows
         that join later (at least batch_size). Decode forwards attend per query
@@ -123,6 +127,7 @@ class StaticKV:
         prefix's may come from another prompt's forward (speclm.prefix_cache)."""
         return self.runner.chunk_invariant
 
+    @torch.inference_mode()
     def load_prefix(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
         """Row `row` starts with n slots copied from keys, values (per layer (H_kv, >= n, D))."""
         self.reserve(n)
@@ -157,6 +162,7 @@ class StaticKV:
         self._links += [{} for _ in range(count)]
         return list(range(first, first + count))
 
+    @torch.inference_mode()
     def _grow_pool(self, size: int) -> None:
         old = self.pool_size
         _check_rows((size - old, *self.keys[0].shape[1:]), len(self.keys), self.keys[0].dtype, self.device)
@@ -173,6 +179,7 @@ class StaticKV:
         if tokens > self.capacity:
             self._grow(tokens)
 
+    @torch.inference_mode()
     def _grow(self, needed: int) -> None:
         """Only when a caller under-estimated a request's length: one copy, doubling."""
         new_cap = max(needed, 2 * self.capacity)
@@ -261,6 +268,7 @@ class StaticKV:
             out.append((at + 1, apart[::-1]))
         return out
 
+    @torch.inference_mode()
     def move_path(self, row: int, sources: list[int], start: int) -> None:
         """Row `row`'s slots `sources` (ascending, each at or past its target) are copied to slots
         start, start + 1, ... in every layer: a tree's accepted path, each node's keys and values

@@ -23,12 +23,15 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length" or "cancelled"; None while it runs
     joined_at: float = 0.0  # time.perf_counter() when its prefill began
+    seeded: bool = False  # the caller chose its seed: its sampled output is to be reproducible (speclm.adaptive)
 
     @staticmethod
-    def of(index: int, ids: list[int], options: GenerationOptions, seed: int, max_context: int | None) -> "Request":
+    def of(index: int, ids: list[int], options: GenerationOptions, seed: int, max_context: int | None,
+           seeded: bool = False) -> "Request":
         limit = max_context or 1 << 62
         generator = None if options.sampling.greedy else torch.Generator().manual_seed(seed)
-        return Request(index, list(ids), len(ids), min(options.max_new_tokens, limit - len(ids)), options, generator)
+        return Request(index, list(ids), len(ids), min(options.max_new_tokens, limit - len(ids)), options, generator,
+                       seeded=seeded and generator is not None)
 
     @property
     def prompt(self) -> list[int]:

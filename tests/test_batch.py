@@ -25,9 +25,9 @@ def int8_pair(target, unrelated_draft):
     return t8, d8
 
 
-def run_joined(engine, requests, join_at, rows=2):
+def run_joined(engine, requests, join_at, rows=2, **batch_options):
     """Each request joins the batch before step join_at[i]; returns their completions."""
-    batch = engine.batch(rows=rows)
+    batch = engine.batch(rows=rows, **batch_options)
     waiting = sorted(zip(join_at, range(len(requests))))
     step = 0
     while waiting or batch.active:
@@ -201,3 +201,126 @@ def test_a_cancelled_request_leaves_and_the_others_go_on(int8_pair):
     assert waiting.generated == [] and engine.completion(waiting).finish_reason == "cancelled"
     with pytest.raises(UsageError, match="joins one batch once"):
         batch.join(requests[0])
+
+
+LONG = "a long prompt that takes several chunks to read: " + "lorem ipsum dolor sit amet " * 3
+
+
+@pytest.mark.parametrize("join_at", [[0, 0, 0, 0, 0], [0, 1, 3, 4, 9]])
+def test_chunked_prefill_gives_the_same_output_and_keeps_others_decoding(int8_pair, join_at):
+    """Prompts read 5 tokens per step, steps alternating with rounds: every request's output is
+    its output alone (on int8 weights a token's keys and values do not depend on the split)."""
+    t8, d8 = int8_pair
+    engine = SpecEngine(t8, draft=d8)
+    prompts = PROMPTS[:4] + [LONG]
+    alone = [engine.generate(p, **o) for p, o in zip(prompts, MIXED)]
+    together = run_joined(engine, [engine.request(p, **o) for p, o in zip(prompts, MIXED)], join_at,
+                          prefill_chunk=5)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert [c.finish_reason for c in together] == [c.finish_reason for c in alone]
+
+
+def test_a_long_prompt_is_read_in_chunks_between_rounds(int8_pair):
+    t8, _ = int8_pair
+    engine = SpecEngine(t8, prefix_cache=0)
+    batch = engine.batch(rows=2, prefill_chunk=8)
+    short = batch.join(engine.request("abc", max_new_tokens=40))
+    batch.step()  # its prefill: it decodes from now on
+    long = batch.join(engine.request(LONG, max_new_tokens=4))
+    steps, made = [], []
+    while not long.generated:
+        before = len(short.generated)
+        batch.step()
+        steps.append(batch.last_step)
+        made.append(len(short.generated) - before)
+    chunks = -(-long.prompt_len // 8)
+    assert steps.count("prefill") == chunks and long.stats.target_forwards == chunks
+    assert steps == ["round", "prefill"] * chunks  # the running request is never starved
+    assert sum(made) == chunks  # one token per round in between
+    while batch.active:
+        batch.step()
+    assert long.generated == engine.generate(LONG, max_new_tokens=4).token_ids
+
+
+def test_prompts_are_read_whole_where_chunks_would_change_the_bits(target):
+    """fp32 matmuls round by shape: there a prompt is read in one forward, whatever prefill_chunk says."""
+    engine = SpecEngine(target, prefix_cache=0)
+    batch = engine.batch(prefill_chunk=4)
+    r = batch.join(engine.request(LONG, max_new_tokens=3))
+    batch.step()
+    assert batch.last_step == "prefill" and len(r.generated) == 1 and r.stats.target_forwards == 1
+
+
+@pytest.mark.parametrize("method", ["pld", "draft", "draft+pld"])
+def test_adaptive_speculation_keeps_greedy_output(int8_pair, method):
+    t8, d8 = int8_pair
+    plain = SpecEngine(t8).generate(PROMPTS, method="none", max_new_tokens=N)
+    engine = SpecEngine(t8, draft=d8)
+    got = run_joined(engine, [engine.request(p, method=method, max_new_tokens=N) for p in PROMPTS], [0, 0, 1, 3, 3],
+                     rows=4, speculation=engine.adaptive())
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+
+
+def test_adaptive_speculation_leaves_seeded_sampling_as_it_is_alone(int8_pair):
+    t8, d8 = int8_pair
+    engine = SpecEngine(t8, draft=d8)
+    options = [dict(MIXED[i], max_new_tokens=N) for i in (1, 2, 3)] + [dict(method="draft", max_new_tokens=N)]
+    alone = [engine.generate(p, **o).token_ids for p, o in zip(PROMPTS, options)]
+    got = run_joined(engine, [engine.request(p, **o) for p, o in zip(PROMPTS, options)], [0, 1, 1, 2], rows=4,
+                     speculation=engine.adaptive())
+    assert [c.token_ids for c in got] == alone
+
+
+class _Group:
+    def __init__(self, options, requests, k=6, max_nodes=12):
+        self.options, self.requests = options, requests
+        self.proposer = type("P", (), {"k": k, "max_nodes": max_nodes, "tree": None})()
+
+
+def _policy_batch(n_rows, options):
+    from speclm.requests import Request
+
+    requests = [Request.of(i, [1, 2, 3], options, i, None) for i in range(n_rows)]
+    group = _Group(options.proposer_key(), requests)
+    return type("B", (), {"requests": requests, "groups": {group.options: group}})(), requests
+
+
+def test_adaptive_policy_drafts_long_alone_and_stops_when_verification_is_not_free():
+    from speclm.adaptive import Adaptive
+    from speclm.costmodel import ForwardCosts
+    from speclm.options import GenerationOptions
+
+    options = GenerationOptions(method="pld")
+    key = options.proposer_key()
+    # one forward: 0.1 s to read the weights, 0.01 s per token (a CPU's int8 GEMMs)
+    policy = Adaptive(ForwardCosts({1: 0.11, 48: 0.58}))
+    one, rows = _policy_batch(1, options)
+    for _ in range(20):
+        policy.observe(rows[0], 6, 5, 0.0, 0)  # accepts 5 of 6: a row that repeats itself
+    assert policy.caps(one)[key] == 6
+    eight, rows8 = _policy_batch(8, options)
+    for r in rows8:
+        for _ in range(20):
+            policy.observe(r, 6, 0, 0.0, 0)  # rejects everything
+    assert policy.caps(eight)[key] == 0
+    for r in rows8:
+        for _ in range(40):
+            policy.observe(r, 6, 6, 0.0, 0)  # accepts everything: worth it again
+    assert policy.caps(eight)[key] > 0
+    fixed, _ = _policy_batch(8, GenerationOptions(method="pld", k=3))
+    assert policy.caps(fixed) == {}  # a request's own k is kept
+
+
+def test_caches_that_grew_during_a_forward_still_take_prefixes(int8_pair):
+    """A longer request joins a group whose draft cache was sized for shorter ones, so the draft's
+    cache grows inside its forward; a later request still copies a cached prefix into it."""
+    t8, d8 = int8_pair
+    engine = SpecEngine(t8, draft=d8)
+    head = "shared head of every prompt: "
+    prompts = [head + "a", head + "b " * 60, head + "c"]
+    alone = [engine.generate(p, method="draft", max_new_tokens=N).token_ids for p in prompts]
+    engine = SpecEngine(t8, draft=d8)
+    got = run_joined(engine, [engine.request(p, method="draft", max_new_tokens=N) for p in prompts], [0, 1, 6],
+                     rows=3)
+    assert [c.token_ids for c in got] == alone
+    assert got[2].stats.cached_tokens > 0

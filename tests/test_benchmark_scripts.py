@@ -66,6 +66,10 @@ SCRIPTS = {
     "prefix_cache.py": (["--target", "{target}", "--draft", "{draft}"],
                         ["| model | prompt tokens | SDPA prefill s | per-query prefill s | per-query / SDPA "
                          "| first 24 from the cache s | saved by the cache |", "int4 | 90 | "], True),
+    "serve_overhead.py": (["--target", "{target}", "--draft", "{draft}"],
+                          ["| method | tokens | generate tok/s | serve tok/s | serve / generate | identical outputs |",
+                           re.compile(r"\| none \| \d+ \| .* \| 2/2 \|"), re.compile(r"\| draft\+pld \| .* \| 2/2 \|")],
+                          False),
     "prompt_lengths.py": (["--target", "{target}"],
                           ["chat template; draft+pld's cut at 128 new tokens: ",
                            "| task kind | prompts | min | 10th pct | median | 90th pct | max | above the cut |",

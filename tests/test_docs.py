@@ -68,7 +68,8 @@ COMMANDS = dict(_commands(build_parser()))
 
 
 def test_every_command_is_documented():
-    assert set(COMMANDS) == {"generate", "bench", "demo", "models list", "models pull", "models rm", "models verify"}
+    assert set(COMMANDS) == {"generate", "bench", "demo", "serve", "bench-serve", "models list", "models pull",
+                             "models rm", "models verify"}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -77,7 +78,7 @@ def test_every_option_is_in_its_help_and_in_the_cli_docs(command):
     helptext = parser.format_help()
     cli_doc = (ROOT / "docs" / "cli.md").read_text()
     top = command.split()[0]
-    section = cli_doc.split(f"## speclm {top}", 1)[1].split("\n## ", 1)[0]
+    section = cli_doc.split(f"## speclm {top}\n", 1)[1].split("\n## ", 1)[0]
     for action in parser._actions:
         for option in action.option_strings:
             if option in ("-h", "--help"):

@@ -304,3 +304,34 @@ def test_page_is_served_with_the_model_name(server):
     page = raw(server, "GET", "/", key=None)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert Path(server_model(server)).name in page.text
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(engine):
+    """In process: a step that raises (a planted bug) ends its requests with an error event; the
+    engine thread goes on with a fresh batch, and the next request gets its normal output."""
+    from speclm.serve.scheduler import Scheduler
+
+    scheduler = Scheduler(engine, max_batch=2)
+
+    def broken():
+        raise RuntimeError("planted failure")
+
+    scheduler.batch.step = broken
+    scheduler.start()
+
+    async def run():
+        failed = scheduler.submit(engine.request(PROMPTS[0], method="none", max_new_tokens=8))
+        event = await asyncio.wait_for(failed.events.get(), 60)
+        assert event[0] == "error" and "planted failure" in event[1]
+        ok = scheduler.submit(engine.request(PROMPTS[0], method="pld", max_new_tokens=8))
+        text = []
+        while (event := await asyncio.wait_for(ok.events.get(), 60))[0] == "text":
+            text.append(event[1])
+        assert event[0] == "done"
+        return "".join(text)
+
+    try:
+        assert asyncio.run(run()) == alone(engine, PROMPTS[0], method="none", max_new_tokens=8).text
+        assert "planted failure" in scheduler.last_failure
+    finally:
+        scheduler.stop()

@@ -64,8 +64,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     async def health():
         if scheduler.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        if scheduler.failure:
-            return JSONResponse({"status": "failed", "error": scheduler.failure}, status_code=500)
+        if scheduler.last_failure:  # up, but a step failed since it started: say which
+            return {"status": "ok", "last_failure": scheduler.last_failure}
         return {"status": "ok"}
 
     @app.get("/v1/models")

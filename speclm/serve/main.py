@@ -1,4 +1,5 @@
-"""`speclm serve`: load the models, start the engine thread, serve with uvicorn until SIGTERM."""
+"""`speclm serve`: load the models, start the engine thread, serve with uvicorn until SIGTERM; or,
+with `--replicas N`, the same app as a Ray Serve deployment of N replicas (speclm.serve.ray_app)."""
 
 from __future__ import annotations
 
@@ -11,27 +12,34 @@ from speclm.errors import UsageError
 from speclm.options import GenerationOptions
 
 
-def serve(args, progress: bool = False) -> int:
-    import uvicorn
-
-    from speclm import kernels
+def check(args) -> str:
+    """The options' own checks, before anything loads; returns the method."""
     from speclm.defaults import DRAFT_METHODS
-    from speclm.engine import SpecEngine
-    from speclm.models.loading import check_model_name, load_model
-    from speclm.serve.app import ServerConfig, create_app
-    from speclm.serve.metrics import Metrics
-    from speclm.serve.scheduler import Scheduler
 
     method = args.method or ("draft+pld" if args.draft else "pld")
     if method in DRAFT_METHODS and not args.draft:
         raise UsageError(f"--method {method} needs --draft MODEL")
     for name, value, low in (("max-batch", args.max_batch, 1), ("max-queue", args.max_queue, 0),
                              ("max-tokens", args.max_tokens, 1), ("prefill-chunk", args.prefill_chunk, 1),
-                             ("prefix-cache", args.prefix_cache, 0), ("port", args.port, 0)):
+                             ("prefix-cache", args.prefix_cache, 0), ("port", args.port, 0),
+                             ("replicas", args.replicas, 1)):
         if value < low:
             raise UsageError(f"--{name} must be >= {low}, got {value}")
     if not args.grace >= 0:
         raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
+    return method
+
+
+def build(args, progress: bool = False):
+    """The engine, its scheduler (not started) and the app, from `speclm serve`'s options."""
+    from speclm import kernels
+    from speclm.engine import SpecEngine
+    from speclm.models.loading import check_model_name, load_model
+    from speclm.serve.app import ServerConfig, create_app
+    from speclm.serve.metrics import Metrics
+    from speclm.serve.scheduler import Scheduler
+
+    method = check(args)
     options = GenerationOptions(
         method=method, k=args.k, confidence=args.confidence, alternatives=args.alternatives, tree=args.tree,
         draft_vocab=args.draft_vocab, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
@@ -51,7 +59,18 @@ def serve(args, progress: bool = False) -> int:
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
                           prefill_chunk=args.prefill_chunk, speculation=policy, metrics=Metrics())
     config = ServerConfig(args.served_model_name or args.target, options, api_key, args.max_tokens)
-    app = create_app(scheduler, config)
+    return scheduler, config, create_app(scheduler, config)
+
+
+def serve(args, progress: bool = False) -> int:
+    import uvicorn
+
+    method = check(args)
+    if args.replicas > 1:
+        from speclm.serve.ray_app import serve_replicas
+
+        return serve_replicas(args)
+    scheduler, config, app = build(args, progress)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -50,4 +50,8 @@ def add_serve_parser(sub, add_draft_options, prefix_cache_help: str, draft_quant
     s.add_argument("--grace", type=float, default=GRACE_SECONDS,
                    help="on SIGTERM: seconds to let running requests finish before they are cancelled "
                         "(default %(default)g)")
-    s.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="above 1: run that many copies of the server as a Ray Serve deployment behind Ray's router, "
+                        "each with its own models and batch (pip install 'speclm[ray]'; default 1: this process)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores; with "
+                   "--replicas, each replica's)")

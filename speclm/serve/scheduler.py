@@ -10,8 +10,10 @@ next step and its cache rows are free. Everything the engine does happens on thi
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,8 +47,8 @@ class Scheduler:
                  speculation=None, metrics: Metrics | None = None):
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.metrics = metrics or Metrics()
-        self.batch = engine.batch(rows=max_batch, prefill_chunk=prefill_chunk, speculation=speculation)
-        self.speculation = speculation
+        self.prefill_chunk, self.speculation = prefill_chunk, speculation
+        self.batch = self._new_batch()
         self._waiting: deque[Ticket] = deque()
         self._cancels: list[Ticket] = []
         self._tickets: dict[int, Ticket] = {}  # id(request) -> its ticket, for what is in the batch
@@ -54,7 +56,10 @@ class Scheduler:
         self._stopping = False
         self.draining = False  # no new requests (shutting down)
         self._thread = threading.Thread(target=self._run, name="speclm-engine", daemon=True)
-        self.failure: str | None = None
+        self.last_failure: str | None = None  # the last step that raised, for /health
+
+    def _new_batch(self):
+        return self.engine.batch(rows=self.max_batch, prefill_chunk=self.prefill_chunk, speculation=self.speculation)
 
     # ---------------------------------------------------------------- called from the handlers
     def start(self) -> None:
@@ -66,8 +71,6 @@ class Scheduler:
         with self._cv:
             if self.draining or self._stopping:
                 raise ApiError(503, "the server is shutting down", type="service_unavailable")
-            if self.failure is not None:
-                raise ApiError(500, f"the engine stopped: {self.failure}", type="server_error")
             if len(self._waiting) >= self.max_queue:
                 raise ApiError(429, f"the queue is full ({self.max_queue} requests waiting); retry later",
                                type="rate_limit_error", headers={"Retry-After": "1"})
@@ -133,13 +136,18 @@ class Scheduler:
                 continue
             try:
                 stepped = batch.step()
-            except Exception as exc:  # a bug or out of memory: every request in the batch fails, loudly
-                self.failure = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # a bug, or out of memory: the batch's requests fail, the server goes on
+                traceback.print_exc(file=sys.stderr)
+                self.last_failure = f"{type(exc).__name__}: {exc}"
+                self.metrics.failures.inc()
                 for t in list(self._tickets.values()):
                     t.request.finish_reason = "error"
-                    t.put(("error", self.failure))
+                    t.put(("error", f"the engine failed: {self.last_failure}"))
+                    self.metrics.request_success.labels("error").inc()
                 self._tickets.clear()
-                raise
+                batch = self.batch = self._new_batch()  # fresh caches; nothing of the failed step is kept
+                self._gauges()
+                continue
             self.metrics.steps.labels(batch.last_step).inc()
             now = time.perf_counter()
             for r in stepped:

@@ -1,0 +1,106 @@
+"""The server's own cost at concurrency 1: the same requests through `speclm serve` (streamed chat
+completions over loopback HTTP) and through `SpecEngine.generate` in this process, in turns per
+prompt, with plain decoding and with the method's fixed k. Tokens/s is total generated tokens
+over total time, each side's time from its request to its last token; outputs are compared.
+
+The server is started by this script (`speclm serve --port 0`, the same weights as here), so both
+sides hold the same models; they never run at the same time.
+
+Run: .venv/bin/python benchmarks/serve_overhead.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+         --per-category 2 > benchmarks/avx2/serve-overhead.txt
+`--smoke --target FOLDER --draft FOLDER`: the same code path on tiny models, 2 prompts of 8 tokens,
+one torch thread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+
+from speclm.bench.dataset import load_prompts
+from speclm.bench.machine import cpu_name
+from speclm.engine import SpecEngine
+from speclm.models.loading import load_model
+from speclm.runtime import set_threads
+
+
+class Server:
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "speclm.cli", "serve", "--port", "0", *argv],
+                                     stderr=subprocess.PIPE, text=True)
+        for line in self.proc.stderr:
+            found = re.search(r"on (http://[\d.]+:\d+)", line)
+            if found:
+                self.url = found.group(1)
+                return
+        raise SystemExit("the server did not start")
+
+    def chat(self, prompt: str, max_tokens: int, speculation) -> tuple[str, int, float]:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation}
+        text, tokens = [], 0
+        start = time.perf_counter()
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=600) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                text += [c["delta"].get("content") or "" for c in chunk["choices"]]
+        return "".join(text), tokens, time.perf_counter() - start
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--method", default="draft+pld")
+    p.add_argument("--per-category", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    if args.smoke:
+        set_threads(1)
+        args.per_category, args.max_new_tokens = None, 8
+    weights = ["--quantize", "int8", "--draft-quantize", "int8" if args.smoke else "int4"]
+    server = Server(["--target", args.target, "--draft", args.draft, "--threads", "1" if args.smoke else "2",
+                     "--speculation", "fixed", "--prefix-cache", "0", *weights])
+    try:
+        engine = SpecEngine(load_model(args.target, quantize="int8", progress=False),
+                            draft=load_model(args.draft, quantize=weights[3], progress=False), prefix_cache=0)
+        prompts = load_prompts("spec-bench", None, args.per_category)[: 2 if args.smoke else None]
+        print(f"# speclm serve against SpecEngine.generate in this process, concurrency 1, {len(prompts)} Spec-Bench "
+              f"prompts, chat, {args.max_new_tokens} new tokens, int8 target, {weights[3]} draft, {cpu_name()}")
+        print("| method | tokens | generate tok/s | serve tok/s | serve / generate | identical outputs |")
+        print("|---|---|---|---|---|---|")
+        for method in ("none", args.method):
+            totals = {"generate": [0, 0.0], "serve": [0, 0.0]}
+            same = 0
+            for prompt in prompts:
+                text = prompt.text
+                start = time.perf_counter()
+                ref = engine.generate(text, method=method, max_new_tokens=args.max_new_tokens, chat=True)
+                totals["generate"][0] += len(ref.token_ids)
+                totals["generate"][1] += time.perf_counter() - start
+                got, tokens, seconds = server.chat(text, args.max_new_tokens, {"method": method})
+                totals["serve"][0] += tokens
+                totals["serve"][1] += seconds
+                same += got == ref.text
+            rate = {side: n / s for side, (n, s) in totals.items()}
+            print(f"| {method} | {totals['serve'][0]} | {rate['generate']:.2f} | {rate['serve']:.2f} | "
+                  f"{rate['serve'] / rate['generate']:.3f} | {same}/{len(prompts)} |", flush=True)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""`speclm bench-serve` against a real `speclm serve` process on tiny models (test_serve's helpers)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+import test_serve
+from test_serve import KEY, Server
+
+from speclm.cli import main
+from speclm.serve.bench import choose_modes
+
+models = test_serve.models  # the tiny model folders (a module-scoped fixture)
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    s = Server("--target", models["target"], "--draft", models["draft"], "--quantize", "int8",
+               "--draft-quantize", "int8", "--api-key", KEY)
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+
+
+def test_bench_serve_writes_every_cell(server, tmp_path, monkeypatch, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in
+                            (("def fib(n):", "code"), ("The quick brown fox", "text"), ("for i in range(10):", "code"))))
+    monkeypatch.setenv("SPECLM_API_KEY", KEY)
+    out = tmp_path / "out"
+    argv = ["bench-serve", "--url", server.url + "/v1", "--concurrency", "2,1", "--requests", "3", "--max-tokens",
+            "16", "--dataset", str(data), "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and results["server"]["speclm"]["speculation"] == "adaptive"
+    assert results["config"]["modes"] == ["off", "on", "adaptive"] and results["config"]["concurrency"] == [1, 2]
+    cells = [(s["concurrency"], s["mode"]) for s in results["summary"]]
+    assert cells == [(c, m) for c in (1, 2) for m in ("off", "on", "adaptive")]  # modes interleaved
+    for s in results["summary"]:
+        assert s["requests"] == 3 and s["errors"] == 0 and not s["time_limited"]
+        assert s["tokens_per_second"] > 0 and s["completion_tokens"] > 0 and s["wall_seconds"] > 0
+        assert 0 < s["ttft_p50"] <= s["ttft_p99"] and s["tokens_per_forward"] > 0
+        assert s["itl_p50"] is None or 0 < s["itl_p50"] <= s["itl_p99"]
+        assert s["speedup_vs_off"] == pytest.approx(1.0) if s["mode"] == "off" else s["speedup_vs_off"] > 0
+        assert s["same_text_as_off"] == [3, 3]  # greedy on int8 weights: speculation and batching are lossless
+    assert len(results["requests"]) == 18
+    methods = {(r["mode"], r["speculation"]["method"]) for r in results["requests"]}
+    assert methods == {("off", "none"), ("on", "draft+pld"), ("adaptive", "draft+pld")}
+    for r in results["requests"]:
+        assert r["chunks"] == sorted(r["chunks"]) and r["ttft"] == r["chunks"][0] <= r["end"]
+    assert "--api-key" not in results["command"] and results["command"].startswith("speclm bench-serve")
+    report = (out / "report.md").read_text()
+    assert "| 2 | adaptive | 3 |" in report and results["command"] in report
+    for name in ("throughput.png", "itl.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert not list(out.glob("*.tmp"))
+
+
+def _one_error_line(capsys, argv, words: str) -> None:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speclm: error:") and words in lines[0], lines
+
+
+def test_bad_targets_are_one_line_exit_2(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    _one_error_line(capsys, ["bench-serve", "--url", "http://example.com:8000", "--out", out], "this machine")
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    _one_error_line(capsys, ["bench-serve", "--url", f"http://127.0.0.1:{port}", "--out", out], "cannot reach")
+    (tmp_path / "file").write_text("x")
+    _one_error_line(capsys, ["bench-serve", "--url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "file")],
+                    "not a folder")
+    _one_error_line(capsys, ["bench-serve", "--url", f"http://127.0.0.1:{port}", "--concurrency", "0", "--out", out],
+                    "concurrency")
+    assert not (tmp_path / "out").exists()
+
+
+def test_modes_the_server_cannot_run():
+    fixed = {"method": "draft+pld", "k": 4, "speculation": "fixed"}
+    assert choose_modes(None, fixed) == (["off", "on"], {"adaptive": choose_modes(None, fixed)[1]["adaptive"]})
+    with pytest.raises(Exception, match="fixed speculation"):
+        choose_modes("off,adaptive", fixed)
+    assert choose_modes(None, {"method": "none", "k": 4, "speculation": "adaptive"})[0] == ["off"]
+    with pytest.raises(Exception, match="choose from"):
+        choose_modes("off,fast", fixed)
