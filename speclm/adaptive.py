@@ -13,8 +13,11 @@ where E = (1 - a^(k+1)) / (1 - a) for a chain whose row accepts each next token 
 probability a. Each row's a is measured from its own rounds (decayed counts, starting from
 `prior`); a group's drafting time per draft forward is measured too. A tree-shaped draft is
 either kept whole or turned off (k = 0) by the same comparison, its expected tokens measured.
-While k = 0 nothing is learnt about acceptance, so one round in `probe` drafts anyway (k = 1, or
-the whole tree): at most one round in 32 costs a few more verified tokens per row.
+While k = 0 nothing is learnt about acceptance, so for prompt lookup one round in `probe` drafts
+anyway (k = 1): at most one round in 32 costs a few more verified tokens per row. A draft model is
+not probed: after rounds without drafting it would first have to read every token it missed
+(and a new request's whole prompt), which at the load that turned it off costs more than the
+probe can win; it drafts again when the batch is small enough for its last measured acceptance.
 
 A request that sets k keeps it. Greedy output does not depend on the draft, so it is unchanged.
 A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on nothing but its own seed, so it
@@ -116,8 +119,10 @@ class Adaptive:
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = (k, tree_on), rate
         k, tree_on = best
+        self.last = {key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k) for key, g in free}
         self._rounds += 1
         if self._rounds % self.probe == 0:  # a probe: drafting off learns nothing about acceptance
-            k, tree_on = max(k, 1), True
-        self.last = {key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k) for key, g in free}
+            for key, g in free:
+                if self.last[key] == 0 and getattr(g.proposer, "kv", None) is None:  # no draft model to catch up
+                    self.last[key] = 1
         return self.last

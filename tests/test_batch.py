@@ -324,3 +324,20 @@ def test_caches_that_grew_during_a_forward_still_take_prefixes(int8_pair):
                      rows=3)
     assert [c.token_ids for c in got] == alone
     assert got[2].stats.cached_tokens > 0
+
+
+def test_adaptive_policy_probes_prompt_lookup_but_not_a_draft_model():
+    from speclm.adaptive import Adaptive
+    from speclm.costmodel import ForwardCosts
+    from speclm.options import GenerationOptions
+
+    policy = Adaptive(ForwardCosts({1: 0.11, 48: 0.58}), probe=4)
+    for method, model in (("pld", None), ("draft", object())):
+        options = GenerationOptions(method=method)
+        batch, rows = _policy_batch(8, options)
+        batch.groups[options.proposer_key()].proposer.kv = model  # a draft model's cache, or none
+        for r in rows:
+            for _ in range(20):
+                policy.observe(r, 6, 0, 0.0, 0)
+        caps = [policy.caps(batch)[options.proposer_key()] for _ in range(8)]
+        assert caps == ([0, 0, 0, 1] * 2 if model is None else [0] * 8), (method, caps)
