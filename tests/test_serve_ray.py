@@ -16,7 +16,6 @@ models = test_serve.models  # the fixture
 
 def test_two_replicas_behind_rays_router_serve_the_same_app(models):
     pytest.importorskip("ray.serve", reason="the optional extra speclm[ray]")
-    from ray.util.state import list_actors
 
     s = Server("--target", models["target"], "--quantize", "int8", "--method", "pld", "--api-key", KEY,
                "--replicas", "2", "--threads", "1")
@@ -39,9 +38,7 @@ def test_two_replicas_behind_rays_router_serve_the_same_app(models):
                 in texts
         finally:
             alone.stop()
-        replicas = [a for a in list_actors(address="auto", filters=[("state", "=", "ALIVE")])
-                    if "speclm" in (a.class_name or "") or "ServeReplica" in (a.class_name or "")]
-        assert len(replicas) == 2, replicas
+        assert any("with 2 running replicas (Ray Serve)" in line for line in s.log), s.log  # Ray's count
     finally:
         assert s.stop(timeout=120) == 0, "".join(s.log)
     deadline = time.monotonic() + 30

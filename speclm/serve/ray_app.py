@@ -58,7 +58,9 @@ def serve_replicas(args) -> int:
             ray_actor_options={"num_cpus": 0},  # the replicas share the cores (their torch threads are set)
         )(serve.ingress(_builder(args))())
         serve.run(deployment.bind(), name="speclm", route_prefix="/")
-        print(f"speclm: serving {args.served_model_name or args.target} with {args.replicas} replicas (Ray Serve) "
+        states = serve.status().applications["speclm"].deployments["speclm"].replica_states  # Ray's own count
+        running = states.get("RUNNING", 0)
+        print(f"speclm: serving {args.served_model_name or args.target} with {running} running replicas (Ray Serve) "
               f"on http://{args.host}:{port}", file=sys.stderr, flush=True)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
