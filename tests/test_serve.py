@@ -86,7 +86,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models):
     s = Server("--target", models["target"], "--draft", models["draft"], "--quantize", "int8",
-               "--draft-quantize", "int8", "--api-key", KEY, "--max-tokens", "3000", "--prefill-chunk", "16")
+               "--draft-quantize", "int8", "--api-key", KEY, "--max-tokens", "3000", "--prefill-chunk", "16",
+               "--max-body-bytes", str(1 << 20))
     yield s
     assert s.stop() == 0, "".join(s.log)
 
@@ -224,7 +225,7 @@ def test_errors_are_openai_shaped(server, case):
               "bad speculation": (400, dict(json={"messages": msgs, "speculation": {"method": "magic"}})),
               "prompt too long": (400, dict(json={"messages": [{"role": "user", "content": "x" * 5000}]})),
               "max_tokens over cap": (400, dict(json={"messages": msgs, "max_tokens": 3001})),
-              "body too large": (413, dict(content=b"{" + b" " * (5 << 20) + b"}")),
+              "body too large": (413, dict(content=b"{" + b" " * (1 << 20) + b"}")),
               "unknown model": (404, dict(json={"messages": msgs, "model": "gpt-9"})),
               "not an object": (400, dict(json=[1, 2])),
               "empty messages": (400, dict(json={"messages": []}))}

@@ -22,7 +22,7 @@ def check(args) -> str:
     for name, value, low in (("max-batch", args.max_batch, 1), ("max-queue", args.max_queue, 0),
                              ("max-tokens", args.max_tokens, 1), ("prefill-chunk", args.prefill_chunk, 1),
                              ("prefix-cache", args.prefix_cache, 0), ("port", args.port, 0),
-                             ("replicas", args.replicas, 1)):
+                             ("replicas", args.replicas, 1), ("max-body-bytes", args.max_body_bytes, 1)):
         if value < low:
             raise UsageError(f"--{name} must be >= {low}, got {value}")
     if not args.grace >= 0:
@@ -58,7 +58,8 @@ def build(args, progress: bool = False):
     policy = engine.adaptive() if args.speculation == "adaptive" else None
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
                           prefill_chunk=args.prefill_chunk, speculation=policy, metrics=Metrics())
-    config = ServerConfig(args.served_model_name or args.target, options, api_key, args.max_tokens)
+    config = ServerConfig(args.served_model_name or args.target, options, api_key, args.max_tokens,
+                          args.max_body_bytes)
     return scheduler, config, create_app(scheduler, config)
 
 

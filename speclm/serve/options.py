@@ -9,6 +9,7 @@ MAX_BATCH = 8  # requests decoding at once: the concurrency the load benchmark m
 MAX_QUEUE = 64
 PREFILL_CHUNK = 256  # prompt tokens per step: a 2k-token prompt delays running streams by 8 short steps, not one long one
 MAX_TOKENS_CAP = 4096
+MAX_BODY_BYTES = 4 << 20  # a 32k-token prompt is about 128 KB of text: room for long contexts, not for abuse
 GRACE_SECONDS = 30.0
 
 
@@ -44,6 +45,8 @@ def add_serve_parser(sub, add_draft_options, prefix_cache_help: str, draft_quant
                    help="requests waiting for a place in the batch; more get 429 (default %(default)s)")
     s.add_argument("--max-tokens", type=int, default=MAX_TOKENS_CAP,
                    help="a request's max_tokens at most, and its default in chat (default %(default)s)")
+    s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="a request body at most; larger ones get 413 (default %(default)s)")
     s.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                    help="prompt tokens read per step while other requests decode (default %(default)s; on int8/int4 "
                         "CPU weights, where chunks give the same bits; elsewhere a prompt is read whole)")
