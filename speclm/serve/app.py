@@ -4,6 +4,7 @@ hand it to the engine thread (speclm.serve.scheduler) and relay its events."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import sys
@@ -244,8 +245,6 @@ async def _json(request: Request, limit: int):
 
 async def _next_event(ticket: Ticket, request: Request):
     """The ticket's next event, or None once the client has disconnected."""
-    import asyncio
-
     while True:
         try:
             return await asyncio.wait_for(ticket.events.get(), timeout=0.5)
