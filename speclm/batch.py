@@ -21,8 +21,9 @@ A step is one of:
 - the prefill of the requests that joined since the last step: their prompts in one forward of
   their own (as plain decoding reads a prompt, so that its keys and values are the same bits
   with and without speculation), which commits each one's first token. With `prefill_chunk`, a
-  prompt is read at most that many tokens per step, and prefill steps alternate with rounds, so
-  that running requests keep committing tokens while a long prompt is read. Chunks only where
+  prompt is read at most that many tokens per step while other requests decode, and prefill
+  steps alternate with rounds, so that they keep committing tokens while a long prompt is read
+  (with none decoding, a prompt is read whole). Chunks only where
   the forward is chunk-invariant (speclm's kernels on quantized weights: a token's keys and
   values are the same bits however its prompt is split); elsewhere a prompt is read whole;
 - a round for every other request (`_round`): propose -> score -> verify -> commit.
@@ -181,7 +182,9 @@ class Batch:
         now = time.perf_counter()
         rows = list(range(first_row, first_row + len(reading)))
         have = kv.lengths_list()
-        chunk = self.prefill_chunk if self.prefill_chunk and kv.chunk_invariant else None
+        # chunks only while others decode (they are what chunks are for), and only where the split
+        # changes no bit
+        chunk = self.prefill_chunk if self.prefill_chunk and kv.chunk_invariant and self.requests else None
         ends = [r.prompt_len if chunk is None else min(r.prompt_len, have[b] + chunk) for b, r in zip(rows, reading)]
         seen = kv.forward_seconds
         logits = kv.forward([r.context[have[b]:end] for b, r, end in zip(rows, reading, ends)], 1, only=rows)  # (R, 1, V)

@@ -341,3 +341,12 @@ def test_adaptive_policy_probes_prompt_lookup_but_not_a_draft_model():
                 policy.observe(r, 6, 0, 0.0, 0)
         caps = [policy.caps(batch)[options.proposer_key()] for _ in range(8)]
         assert caps == ([0, 0, 0, 1] * 2 if model is None else [0] * 8), (method, caps)
+
+
+def test_with_nothing_else_decoding_a_prompt_is_read_whole(int8_pair):
+    t8, _ = int8_pair
+    engine = SpecEngine(t8, prefix_cache=0)
+    batch = engine.batch(prefill_chunk=8)
+    r = batch.join(engine.request(LONG, max_new_tokens=3))
+    batch.step()
+    assert batch.last_step == "prefill" and len(r.generated) == 1 and r.stats.target_forwards == 1
