@@ -20,9 +20,9 @@ not probed: after rounds without drafting it would first have to read every toke
 probe can win; it drafts again when the batch is small enough for its last measured acceptance.
 
 A request that sets k keeps it. Greedy output does not depend on the draft, so it is unchanged.
-A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on nothing but its own seed, so it
-is reproducible in any batch; an unseeded one adapts (its output follows the target's
-distribution whatever the draft).
+A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on
+nothing but its own seed, so it is reproducible in any batch; an unseeded one adapts (its output
+follows the target's distribution whatever the draft).
 """
 
 from __future__ import annotations

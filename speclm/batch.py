@@ -179,7 +179,6 @@ class Batch:
         """One forward over the prompts being read (each whole, or its next chunk); a request
         whose prompt is then read commits its first token and starts decoding."""
         kv, reading, first_row = self.kv, self.reading, len(self.requests)
-        now = time.perf_counter()
         rows = list(range(first_row, first_row + len(reading)))
         have = kv.lengths_list()
         # chunks only while others decode (they are what chunks are for), and only where the split
@@ -193,7 +192,6 @@ class Batch:
         for r in reading:
             r.stats.target_forwards += 1
             r.stats.forward_seconds += spent
-            r.stats.prefill_seconds += time.perf_counter() - now
         if not done:
             return []
         read = [reading[i] for i in done]
@@ -202,7 +200,7 @@ class Batch:
             cache.add(kv, rows[i], reading[i].prompt)
         # the read requests decode from now on: their rows move up behind the decoding ones (a
         # permutation of the batch's rows; no keys or values move)
-        still = [i for i in range(len(reading)) if i not in set(done)]
+        still = [i for i, end in enumerate(ends) if end < reading[i].prompt_len]
         kv.select(list(range(first_row)) + [rows[i] for i in done] + [rows[i] for i in still])
         self.reading = [reading[i] for i in still]
         for r in read:
@@ -340,13 +338,14 @@ class Batch:
         self.kv.select(still)
         self.requests = [r for r in self.requests if not r.done]
         self.reading = [r for r in self.reading if not r.done]
+        awaited = {r.options.proposer_key() for r in self.reading}  # groups made for prompts still being read
         for key, group in list(self.groups.items()):
             kept = [i for i, r in enumerate(group.requests) if not r.done]
             if len(kept) < len(group.requests):
                 group.requests = [group.requests[i] for i in kept]
                 if group.proposer is not None and group.requests:
                     group.proposer.select(kept)
-            if not group.requests:
+            if not group.requests and key not in awaited:
                 del self.groups[key]  # its proposer's caches go with it
 
 

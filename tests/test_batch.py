@@ -350,3 +350,25 @@ def test_with_nothing_else_decoding_a_prompt_is_read_whole(int8_pair):
     r = batch.join(engine.request(LONG, max_new_tokens=3))
     batch.step()
     assert batch.last_step == "prefill" and len(r.generated) == 1 and r.stats.target_forwards == 1
+
+
+def test_a_group_waits_for_its_prompts_being_read_and_leaves_with_them(int8_pair):
+    """A proposer is made once for a request whose prompt is read in chunks, even when others leave
+    meanwhile; a request cancelled while it is read takes its group with it."""
+    t8, d8 = int8_pair
+    engine = SpecEngine(t8, draft=d8, prefix_cache=0)
+    made = []
+    make = engine.make_proposer
+    engine.make_proposer = lambda options: made.append(options.method) or make(options)
+    batch = engine.batch(rows=3, prefill_chunk=4)
+    batch.join(engine.request("abc", method="pld", max_new_tokens=2))
+    batch.step()
+    b = batch.join(engine.request(LONG, method="draft", max_new_tokens=3))
+    while not b.generated:  # the pld request finishes while b is read
+        batch.step()
+    assert made == ["pld", "draft"]
+    c = batch.join(engine.request(LONG, method="draft+pld", max_new_tokens=3))
+    batch.step()
+    batch.step()
+    batch.cancel(c)
+    assert [key.method for key in batch.groups] == ["draft"]

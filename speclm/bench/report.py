@@ -351,13 +351,14 @@ def write_all(results: dict, out_dir: Path) -> None:
     """results.json, report.md and plots; each file is replaced whole (write, then rename)."""
     summary = summarize(results) if results["runs"] else {"methods": {}, "categories": [], "predicted": {}}
     results["summary"] = summary
-    _atomic_write(out_dir / "results.json", json.dumps(results, indent=1))
+    atomic_write(out_dir / "results.json", json.dumps(results, indent=1))
     if results["runs"]:
-        _atomic_write(out_dir / "report.md", markdown(results, summary))
+        atomic_write(out_dir / "report.md", markdown(results, summary))
         plots(results, summary, out_dir)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """path holds text, replaced whole (a reader never sees half a file)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)

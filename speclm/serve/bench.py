@@ -457,14 +457,11 @@ def plots(summary: list[dict], out: Path) -> None:
 
 def write_all(results: dict, out: Path, report: bool = True) -> None:
     """results.json (with the summary), then report.md and the plots; each file replaced whole."""
+    from speclm.bench.report import atomic_write
+
     results["summary"] = summarize(results)
-    _atomic_write(out / "results.json", json.dumps(results, indent=1))
+    atomic_write(out / "results.json", json.dumps(results, indent=1))
     if report:
-        _atomic_write(out / "report.md", markdown(results, results["summary"]))
+        atomic_write(out / "report.md", markdown(results, results["summary"]))
         plots(results["summary"], out)
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

@@ -66,12 +66,13 @@ def build(args, progress: bool = False):
 def serve(args, progress: bool = False) -> int:
     import uvicorn
 
-    method = check(args)
     if args.replicas > 1:
         from speclm.serve.ray_app import serve_replicas
 
+        check(args)  # here, before Ray starts: each replica's build checks again
         return serve_replicas(args)
     scheduler, config, app = build(args, progress)
+    method = config.options.method
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -50,6 +50,18 @@ class SpeculationSpec(BaseModel):
         return v
 
 
+def _refused(why: str):
+    """A field validator for a field speclm does not implement: its default (unset, 0, false,
+    empty) passes, any other value is refused with `why`."""
+
+    def check(cls, v):
+        if v:
+            raise ValueError(why)
+        return v
+
+    return classmethod(check)
+
+
 class _Common(BaseModel):
     """Fields chat and completions share. Unknown fields are ignored, as OpenAI's clients send many."""
 
@@ -84,19 +96,9 @@ class _Common(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v:
-            raise ValueError("penalties change the target's distribution and are not supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
+    _penalty = field_validator("presence_penalty", "frequency_penalty")(
+        _refused("penalties change the target's distribution and are not supported"))
+    _logprobs = field_validator("logprobs")(_refused("logprobs are not supported"))
 
     @field_validator("speculation")
     @classmethod
@@ -164,19 +166,8 @@ class CompletionRequest(_Common):
             raise ValueError("empty prompt")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    _echo = field_validator("echo")(_refused("echo is not supported"))
+    _suffix = field_validator("suffix")(_refused("suffix is not supported"))
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

@@ -194,7 +194,7 @@ class Scheduler:
             t.last_token_at = now
         t._count = len(generated)
         # the accepted draft tokens come first in a round's commit, then the target's own token
-        from_draft = max(0, min(accepted, committed - 1)) if committed > 1 else 0
+        from_draft = max(0, min(accepted, committed - 1))
         pieces = [(generated[: start + from_draft], True), (generated, False)] if from_draft else [(generated, False)]
         for ids, drafted in pieces:
             text = t._text.delta(ids, finished=r.done and ids is generated)
