@@ -49,6 +49,7 @@ class Adaptive:
         self._rounds = 0
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
         self._step: dict = {}  # group key -> seconds per draft forward (or per proposal, where none)
+        self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
     def acceptance(self, request) -> float:
@@ -73,6 +74,8 @@ class Adaptive:
         step = propose_seconds / max(forwards, 1)  # per draft forward (prompt lookup: per proposal)
         old = self._step.get(key)
         self._step[key] = step if old is None else 0.8 * old + 0.2 * step
+        old = self._nodes.get(key)  # a tree's verified nodes per row, as its proposer sized them
+        self._nodes[key] = drafted if old is None else 0.8 * old + 0.2 * drafted
 
     def _expected(self, request, k: int, tree: bool) -> float:
         """Tokens a round commits for `request` with draft length k (the target's own token included)."""
@@ -83,6 +86,12 @@ class Adaptive:
             return 1.0 + (rate.gained / rate.rounds if rate is not None and rate.rounds else self.prior * 2)
         a = min(self.acceptance(request), 0.999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def _tree_width(self, key, g) -> int:
+        """A tree's verified nodes per row: as measured (a tree sized by cost is far below its
+        most), else its most."""
+        seen = self._nodes.get(key)
+        return g.proposer.max_nodes if seen is None else max(1, round(seen))
 
     def caps(self, batch) -> dict:
         """Per group key (GenerationOptions.proposer_key): its draft length cap this round (0: none;
@@ -102,7 +111,7 @@ class Adaptive:
         for key, g in groups:
             if key in seeded:
                 tokens0 += sum(self._expected(r, g.proposer.k, key in trees) for r in g.requests)
-                width0 = max(width0, g.proposer.max_nodes if key in trees else g.proposer.k)
+                width0 = max(width0, self._tree_width(key, g) if key in trees else g.proposer.k)
         longest = max((g.proposer.k for key, g in free if key not in trees), default=0)
         choices = [(k, on) for k in range(longest + 1) for on in ((False, True) if any(key in trees for key, _ in free) else (False,))]
         best, best_rate = (0, False), -1.0
@@ -114,7 +123,7 @@ class Adaptive:
                 tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
                 if own:
                     drafting += self._step.get(key, 0.0) * own
-                    width = max(width, g.proposer.max_nodes if is_tree else own)
+                    width = max(width, self._tree_width(key, g) if is_tree else own)
             rate = tokens / (self.costs(rows * (1 + width)) + drafting)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = (k, tree_on), rate

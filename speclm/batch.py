@@ -98,6 +98,7 @@ class Batch:
         self._read_next = True  # with chunked prefill: whether the next step reads (else a round)
         self.last_step = ""  # what the last step was: "prefill" or "round"
         self.groups: dict[GenerationOptions, _Group] = {}
+        self._prompt_hidden: dict[int, dict[int, list[torch.Tensor]]] = {}  # by id(request): a proposer's prompt states, by layer
         self.eos = set(engine.target.eos_token_ids)
 
     def join(self, request: Request) -> Request:
@@ -186,7 +187,13 @@ class Batch:
         chunk = self.prefill_chunk if self.prefill_chunk and kv.chunk_invariant and self.requests else None
         ends = [r.prompt_len if chunk is None else min(r.prompt_len, have[b] + chunk) for b, r in zip(rows, reading)]
         seen = kv.forward_seconds
-        logits = kv.forward([r.context[have[b]:end] for b, r, end in zip(rows, reading, ends)], 1, only=rows)  # (R, 1, V)
+        proposers = [self.groups[r.options.proposer_key()].proposer for r in reading]
+        wanted = tuple(sorted({layer for p in proposers if p is not None and p.prompt_hidden for layer in p.hidden_layers}))
+        every = any(p is not None and p.prompt_hidden == "all" for p in proposers)
+        logits = kv.forward([r.context[have[b]:end] for b, r, end in zip(rows, reading, ends)], 1, only=rows,
+                            hidden_layers=wanted, hidden_all=every)  # (R, 1, V)
+        if wanted:
+            self._keep_prompt_hidden(reading, proposers, [end - have[b] for b, end in zip(rows, ends)], every)
         spent = kv.forward_seconds - seen
         done = [i for i, (r, end) in enumerate(zip(reading, ends)) if end == r.prompt_len]
         for r in reading:
@@ -208,6 +215,10 @@ class Batch:
             group.requests.append(r)
             if group.proposer is not None:
                 group.proposer.add(1, [r.prompt_len], [r.max_new])
+                if group.proposer.prompt_hidden:
+                    hidden = self._prompt_hidden.pop(id(r))
+                    group.proposer.read_prompt([{layer: torch.cat(parts) for layer, parts in hidden.items()}],
+                                               [r.stats.cached_tokens])
         self.requests += read
         by_sampling: dict = {}  # each one's first token, drawn with its own options
         for j, i in enumerate(done):
@@ -224,6 +235,21 @@ class Batch:
             s.new_tokens = len(r.generated)
         self._leave()
         return read
+
+    def _keep_prompt_hidden(self, reading: list[Request], proposers: list, fed: list[int], every: bool) -> None:
+        """Keep what each reading request's proposer asked of this prefill forward's hidden states
+        (its chunk's states, all or the last token's) until its prompt is read."""
+        for i, (r, p, n) in enumerate(zip(reading, proposers, fed)):
+            if p is None or not p.prompt_hidden:
+                continue
+            kept = self._prompt_hidden.setdefault(id(r), {})
+            for layer in p.hidden_layers:
+                states = self.kv.hidden[layer][i]  # (M, E) with hidden_all, else (1, E): the last fed token's
+                part = states[:n] if every else states
+                if p.prompt_hidden == "last":
+                    kept[layer] = [part[-1:].clone()]
+                else:
+                    kept.setdefault(layer, []).append(part.clone())
 
     # ---------------------------------------------------------------- a round
     def _round(self) -> list[Request]:
@@ -292,7 +318,7 @@ class Batch:
     def _verify(p: _Proposal, logits: torch.Tensor) -> Verdict:
         """The group's rows, verified with its sampling options; each request draws from its own generator."""
         return verify_tree(logits[p.rows, : 1 + p.tree.width], p.tree, p.group.options.sampling,
-                           [r.generator for r in p.group.requests])
+                           [r.generator for r in p.group.requests], p.group.options.acceptance)
 
     @staticmethod
     def _count(r: Request, p: _Proposal, i: int, verdict: Verdict, verify_seconds: float, target_seconds: float) -> None:
@@ -336,6 +362,9 @@ class Batch:
         if len(still) == len(rows):
             return
         self.kv.select(still)
+        for r in rows:
+            if r.done:
+                self._prompt_hidden.pop(id(r), None)
         self.requests = [r for r in self.requests if not r.done]
         self.reading = [r for r in self.reading if not r.done]
         awaited = {r.options.proposer_key() for r in self.reading}  # groups made for prompts still being read

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
     g.add_argument("--method", choices=list(METHODS), default="none",
                    help="none: plain decoding; draft: a draft model proposes; pld: prompt lookup proposes; "
-                        "draft+pld: prompt lookup where the context repeats itself, else the draft model")
+                        "draft+pld: prompt lookup where the context repeats itself, else the draft model; "
+                        "medusa, eagle: trained heads on the target itself propose a tree (--heads)")
     g.add_argument("--draft", help="draft model for --method draft and draft+pld (same tokenizer as the target)")
     _add_decoding_options(g)
     src = g.add_mutually_exclusive_group(required=True)
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft and hf-assisted")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], hf, hf-assisted[:k=N], hf-pld[:k=N]")
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], hf, hf-assisted[:k=N], hf-pld[:k=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
     b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
@@ -108,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "starts (default %(default)g)")
     bs.add_argument("--out", required=True, help="output folder: results.json, report.md, plots")
 
+    h = sub.add_parser("heads", help="Medusa and EAGLE heads for a target: build their training data, train them")
+    hsub = h.add_subparsers(dest="heads_name", required=True, parser_class=_Parser)
+    from speclm.heads.cli import add_data_parser, add_train_parser
+
+    add_data_parser(hsub)
+    add_train_parser(hsub)
+
     m = sub.add_parser("models", help="the model catalog and cache")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("list", help="catalog models and what is cached")
@@ -147,7 +155,13 @@ def _add_draft_options(g: argparse.ArgumentParser) -> None:
                    help="draft, draft+pld: the draft's shape each round: chain (one candidate per position), auto (a "
                         "tree grown from the draft's probabilities, its size chosen from this machine's measured "
                         "verification cost) or a JSON file of root paths of ranks such as [[0],[1],[0,0]] "
-                        f"(default {defaults.TREE})")
+                        f"(default {defaults.TREE}); medusa: auto (default) or a FILE")
+    g.add_argument("--heads", default=None, metavar="FILE",
+                   help="medusa, eagle: a trained heads file (speclm heads train); default: the heads shipped "
+                        "for the target")
+    g.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
+                   help="medusa, eagle: exact (default: lossless) or typical, Medusa's typical acceptance: LOSSY at "
+                        "temperature > 0, its output no longer follows the target's distribution")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
                         f"(0: the whole vocabulary; default {defaults.DRAFT_VOCAB})")
@@ -178,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             from speclm.serve.main import serve
 
             return serve(args, progress=_progress())
+        if args.command == "heads":
+            return args.heads_command(args)
         if args.command == "bench-serve":
             from speclm.serve.bench import bench_serve
 
@@ -266,7 +282,7 @@ def _generate(args) -> int:
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
         alternatives=args.alternatives, draft_vocab=args.draft_vocab, draft_prompt_ratio=args.draft_prompt_ratio,
-        tree=args.tree,
+        tree=args.tree, heads=args.heads, acceptance=args.acceptance,
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
@@ -466,7 +482,29 @@ def _demo(args) -> int:
     print(f"  speculative: {spec.stats.tokens_per_second:.2f} tok/s")
     print(f"  speedup:     {spec.stats.tokens_per_second / plain.stats.tokens_per_second:.2f}x")
     print(f"  identical output: {'yes' if same else 'NO'}")
-    return 0 if same else 1
+    return 0 if same and _demo_heads(engine, args, common, plain) else 1
+
+
+def _demo_heads(engine, args, common: dict, plain) -> bool:
+    """The trained heads shipped for the target (medusa, eagle) on the same prompt: their speed
+    beside plain decoding's, and whether their output is identical. True where every one is."""
+    from speclm.heads import store
+
+    kinds = [kind for kind in ("medusa", "eagle") if store.shipped(args.target, kind) is not None]
+    if not kinds:
+        return True
+    print("\n== trained heads on the target itself (no draft model)")
+    same = True
+    for kind in kinds:
+        engine.generate("Hi", method=kind, max_new_tokens=4, chat=True)  # loads the heads; warm-up
+        engine.prefix.clear()
+        out = engine.generate(args.prompt, method=kind, **common)
+        ok = out.token_ids == plain.token_ids
+        same = same and ok
+        print(f"  {kind + ':':8} {out.stats.tokens_per_second:.2f} tok/s, "
+              f"{out.stats.tokens_per_second / plain.stats.tokens_per_second:.2f}x plain, "
+              f"{out.stats.mean_accepted_tokens:.2f} tokens per target forward, identical output: {'yes' if ok else 'NO'}")
+    return same
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "draft", "pld", "draft+pld")
+METHODS = ("none", "draft", "pld", "draft+pld", "medusa", "eagle")
 DRAFT_METHODS = ("draft", "draft+pld")  # methods that run a draft model
+HEAD_METHODS = ("medusa", "eagle")  # methods that draft with trained heads on the target itself
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,17 @@ KERNEL_MACROS = {
 }
 
 
+# medusa, eagle: the deepest draft (levels below the root): Medusa's heads (4 trained), EAGLE's levels
+K_MEDUSA = 4
+K_EAGLE = 6
+
+
 def k(method: str, quantize: str = "none", draft_quantize: str | None = None) -> int:
     """Draft length per round of `method` on target weights `quantize` (and the draft's)."""
+    if method == "medusa":
+        return K_MEDUSA
+    if method == "eagle":
+        return K_EAGLE
     if method in DRAFT_METHODS:
         return K_DRAFT_INT4 if draft_quantize == "int4" else K_DRAFT
     if method == "pld":

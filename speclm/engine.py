@@ -16,7 +16,7 @@ from speclm import defaults
 from speclm.adaptive import Adaptive
 from speclm.batch import Batch
 from speclm.costmodel import verification_costs
-from speclm.defaults import DRAFT_METHODS
+from speclm.defaults import DRAFT_METHODS, HEAD_METHODS
 from speclm.errors import UsageError
 from speclm.models.loading import LoadedModel
 from speclm.options import GenerationOptions
@@ -65,6 +65,7 @@ class SpecEngine:
         self.target, self.draft = target, draft
         self.prefix = PrefixCaches.of_size(prefix_cache)
         self._draft_times = DraftTimes()  # the draft's measured forward times, kept across requests (auto trees)
+        self._heads: dict[tuple[str, str], LoadedHeads] = {}  # (kind, file) -> heads loaded for this target
         if draft is not None:
             check_same_vocabulary(target, draft)
 
@@ -141,6 +142,24 @@ class SpecEngine:
     def _check_models(self, opts: GenerationOptions) -> None:
         if opts.method in DRAFT_METHODS and self.draft is None:
             raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
+        if opts.method in HEAD_METHODS:
+            self.heads(opts.method, opts.heads)
+
+    def heads(self, kind: str, path: str | None = None) -> "LoadedHeads":
+        """The trained heads of `kind` for this target: from `path`, or those shipped for it
+        (speclm.heads.store); loaded once. UsageError where there are none or they do not fit."""
+        from speclm.heads import store
+
+        if path is None:
+            shipped = store.shipped(self.target.name, kind)
+            if shipped is None:
+                raise UsageError(f"method '{kind}' needs trained heads: none ship for '{self.target.name}'; "
+                                 f"train them (speclm heads data, speclm heads train) and pass --heads FILE")
+            path = str(shipped)
+        key = (kind, str(path))
+        if key not in self._heads:
+            self._heads[key] = LoadedHeads.load(path, kind, self.target)
+        return self._heads[key]
 
     def completion(self, request: Request) -> Completion:
         text = final_text(self.target.tokenizer, request.generated, request.options.stop)
@@ -171,6 +190,8 @@ class SpecEngine:
     def make_proposer(self, opts: GenerationOptions) -> Proposer | None:
         if opts.method == "none":
             return None
+        if opts.method in HEAD_METHODS:
+            return self._head_proposer(opts)
         if opts.method in DRAFT_METHODS:
             if self.draft is None:
                 raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
@@ -186,6 +207,19 @@ class SpecEngine:
                                        lookup_k=lookup_k, prefix_cache=self.prefix.draft)
         return PromptLookupProposer(k=self._k(opts), max_ngram=opts.ngram_max, min_ngram=opts.lookup_ngram_min)
 
+    def _head_proposer(self, opts: GenerationOptions) -> Proposer:
+        from speclm.proposers.eagle import EagleProposer
+        from speclm.proposers.medusa import MedusaProposer
+
+        heads = self.heads(opts.method, opts.heads)
+        k = self._k(opts)
+        costs = self.forward_costs()
+        if opts.method == "medusa":
+            spec = opts.tree_spec
+            return MedusaProposer(heads.module, heads.vocab_ids, heads.output_head, k,
+                                  choices=spec.choices if spec is not None else None, costs=costs)
+        return EagleProposer(heads.module, heads.vocab_ids, heads.output_head, heads.embed, k, costs=costs)
+
     def _tree(self, opts: GenerationOptions) -> TreeSpec | None:
         spec = opts.tree_spec
         if spec is not None and spec.choices is None and opts.sampling.greedy:  # auto's budget: measured costs
@@ -194,6 +228,39 @@ class SpecEngine:
 
     def _k(self, opts: GenerationOptions) -> int:
         return opts.draft_length(self.target.quantize, self.draft.quantize if self.draft is not None else None)
+
+
+@dataclass
+class LoadedHeads:
+    """Trained heads ready to draft for one target (speclm.heads)."""
+
+    kind: str
+    path: str
+    module: object  # MedusaHeads or EagleHead, eval mode (int8 linears on a quantized target)
+    vocab_ids: object  # (V',) long
+    output_head: object  # (R, E) -> (R, V'): the target's head over vocab_ids
+    embed: object  # ids -> (..., E) fp32: the target's embedding
+
+    @staticmethod
+    def load(path: str, kind: str, target: LoadedModel) -> "LoadedHeads":
+        import torch
+
+        from speclm.heads import store
+        from speclm.heads.vocab import output_head
+        from speclm.quant import quantize_linears
+
+        module, config, ids = store.load(path, target)
+        if config.kind != kind:
+            raise UsageError(f"heads {path} are {config.kind} heads, not {kind}")
+        if target.quantize != "none":  # the heads' linears on the same int8 kernels as the target
+            quantize_linears(module, "int8")
+        embed_table = target.model.get_input_embeddings()
+
+        def embed(tokens):
+            with torch.inference_mode():
+                return embed_table(tokens).float()
+
+        return LoadedHeads(kind, str(path), module, ids, output_head(target.model, ids), embed)
 
 
 class TextStream:

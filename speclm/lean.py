@@ -180,7 +180,8 @@ class LeanForward:
 
     @torch.inference_mode()
     def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None,
-                 hidden_layers: tuple[int, ...] = (), hidden: dict | None = None, cache_rows=None):
+                 hidden_layers: tuple[int, ...] = (), hidden: dict | None = None, cache_rows=None,
+                 hidden_all: bool = False):
         """ids, slots (B, M); kv: the StaticKV (its buffers are written at `slots`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
@@ -190,7 +191,9 @@ class LeanForward:
         hidden_layers, hidden: the dict `hidden` receives, for each layer index asked, the hidden
         states (B, K, E) of the kept rows: layer i's output (the residual stream after it), and for
         -1 the final norm's, what the output head reads. Nothing is kept when none are asked.
-        cache_rows (B,): each row's cache row in kv's pool (None: row b)."""
+        cache_rows (B,): each row's cache row in kv's pool (None: row b).
+        hidden_all: the hidden states of every fed token (B, M, E), not only the kept ones (a head
+        reading a prompt's features); the last layer then runs on every row."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
@@ -252,17 +255,19 @@ class LeanForward:
                                                        is_causal=True, scale=self.scaling, enable_gqa=heads > kv_heads)
                     out = o.transpose(1, 2)
                 out = out.reshape(batch * width, heads * dim)
-            if i == last and kept_rows is not None:
+            if i == last and kept_rows is not None and not hidden_all:
                 out, h = out[kept_rows], h[kept_rows]
             h = _by_rows(layer.attn_out, out, h)
             h = _by_rows(layer.mlp, h)
             if i in hidden_layers:
-                hidden[i] = (h if i == last or kept_rows is None else h[kept_rows]).view(batch, -1, h.shape[-1])
-        kept = h.shape[0] // batch  # h (B K, E): the kept rows, row by row
+                hidden[i] = (h if i == last or kept_rows is None or hidden_all else h[kept_rows]).view(batch, -1, h.shape[-1])
         head = self.head if head is None else head
         normed = self.norm(h)
         if -1 in hidden_layers:
-            hidden[-1] = normed.view(batch, kept, -1)
+            hidden[-1] = normed.view(batch, -1, normed.shape[-1])
+        if hidden_all and kept_rows is not None:
+            normed = normed[kept_rows]
+        kept = normed.shape[0] // batch  # normed (B K, E): the kept rows, row by row
         return head(normed).float().view(batch, kept, -1)  # (B, K, V)
 
 

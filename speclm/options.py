@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from speclm import defaults
-from speclm.defaults import DRAFT_METHODS, METHODS
+from speclm.defaults import DRAFT_METHODS, HEAD_METHODS, METHODS
 from speclm.errors import UsageError
 from speclm.proposers.draft_tree import TreeSpec, parse_tree
 from speclm.sampling import SamplingParams
@@ -16,7 +16,7 @@ from speclm.sampling import SamplingParams
 class GenerationOptions:
     """`generate`-style arguments."""
 
-    method: str = "none"  # none | draft | pld | draft+pld
+    method: str = "none"  # none | draft | pld | draft+pld | medusa | eagle
     k: int | None = None  # draft length per round; None: the method's default
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -44,6 +44,11 @@ class GenerationOptions:
     # probabilities, its size chosen from this machine's measured verification cost) or a JSON
     # file of root paths of ranks (speclm.proposers.draft_tree); None: speclm.defaults.TREE
     tree: str | None = None
+    # medusa, eagle: a heads file (speclm.heads.store); None: the heads shipped for the target
+    heads: str | None = None
+    # "exact" (lossless rejection sampling) or "typical": Medusa's typical acceptance, LOSSY at
+    # temperature > 0 (speclm.verify.typical_paths); medusa and eagle only
+    acceptance: str = "exact"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -65,13 +70,23 @@ class GenerationOptions:
         if self.alternatives is not None and not 0 <= self.alternatives <= 1:
             raise UsageError(f"alternatives must be in [0, 1], got {self.alternatives}")
         self.sampling  # validates temperature, top-p, top-k
-        if self.tree is not None and self.method not in DRAFT_METHODS and self.tree != "chain":
-            raise UsageError(f"--tree applies to {' and '.join(DRAFT_METHODS)}, not '{self.method}'")
+        if self.tree is not None and self.method not in DRAFT_METHODS + ("medusa",) and self.tree != "chain":
+            raise UsageError(f"--tree applies to {', '.join(DRAFT_METHODS)} and medusa, not '{self.method}'")
+        if self.method == "medusa" and self.tree == "chain":
+            raise UsageError("--tree for medusa: auto or a JSON file of rank paths (its heads draft trees)")
+        if self.acceptance not in ("exact", "typical"):
+            raise UsageError(f"acceptance must be exact or typical, not '{self.acceptance}'")
+        if self.acceptance == "typical" and self.method not in HEAD_METHODS:
+            raise UsageError(f"--acceptance typical (lossy) applies to {' and '.join(HEAD_METHODS)}, not '{self.method}'")
+        if self.heads is not None and self.method not in HEAD_METHODS:
+            raise UsageError(f"--heads applies to {' and '.join(HEAD_METHODS)}, not '{self.method}'")
         self.tree_spec  # validates the tree
 
     @property
     def tree_spec(self) -> TreeSpec | None:
         """The draft's tree (None: a chain)."""
+        if self.method == "medusa":
+            return parse_tree(self.tree if self.tree is not None else "auto")
         if self.method not in DRAFT_METHODS:
             return None
         return parse_tree(self.tree if self.tree is not None else defaults.TREE)

@@ -32,6 +32,7 @@ class Plan:
     tree: Tree | None  # each query's visible slots where some row holds a tree (speclm.attention)
     logits_to_keep: int
     cols: torch.Tensor | None  # (B, K) columns of each row's last tokens where rows are ragged, else None
+    hidden_all: bool = False  # hidden states of every fed token (B, M, E), not only the kept ones
 
 
 class ModelRunner:
@@ -57,7 +58,8 @@ class ModelRunner:
         if self.lean is not None:
             keep_cols = plan.cols if plan.cols is not None else slice(width - plan.logits_to_keep, width)
             logits = self.lean(plan.ids, plan.slots, kv, plan.starts, plan.counts, plan.window, keep_cols, head,
-                               plan.positions, plan.tree, hidden_layers, self.hidden, plan.cache_rows)
+                               plan.positions, plan.tree, hidden_layers, self.hidden, plan.cache_rows,
+                               plan.hidden_all)
         else:
             assert head is None, "a replaced output head needs speclm's lean forward"
             logits = self._transformers_forward(kv, plan, hidden_layers)
@@ -100,7 +102,10 @@ class ModelRunner:
             columns = cols if cols is not None else slice(ids.shape[1] - logits_to_keep, None)
             for layer in hidden_layers:
                 states = out.hidden_states[layer + 1 if layer >= 0 else -1]  # (B, M, E)
-                self.hidden[layer] = (states[batch[:, None], columns] if cols is not None else states[:, columns]).float()
+                if plan.hidden_all:
+                    self.hidden[layer] = states.float()
+                else:
+                    self.hidden[layer] = (states[batch[:, None], columns] if cols is not None else states[:, columns]).float()
         return logits.float()
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class RequestStats:
     target_forwards: int = 0  # target forwards this request took part in, prefill included
-    draft_forwards: int = 0  # draft model forwards (0 for pld and none)
+    draft_forwards: int = 0  # draft model forwards, or trained heads' (0 for pld and none)
     drafted_tokens: int = 0  # tokens proposed and sent to verification
     accepted_tokens: int = 0  # drafted tokens the verifier accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that accepted a token at depth j

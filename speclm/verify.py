@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from speclm.proposers.base import Draft
-from speclm.tree import ROOT, DraftTree
+from speclm.tree import PAD, ROOT, DraftTree
 from speclm.sampling import SamplingParams, processed_probs
 
 
@@ -71,13 +71,22 @@ def verify_tree(
     tree: DraftTree,
     params: SamplingParams,
     generators: list[torch.Generator | None],
+    acceptance: str = "exact",
 ) -> Verdict:
     """target_logits (B, 1+N, V): the root's logits at 0, node n's at 1 + n (speclm.tree). Each
     row draws from its own generator only, as its own tree asks: what a row commits does not
-    depend on the other rows of the batch."""
+    depend on the other rows of the batch. acceptance "typical": Medusa's lossy rule
+    (`typical_paths`) in place of rejection sampling when sampling."""
     target_logits = target_logits.cpu()
     tokens = tree.tokens.tolist()
     paths, finals = [], []
+    if acceptance == "typical" and not params.greedy:
+        target_probs = processed_probs(target_logits, params)  # (B, 1+N, V)
+        paths = typical_paths(target_probs, tree)
+        for b, (g, path) in enumerate(zip(generators, paths)):
+            at = 1 + path[-1] if path else 0
+            finals.append(int(torch.multinomial(target_probs[b, at], 1, generator=g)))
+        return _verdict(tokens, paths, finals)
     if params.greedy:
         argmax = target_logits.argmax(-1).tolist()  # (B, 1+N)
         for b in range(len(tokens)):
@@ -114,6 +123,39 @@ def verify_tree(
         paths.append(path)
         finals.append(int(torch.multinomial(dist, 1, generator=g)))
     return _verdict(tokens, paths, finals)
+
+
+TYPICAL_THRESHOLD = 0.09  # Medusa's posterior threshold (epsilon)
+TYPICAL_ALPHA = 0.3  # Medusa's posterior alpha (delta)
+
+
+def typical_paths(target_probs: torch.Tensor, tree: DraftTree, threshold: float = TYPICAL_THRESHOLD,
+                  alpha: float = TYPICAL_ALPHA) -> list[list[int]]:
+    """Medusa's typical acceptance, LOSSY: a node is acceptable where the target gives its token
+    more than min(threshold, alpha * exp(-H)) at its parent (H: the entropy of the target's
+    processed distribution there); each row's path is its longest root path of acceptable nodes
+    (the first in node order among the longest). The committed text then no longer follows the
+    target's distribution exactly (likely tokens gain mass); at temperature 0 it is greedy."""
+    entropy = -(target_probs * target_probs.clamp_min(1e-30).log()).sum(-1)  # (B, 1+N)
+    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    paths = []
+    for b in range(len(tokens)):
+        best: list[int] = []
+        deep: dict[int, list[int]] = {}  # node -> its accepted path, where every node on it is acceptable
+        for n, parent in enumerate(parents[b]):
+            if parent == PAD:
+                continue
+            above = [] if parent == ROOT else deep.get(parent)
+            if above is None:
+                continue
+            at = 0 if parent == ROOT else 1 + parent
+            if float(target_probs[b, at, tokens[b][n]]) > float(bar[b, at]):
+                deep[n] = above + [n]
+                if len(deep[n]) > len(best):
+                    best = deep[n]
+        paths.append(best)
+    return paths
 
 
 def _verdict(tokens: list[list[int]], paths: list[list[int]], finals: list[int]) -> Verdict:

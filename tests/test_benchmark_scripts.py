@@ -20,14 +20,15 @@ import torch
 
 from speclm import kernels
 from speclm.cli import main
-from tiny import byte_tokenizer, require_compiled_kernels, tiny_model
+from tiny import byte_tokenizer, loaded, random_heads, require_compiled_kernels, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 HELPERS = {"timing.py"}  # imported by the scripts, not run
 
 # script: (arguments after --smoke, parts of lines (or patterns) its output must hold, needs the compiled kernels);
-# {target}, {draft}: tiny model folders; {results}: a tiny bench run's results.json
+# {target}, {draft}: tiny model folders; {medusa}, {eagle}: untrained heads for the target; {data}: its heads data;
+# {results}: a tiny bench run's results.json
 SCRIPTS = {
     "allocator.py": (["--target", "{target}"],
                      ["## keep_freed_memory: False", "prefill after hf (none)",
@@ -70,6 +71,14 @@ SCRIPTS = {
                           ["| method | tokens | generate tok/s | serve tok/s | serve / generate | identical outputs |",
                            re.compile(r"\| none \| \d+ \| .* \| 2/2 \|"), re.compile(r"\| draft\+pld \| .* \| 2/2 \|")],
                           False),
+    "typical_quality.py": (["--target", "{target}", "--heads", "{medusa}", "--methods", "medusa"],
+                           ["| method | acceptance | tokens | target log-likelihood per token | tokens/s | speed vs exact |",
+                            "| medusa | exact | ", "| medusa | typical | "], False),
+    "heads_memory.py": (["--target", "{target}", "--medusa", "{medusa}", "--eagle", "{eagle}"],
+                        ["| method | resident after the target's load MiB | added by heads or draft MiB |",
+                         "| none | ", "| medusa | ", "| eagle | "], False),
+    "medusa_tree.py": (["--target", "{target}", "--heads", "{medusa}", "--data", "{data}"],
+                       ["| head | rank 0 | rank 1 |", "| 3 | ", "tree: "], False),
     "prompt_lengths.py": (["--target", "{target}"],
                           ["chat template; draft+pld's cut at 128 new tokens: ",
                            "| task kind | prompts | min | 10th pct | median | 90th pct | max | above the cut |",
@@ -90,8 +99,16 @@ def models(tmp_path_factory) -> dict[str, str]:
     tok = byte_tokenizer()
     target = tiny_model(len(tok), seed=0)
     target.config.max_position_embeddings = 8192  # every Spec-Bench prompt fits at a byte a token (prompt_lengths.py)
+    from speclm.heads.data import build
+    from speclm.heads.sources import Prompt
+
+    prompts = [Prompt.of("code", "test", "Apache-2.0", f"def f{i}(x): return x + {i}") for i in range(8)]
+    build(loaded(target, tok), root / "data", candidates=prompts, max_new_tokens=16, max_prompt_tokens=64,
+          shard_size=4, progress=False)
     return {"target": save(target, tok, root / "target"),
-            "draft": save(tiny_model(len(tok), seed=1, layers=1), tok, root / "draft")}
+            "draft": save(tiny_model(len(tok), seed=1, layers=1), tok, root / "draft"),
+            "medusa": random_heads("medusa", target, root / "medusa.safetensors"),
+            "eagle": random_heads("eagle", target, root / "eagle.safetensors"), "data": str(root / "data")}
 
 
 @pytest.fixture(scope="module")

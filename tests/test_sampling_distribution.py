@@ -11,11 +11,11 @@ DEPTH tokens (V ** DEPTH = 1296 cells) is computed from the target's processed p
 alone, never from samples: one batched forward over the V ** (DEPTH - 1) prefixes. SAMPLES independent
 requests, one row each with its own generator, are decoded as one batch per case (`draft`,
 `pld`, `draft+pld`, confidence stops, alternatives, draft trees: static, static past top-k,
-auto, and auto under draft+pld; a tree two deep fills the same window) and their counts
-compared with the exact joint by a chi-square test (chisq.py: each check fails a correct
-sampler with probability about ALPHA = 1e-4; this file's 15 checks, by the union bound, with
-probability at most 1.5e-3 nominally, 3.0e-3 with the chi-square approximation's error as
-measured there).
+auto, and auto under draft+pld; a tree two deep fills the same window; trained heads' trees:
+medusa grown and static, eagle, with untrained random heads) and their counts compared with the
+exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
+about ALPHA = 1e-4; this file's 18 checks, by the union bound, with probability at most 1.8e-3
+nominally, 3.6e-3 with the chi-square approximation's error as measured there).
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
 fail the very check (same case, seed and sample count) the real code passes:
@@ -27,7 +27,9 @@ fail the very check (same case, seed and sample count) the real code passes:
   lookup_rows_as_model_rows     draft+pld's lookup rows verified against the draft model's q;
   siblings_report_first_draw    a tree's siblings drawn without replacement, each reporting the
                                 parent's whole distribution (as if drawn with replacement);
-  tree_bonus_from_previous_position  the first mutation, on a static tree.
+  tree_bonus_from_previous_position  the first mutation, on a static tree;
+  heads_claim_uniform_draws     a head's tree (nodes chosen by rank) reported as uniform draws
+                                over the vocabulary instead of point masses.
 Measured locally over 5 disjoint batches (seeds 11 + i * 10**6, i = 0..4: no request's generator
 seed shared between them): every mutation failed its check 5 times out of 5, with p-values
 between 0 and 5e-78 (ALPHA = 1e-4), and the real code passed all 11 checks 5 times out of 5
@@ -49,7 +51,7 @@ import speclm.verify as verify_mod
 from chisq import ALPHA, MIN_EXPECTED, chisq_pvalue, pool
 from speclm import SpecEngine
 from speclm.sampling import SamplingParams, processed_probs
-from tiny import loaded, tiny_model, word_tokenizer
+from tiny import loaded, random_heads, tiny_model, word_tokenizer
 
 V = 6
 K = 2  # tokens drafted per round
@@ -64,6 +66,8 @@ def small():
     tok = word_tokenizer(V)
     target = loaded(tiny_model(V, seed=3, init=0.15), tok, name="t", eos=False)
     draft = loaded(tiny_model(V, seed=4, layers=1, init=0.15), tok, name="d", eos=False)
+    for kind, path in HEADS.items():  # untrained heads: their trees vary with the context
+        random_heads(kind, target.model, path, seed=5, std=0.5)
     return tok, target, draft
 
 
@@ -128,6 +132,7 @@ for path, choices in ((STATIC_TREE, [[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
                       (WIDE_TREE, [[0], [1], [2], [3], [4], [0, 0], [1, 0], [0, 1]])):
     with open(path, "w") as f:
         json.dump(choices, f)
+HEADS = {kind: os.path.join(_TREE_DIR, f"{kind}.safetensors") for kind in ("medusa", "eagle")}
 CASES = {
     "plain": ("none", T1, {}),
     "draft": ("draft", T1, {}),
@@ -150,6 +155,11 @@ CASES = {
     "tree-static-top": ("draft", SamplingParams(temperature=0.7, top_k=4, top_p=0.9), {"tree": WIDE_TREE}),
     "tree-auto": ("draft", T1, {"tree": "auto"}),
     "draft+pld-tree": ("draft+pld", T1, {"tree": "auto"}),
+    # trained heads' trees: deterministic top-ranked candidates, verified as point masses
+    "medusa": ("medusa", T1, {"heads": HEADS["medusa"]}),
+    "medusa-static-top": ("medusa", SamplingParams(temperature=0.7, top_k=4, top_p=0.9),
+                          {"heads": HEADS["medusa"], "tree": WIDE_TREE}),
+    "eagle": ("eagle", T1, {"heads": HEADS["eagle"]}),
 }
 
 
@@ -242,6 +252,21 @@ def siblings_report_first_draw(monkeypatch):
     monkeypatch.setattr(draft_tree, "_children", children)
 
 
+def heads_claim_uniform_draws(monkeypatch):
+    """A head's tree (chosen by rank, never drawn) reports its nodes as uniform draws over the
+    vocabulary instead of point masses."""
+    import speclm.proposers.eagle as eagle
+
+    real = eagle.to_draft
+
+    def to_draft(rows, chosen, forwards):
+        draft = real(rows, chosen, forwards)
+        draft.draft_probs = torch.full((*draft.tokens.shape, V), 1.0 / V)
+        return draft
+
+    monkeypatch.setattr(eagle, "to_draft", to_draft)
+
+
 MUTATIONS = {  # each with the case whose check it must fail
     "bonus_from_previous_position": (bonus_from_previous_position, "draft"),
     "no_residual": (no_residual, "pld"),
@@ -250,6 +275,7 @@ MUTATIONS = {  # each with the case whose check it must fail
     "lookup_rows_as_model_rows": (lookup_rows_as_model_rows, "draft+pld"),
     "siblings_report_first_draw": (siblings_report_first_draw, "tree-auto"),
     "tree_bonus_from_previous_position": (bonus_from_previous_position, "tree-static"),
+    "heads_claim_uniform_draws": (heads_claim_uniform_draws, "eagle"),
 }
 
 

@@ -62,3 +62,26 @@ def require_compiled_kernels() -> None:
     if not kernels.enabled():
         pytest.skip("a CPU without AVX2 (or SPECLM_KERNELS=torch): speclm's compiled kernels do not run")
     assert kernels.compiled() is not None, "speclm's CPU kernels did not build"
+
+
+def random_heads(kind: str, model, path, seed: int = 0, std: float = 0.3, heads: int = 3, vocab_ids=None) -> str:
+    """A file of untrained heads of `kind` for `model` with random weights (std): they propose
+    varied trees, mostly rejected, which is what wiring tests need. Returns the path."""
+    from speclm.heads.modules import HeadsConfig, make
+    from speclm.heads.store import export
+
+    cfg = model.config
+    vocab = cfg.vocab_size
+    ids = torch.arange(vocab) if vocab_ids is None else torch.as_tensor(vocab_ids)
+    config = HeadsConfig(kind, cfg.hidden_size, len(ids), vocab, target="tiny", heads=heads,
+                         num_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                         head_dim=cfg.hidden_size // cfg.num_attention_heads, intermediate=2 * cfg.hidden_size,
+                         rope_theta=10000.0)
+    torch.manual_seed(seed)
+    module = make(config)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, std)
+    export(path, module, config, ids)
+    return str(path)

@@ -1,6 +1,6 @@
 """Benchmark methods: `name[:key=value,...]`, e.g. `none`, `draft:k=4`, `draft:k=6,confidence=0.4`, `pld:k=8,ngram_max=2`,
 `draft+pld:ngram_min=3`,
-`hf`, `hf-assisted:k=4`, `hf-pld:k=10`, `none:quantize=none` (that method on other weights
+`medusa:tree=FILE`, `eagle:heads=FILE`, `hf`, `hf-assisted:k=4`, `hf-pld:k=10`, `none:quantize=none` (that method on other weights
 than bench's --quantize, to compare fp32 and int8 side by side in one run).
 
 speclm methods run through `SpecEngine`; `hf*` methods through transformers' `generate` on
@@ -22,7 +22,8 @@ from speclm.stats import RequestStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float,
-                "alternatives": float, "vocab": int, "prompt_ratio": float, "tree": str}
+                "alternatives": float, "vocab": int, "prompt_ratio": float, "tree": str, "heads": str,
+                "acceptance": str}
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,8 @@ def _test_pause(stage: str) -> None:
 
 # ------------------------------------------------------------------ weights checksums
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 22):
@@ -191,7 +192,7 @@ def _sha256(path: Path) -> str:
 def _weights_record(folder: Path) -> dict:
     """{file: {"bytes", "sha256"}} for each weights file of a converted folder."""
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".gguf"))
-    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    return {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
 
 
 def _read_marker(folder: Path, name: str) -> dict:
@@ -235,7 +236,7 @@ def verify(name: str) -> str:
         raise StoreError(f"'{name}' has no recorded checksum (converted by an older speclm); {_repair(folder)} to record one")
     check_weights(folder, name)
     for file, rec in weights.items():
-        got = _sha256(folder / file)
+        got = file_sha256(folder / file)
         if got != rec.get("sha256"):
             raise StoreError(f"model '{name}': {folder / file} has sha256 {got}, {rec.get('sha256')} when converted "
                              f"(modified); {_repair(folder)}")

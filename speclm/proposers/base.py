@@ -121,6 +121,9 @@ class Proposer:
     k = 0  # the deepest draft it proposes per round (the engine's budgets: min(k, tokens left - 1))
     max_nodes = 0  # the most draft tokens it proposes per row and round (the KV caches' headroom)
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states `accept` receives
+    # what of a prompt's hidden states (at hidden_layers) `read_prompt` receives: "" none, "last"
+    # the last prompt token's, "all" every token the target read (a prefix cache hit is not read)
+    prompt_hidden: str = ""
 
     def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
               max_new_tokens: list[int] | None = None, pool: int = 0) -> None:
@@ -131,6 +134,11 @@ class Proposer:
     def add(self, count: int, prompt_lengths: list[int] | None = None, max_new_tokens: list[int] | None = None) -> None:
         """`count` rows join the batch after the others (between rounds). Where known, each row's
         prompt length and its budget of new tokens."""
+
+    def read_prompt(self, hidden: list[dict[int, torch.Tensor]], starts: list[int]) -> None:
+        """With `prompt_hidden`: right after `add`, the added rows' prompt hidden states, per row
+        layer -> (P - start, E), the states of prompt tokens start..P-1 ("all"; the tokens before
+        `start` came from the prefix cache, unread) or of the last one alone ("last", (1, E))."""
 
     @property
     def forward_seconds(self) -> float:

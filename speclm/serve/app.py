@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from speclm.defaults import HEAD_METHODS
 from speclm.errors import UsageError
 from speclm.options import GenerationOptions
 from speclm.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -217,7 +218,9 @@ def _options(defaults: GenerationOptions, body, max_tokens: int) -> GenerationOp
                    stop=tuple(body.stop or ()), chat=False, ignore_eos=body.ignore_eos)
     if spec is not None:
         if spec.method is not None and spec.method != defaults.method:
-            changes.update(method=spec.method, k=None, tree=None)
+            changes.update(method=spec.method, k=None, tree=None,
+                           heads=defaults.heads if spec.method in HEAD_METHODS else None,
+                           acceptance=defaults.acceptance if spec.method in HEAD_METHODS else "exact")
         if spec.k is not None:
             changes["k"] = spec.k
         if spec.tree is not None:

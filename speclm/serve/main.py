@@ -41,7 +41,7 @@ def build(args, progress: bool = False):
 
     method = check(args)
     options = GenerationOptions(
-        method=method, k=args.k, confidence=args.confidence, alternatives=args.alternatives, tree=args.tree,
+        method=method, k=args.k, confidence=args.confidence, alternatives=args.alternatives, tree=args.tree, heads=args.heads, acceptance=args.acceptance,
         draft_vocab=args.draft_vocab, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         draft_prompt_ratio=args.draft_prompt_ratio)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECLM_API_KEY") or None
@@ -55,6 +55,8 @@ def build(args, progress: bool = False):
             "int4" if args.quantize == "int8" and kernels.compiled() is not None else args.quantize)
         draft = load_model(args.draft, quantize=draft_mode, progress=progress)
     engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
+    if options.method in ("medusa", "eagle"):
+        engine.heads(options.method, options.heads)  # fail at start, not at the first request
     policy = engine.adaptive() if args.speculation == "adaptive" else None
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
                           prefill_chunk=args.prefill_chunk, speculation=policy, metrics=Metrics())

@@ -1,0 +1,1 @@
+"""Trained draft heads on the target itself: Medusa and EAGLE, their training data and training."""

@@ -1,0 +1,229 @@
+"""The trained heads' networks: Medusa's residual blocks and EAGLE's one decoder layer, and their
+training losses.
+
+Both read the target's feature at a token: its hidden state after the final norm (layer -1,
+what its output head reads). Both score tokens through the target's own output head restricted
+to a frequent-token vocabulary (`vocab_ids`, as FR-Spec restricts EAGLE's): the `Frozen` rows of
+the target, never trained and never stored with the heads, so a file of heads stays small and
+its logits are the target's own for a predicted feature.
+
+- Medusa (`MedusaHeads`): head i (i = 1..K) maps the feature at token t through a residual block
+  x + SiLU(W x) to logits for token t + 1 + i (token t + 1 is the target's own next token).
+- EAGLE (`EagleHead`): one decoder layer of the target's architecture (RMSNorm, rotary GQA
+  attention, SwiGLU MLP; its MLP narrower than the target's) over pairs (feature at t, embedding of
+  token t + 1), fused by a linear map; its output predicts the feature at t + 1, whose logits
+  through the output head give token t + 2. Drafting feeds its own predictions back.
+
+Shapes: B rows, L tokens per training chunk, E the target's hidden size, V' the restricted
+vocabulary, H/H_kv/D attention heads, key-value heads, head size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("medusa", "eagle")
+IGNORE = -100  # a label outside the restricted vocabulary, or past the chunk: no loss there
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    kind: str  # medusa | eagle
+    hidden_size: int  # E: the target's
+    vocab: int  # V': the restricted vocabulary's size
+    target_vocab_size: int  # the target's output ids (a file of heads must fit its target)
+    target: str = ""  # the target the heads were trained on, as named in training
+    heads: int = 4  # medusa: heads, the deepest draft
+    num_heads: int = 12  # eagle: attention heads (the target's)
+    kv_heads: int = 2  # eagle: key-value heads (the target's)
+    head_dim: int = 128  # eagle
+    intermediate: int = 2048  # eagle: its MLP's width (the target's is wider; a small head is the point)
+    rope_theta: float = 1e6  # eagle: the target's rotary base
+    eps: float = 1e-6  # eagle: RMSNorm's
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict) -> "HeadsConfig":
+        known = {f for f in HeadsConfig.__dataclass_fields__}
+        return HeadsConfig(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Frozen:
+    """The target's parts the heads use and never train."""
+
+    head: torch.Tensor  # (V', E) fp32: the target's output head rows at vocab_ids
+    embed: object = field(default=None, repr=False)  # ids (...) -> (..., E) fp32: the target's embedding (EAGLE)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., V')
+        return x @ self.head.t()
+
+
+def labels_in_vocab(tokens: torch.Tensor, vocab_ids: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    """Target ids (...) -> indices into the restricted vocabulary, IGNORE where absent."""
+    index = torch.full((target_vocab_size,), IGNORE, dtype=torch.long)
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    return index[tokens.clamp(0, target_vocab_size - 1)]
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W zero at the start: a fresh head is the target's own next-token head."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.linear = nn.Linear(size, size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: HeadsConfig):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.heads))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features (..., E) -> (K, ..., E): each head's feature for its position ahead (the output
+        head turns them into logits)."""
+        return torch.stack([block(features) for block in self.blocks])
+
+    def loss(self, frozen: Frozen, labels: torch.Tensor, features: torch.Tensor, mask: torch.Tensor,
+             decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
+        """labels (B, L): restricted-vocabulary indices of the chunk's tokens (IGNORE outside it);
+        features (B, L, E); mask (B, L): positions whose next tokens the target generated. Head i's
+        loss at t is its cross-entropy for token t + 1 + i, weighted decay ** (i - 1) (the deeper
+        heads are harder and matter less: their tokens are verified only after the earlier ones)."""
+        total = features.new_zeros(())
+        metrics = {}
+        for i, block in enumerate(self.blocks, start=1):
+            shift = 1 + i
+            if labels.shape[1] <= shift:
+                break
+            target = labels[:, shift:].masked_fill(~mask[:, :-shift], IGNORE)  # (B, L - shift)
+            logits = frozen.logits(block(features[:, :-shift]))  # (B, L - shift, V')
+            valid = target != IGNORE
+            if not bool(valid.any()):
+                continue
+            ce = F.cross_entropy(logits[valid], target[valid])
+            total = total + decay ** (i - 1) * ce
+            metrics[f"loss{i}"] = ce.detach().item()
+            metrics[f"acc{i}"] = float((logits[valid].argmax(-1) == target[valid]).float().mean())
+        return total, metrics
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x (B, H, M, D) rotated at positions (B, M), as the Qwen2/Llama decoders rotate (halves)."""
+    dim = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))  # (D/2,)
+    angles = positions[:, None, :, None].float() * inv  # (B, 1, M, D/2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: HeadsConfig):
+        super().__init__()
+        self.config = c = config
+        e = c.hidden_size
+        self.fuse = nn.Linear(2 * e, e, bias=False)  # (feature at t, embedding of token t + 1) -> E
+        self.norm1, self.norm2 = RMSNorm(e, c.eps), RMSNorm(e, c.eps)
+        self.q = nn.Linear(e, c.num_heads * c.head_dim, bias=True)
+        self.k = nn.Linear(e, c.kv_heads * c.head_dim, bias=True)
+        self.v = nn.Linear(e, c.kv_heads * c.head_dim, bias=True)
+        self.o = nn.Linear(c.num_heads * c.head_dim, e, bias=False)
+        self.gate = nn.Linear(e, c.intermediate, bias=False)
+        self.up = nn.Linear(e, c.intermediate, bias=False)
+        self.down = nn.Linear(c.intermediate, e, bias=False)
+
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """features, embeddings (B, M, E): pairs (feature at t, embedding of token t + 1), at
+        positions (B, M) (t + 1's); past: keys and values (B, H_kv, P, D) it attends before them;
+        mask (B, M, P + M) bool: which of past + these each query sees (None: all of past and
+        causally these). Returns the predicted features at t + 1 (B, M, E) and these tokens' keys
+        and values (B, H_kv, M, D)."""
+        c = self.config
+        batch, width, _ = features.shape
+        x = self.fuse(torch.cat([features, embeddings], -1))
+        h = self.norm1(x)
+        q = self.q(h).view(batch, width, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k(h).view(batch, width, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v(h).view(batch, width, c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k = rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        group = c.num_heads // c.kv_heads
+        if mask is None and past is None:
+            att = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=group > 1)
+        else:
+            if mask is None:
+                seen = keys.shape[2] - width
+                mask = torch.ones(batch, width, keys.shape[2], dtype=torch.bool, device=x.device)
+                mask[:, :, seen:] = torch.ones(width, width, dtype=torch.bool, device=x.device).tril()
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=group > 1)
+        x = x + self.o(att.transpose(1, 2).reshape(batch, width, -1))
+        h = self.norm2(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x, k, v
+
+    def loss(self, frozen: Frozen, labels: torch.Tensor, features: torch.Tensor, mask: torch.Tensor,
+             tokens: torch.Tensor, positions: torch.Tensor, noise: float = 0.1, weight: float = 0.1,
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        """tokens (B, L) target ids, positions (B, L) theirs; the head predicts the feature at t + 1
+        from (feature at t, token t + 1) for t < L - 1. Loss: smooth L1 to the real feature, plus
+        `weight` times the cross-entropy of its restricted logits against the target's own
+        (restricted) distribution there, where mask[t + 1]. Input features get uniform noise of
+        `noise` times their RMS (the head drafts from its own imperfect predictions; EAGLE's
+        training noise)."""
+        inputs = features[:, :-1]
+        if noise and self.training:
+            scale = inputs.pow(2).mean(-1, keepdim=True).sqrt()
+            inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * noise * scale
+        embeddings = frozen.embed(tokens[:, 1:])  # (B, L - 1, E)
+        predicted, _, _ = self(inputs, embeddings, positions[:, 1:])
+        real = features[:, 1:]
+        valid = mask[:, 1:]  # (B, L - 1)
+        if not bool(valid.any()):
+            return predicted.sum() * 0, {}
+        regression = F.smooth_l1_loss(predicted[valid], real[valid])
+        with torch.no_grad():
+            target_probs = F.softmax(frozen.logits(real[valid]), -1)
+        logits = frozen.logits(predicted[valid])
+        ce = -(target_probs * F.log_softmax(logits, -1)).sum(-1).mean()
+        metrics = {"regression": regression.detach().item(), "ce": ce.detach().item()}
+        # the head's top-1 against the token the target generated at t + 2 (its acceptance, one step deep)
+        nxt = labels[:, 2:]
+        ok = valid[:, :-1] & (nxt != IGNORE)
+        if bool(ok.any()):
+            pred = frozen.logits(predicted[:, :-1][ok]).argmax(-1)
+            metrics["acc1"] = float((pred == nxt[ok]).float().mean())
+        return regression + weight * ce, metrics
+
+
+def make(config: HeadsConfig) -> nn.Module:
+    if config.kind == "medusa":
+        return MedusaHeads(config)
+    if config.kind == "eagle":
+        return EagleHead(config)
+    raise ValueError(f"unknown kind of heads '{config.kind}' (choose from {', '.join(KINDS)})")

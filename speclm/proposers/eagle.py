@@ -1,0 +1,218 @@
+"""EAGLE: a one-layer head drafts on the target's own features, growing a dynamic tree (EAGLE-2).
+
+The head (speclm.heads.modules.EagleHead) maps (the target's feature at token t, the embedding of
+token t + 1) to a prediction of the feature at t + 1; the target's output head, restricted to the
+frequent-token vocabulary, turns it into the next token's probabilities. Its own keys and values
+live in a one-layer cache per row.
+
+Each round, per row:
+1. pending pairs: the target's real features for the tokens committed since the last round (the
+   prompt's after the prefill, else the old root and the accepted path, which verification
+   returned) with each next token, fed to the head in one forward; their keys and values join the
+   row's cache for good (real features never need rolling back). The last one's output is the
+   predicted feature at the root, whose logits rank the root's children;
+2. levels: the `expand` candidates of highest cumulative probability at the deepest level are run
+   through the head (each from its parent's predicted feature and its own token, attending the
+   cache and its ancestors); each gets its `branch` likeliest children; while some candidate of
+   the level has cumulative probability MIN_PROB or more;
+3. the candidates of highest cumulative probability, as many as pay for their verification by this
+   machine's measured forward costs (speclm.proposers.head_tree), are the draft.
+The tree's own keys and values are scratch for the round: the cache holds real features only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from speclm.proposers.base import Draft, Verified
+from speclm.proposers.head_tree import HeadProposer, Node, best_first, to_draft, verified_size
+from speclm.tree import ROOT
+
+DEPTH = 6  # levels below the root
+EXPAND = 4  # candidates run through the head per level
+BRANCH = 4  # children kept per run candidate
+MAX_TREE = 48
+# a level is grown only while its likeliest candidate has at least this cumulative probability: deeper
+# nodes would hardly be verified (the tree keeps the likeliest), and each level costs a head forward
+MIN_PROB = 0.02
+
+
+class EagleProposer(HeadProposer):
+    name = "eagle"
+    prompt_hidden = "all"
+
+    def __init__(self, head, vocab_ids: torch.Tensor, output_head, embed, k: int = DEPTH, costs=None,
+                 expand: int = EXPAND, branch: int = BRANCH):
+        """head: EagleHead (eval); vocab_ids (V',); output_head: (R, E) -> (R, V'); embed: ids ->
+        (..., E) fp32 (the target's embedding); k: levels below the root; costs: the target's
+        ForwardCosts (None: MAX_TREE nodes)."""
+        self.head, self.ids, self.output_head, self.embed = head, vocab_ids, output_head, embed
+        self.k, self.costs, self.expand, self.branch = k, costs, expand, branch
+        self.max_nodes = MAX_TREE
+        c = head.config
+        self._kv_shape = (c.kv_heads, c.head_dim)
+        self._seconds = 0.0
+        self.start(0, 0)
+
+    def start(self, batch_size, capacity, prompt_lengths=None, max_new_tokens=None, pool=0):
+        self.keys: list[torch.Tensor] = []  # per row: (H_kv, P, D) the head's cache over real features
+        self.values: list[torch.Tensor] = []
+        self.pending: list[tuple[torch.Tensor, int]] = []  # per row: (m, E) real features not yet fed, first one's index j
+        self._seconds = 0.0
+
+    def add(self, count, prompt_lengths=None, max_new_tokens=None):
+        empty = torch.zeros(*self._kv_shape[:1], 0, self._kv_shape[1])
+        for _ in range(count):
+            self.keys.append(empty)
+            self.values.append(empty)
+            self.pending.append((torch.zeros(0, self.head.config.hidden_size), 0))
+
+    def read_prompt(self, hidden, starts):
+        n = len(hidden)
+        for i, (h, start) in enumerate(zip(hidden, starts)):
+            self.pending[len(self.pending) - n + i] = (h[-1].float(), start)
+
+    def accept(self, verified: Verified) -> None:
+        states = verified.hidden[-1]  # (B, 1 + N, E): the root's, then each node's
+        for b, (path, keep) in enumerate(zip(verified.paths, verified.keep)):
+            real = states[b, [0] + [1 + n for n in path]].float()  # (1 + m, E): the old root's, the path's
+            first = keep - len(path) - 1  # the old root's index
+            old, j = self.pending[b]
+            self.pending[b] = (torch.cat([old, real]), j if len(old) else first)
+
+    def select(self, rows):
+        self.keys = [self.keys[r] for r in rows]
+        self.values = [self.values[r] for r in rows]
+        self.pending = [self.pending[r] for r in rows]
+
+    @torch.inference_mode()
+    def propose(self, contexts, max_tokens, params, generators) -> Draft:
+        t0 = time.perf_counter()
+        batch = len(contexts)
+        root_features = self._feed_pending(contexts)  # (B, E)
+        depth = min(self.k, max(max_tokens, default=0))
+        if depth <= 0:
+            self._seconds += time.perf_counter() - t0
+            return Draft.empty(batch)
+        rows: list[list[Node]] = [[] for _ in range(batch)]
+        feats: list[list[torch.Tensor | None]] = [[] for _ in range(batch)]  # per candidate: its predicted feature, once run
+        slot: list[dict[int, int]] = [{} for _ in range(batch)]  # candidate -> its column in the round's scratch keys
+        self._children(rows, [[(ROOT, 1.0)] for _ in range(batch)], root_features[:, None], feats, max_tokens, 0)
+        scratch_k = scratch_v = None  # (B, H_kv, S, D) the run candidates' keys and values
+        forwards = 1
+        for level in range(1, depth):
+            picks = []
+            for b in range(batch):
+                frontier = [i for i, n in enumerate(rows[b]) if n.depth == level - 1 and level < max_tokens[b]]
+                frontier.sort(key=lambda i: -rows[b][i].cum)
+                picks.append(frontier[: self.expand])
+            if not any(picks) or max(rows[b][p[0]].cum for b, p in enumerate(picks) if p) < MIN_PROB:
+                break
+            width = max(len(p) for p in picks)
+            predicted, k, v = self._run(contexts, rows, feats, slot, picks, width, scratch_k, scratch_v, root_features)
+            forwards += 1
+            base = 0 if scratch_k is None else scratch_k.shape[2]
+            scratch_k = k if scratch_k is None else torch.cat([scratch_k, k], 2)
+            scratch_v = v if scratch_v is None else torch.cat([scratch_v, v], 2)
+            parents = []
+            for b, p in enumerate(picks):
+                for col, i in enumerate(p):
+                    slot[b][i] = base + col
+                    feats[b][i] = predicted[b, col]
+                parents.append([(i, rows[b][i].cum) for i in p])
+            self._children(rows, parents, predicted, feats, max_tokens, level)
+        chosen = []
+        for b, nodes in enumerate(rows):
+            ranked = sorted(best_first(nodes, len(nodes), min(depth, max_tokens[b])), key=lambda i: -nodes[i].cum)
+            size = verified_size([nodes[i] for i in ranked], self.costs, self.max_nodes)
+            chosen.append(best_first(nodes, size, min(depth, max_tokens[b])))
+        self._seconds += time.perf_counter() - t0
+        return to_draft(rows, chosen, forwards)
+
+    def _feed_pending(self, contexts: list[list[int]]) -> torch.Tensor:
+        """Step 1: every row's pending real features through the head; their keys and values join
+        the cache. Returns each row's predicted feature at its root (B, E)."""
+        batch = len(contexts)
+        counts = [len(f) for f, _ in self.pending]
+        width = max(counts)
+        assert min(counts) >= 1, "a row proposes before its prompt's features arrived"
+        size = self.head.config.hidden_size
+        features = torch.zeros(batch, width, size)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        for b, ((f, j), c) in enumerate(zip(self.pending, contexts)):
+            m = len(f)
+            features[b, :m] = f
+            tokens[b, :m] = torch.tensor(c[j + 1 : j + 1 + m], dtype=torch.long)
+            positions[b, :m] = torch.arange(j + 1, j + 1 + m)
+        past_len = [k.shape[1] for k in self.keys]
+        longest = max(past_len)
+        past_k = torch.zeros(batch, self._kv_shape[0], longest, self._kv_shape[1])
+        past_v = torch.zeros_like(past_k)
+        mask = torch.zeros(batch, width, longest + width, dtype=torch.bool)
+        mask[:, :, longest:] = torch.ones(width, width, dtype=torch.bool).tril()
+        for b, n in enumerate(past_len):
+            past_k[b, :, :n], past_v[b, :, :n] = self.keys[b], self.values[b]
+            mask[b, :, :n] = True
+        out, k, v = self.head(features, self.embed(tokens), positions, (past_k, past_v), mask)
+        for b, m in enumerate(counts):
+            self.keys[b] = torch.cat([self.keys[b], k[b, :, :m]], 1)
+            self.values[b] = torch.cat([self.values[b], v[b, :, :m]], 1)
+            self.pending[b] = (features.new_zeros(0, size), 0)
+        return out[torch.arange(batch), torch.tensor(counts) - 1]
+
+    def _run(self, contexts, rows, feats, slot, picks, width, scratch_k, scratch_v, root_features):
+        """Run each row's picked candidates through the head: (their parents' predicted feature,
+        their token), at the position of their depth, attending the row's cache, their run
+        ancestors' scratch keys and themselves. Returns predicted features (B, W, E) and keys and
+        values (B, H_kv, W, D)."""
+        batch = len(rows)
+        size = self.head.config.hidden_size
+        features = torch.zeros(batch, width, size)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        past_len = [k.shape[1] for k in self.keys]
+        longest = max(past_len)
+        scratch = 0 if scratch_k is None else scratch_k.shape[2]
+        mask = torch.zeros(batch, width, longest + scratch + width, dtype=torch.bool)
+        for b, p in enumerate(picks):
+            mask[b, :, :past_len[b]] = True
+            for col, i in enumerate(p):
+                node = rows[b][i]
+                parent = node.parent
+                features[b, col] = root_features[b] if parent == ROOT else feats[b][parent]
+                tokens[b, col] = node.token
+                positions[b, col] = len(contexts[b]) + node.depth
+                at = parent
+                while at != ROOT:  # its ancestors' scratch columns
+                    mask[b, col, longest + slot[b][at]] = True
+                    at = rows[b][at].parent
+                mask[b, col, longest + scratch + col] = True
+            for col in range(len(p), width):  # padding queries see themselves (no empty softmax)
+                mask[b, col, longest + scratch + col] = True
+        past_k = torch.zeros(batch, self._kv_shape[0], longest + scratch, self._kv_shape[1])
+        past_v = torch.zeros_like(past_k)
+        for b, n in enumerate(past_len):
+            past_k[b, :, :n], past_v[b, :, :n] = self.keys[b], self.values[b]
+        if scratch:
+            past_k[:, :, longest:], past_v[:, :, longest:] = scratch_k, scratch_v
+        return self.head(features, self.embed(tokens), positions, (past_k, past_v), mask)
+
+    def _children(self, rows, parents, features, feats, max_tokens, level) -> None:
+        """Each parent's `branch` likeliest children at depth `level`, from the predicted features
+        (B, W, E) of the parents in `parents` (per row, (candidate or ROOT, its cumulative probability))."""
+        batch, width = len(rows), features.shape[1]
+        logits = self.output_head(features.reshape(batch * width, -1)).float()
+        probs = torch.softmax(logits, -1).view(batch, width, -1)
+        top_p, top_i = probs.topk(min(self.branch, probs.shape[-1]), dim=-1)
+        tokens = self.ids[top_i].tolist()
+        top_p = top_p.tolist()
+        for b in range(batch):
+            if level >= max_tokens[b]:
+                continue
+            for col, (parent, cum) in enumerate(parents[b]):
+                for t, q in zip(tokens[b][col], top_p[b][col]):
+                    rows[b].append(Node(t, parent, level, cum * q))
+                    feats[b].append(None)

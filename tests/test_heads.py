@@ -1,0 +1,255 @@
+"""Medusa and EAGLE heads drafting for the engine: greedy output equals plain decoding for every
+tree, the EAGLE head's incremental cache equals a full forward over the real features, and heads
+that do not fit a target are refused with one line."""
+
+import copy
+
+import pytest
+import torch
+
+from speclm import SpecEngine
+from speclm.errors import UsageError
+from speclm.heads import store
+from speclm.models.loading import load_model
+from tiny import byte_tokenizer, loaded, random_heads, tiny_model
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "hello hello hello", "x = 1\ny = 2\nz = x +",
+           "The quick brown fox jumps over"]
+
+
+@pytest.fixture(scope="module")
+def heads_files(tmp_path_factory, target):
+    root = tmp_path_factory.mktemp("heads")
+    return {kind: random_heads(kind, target.model, root / f"{kind}.safetensors", seed=i, std=0.3)
+            for i, kind in enumerate(("medusa", "eagle"))}
+
+
+@pytest.fixture(scope="module")
+def static_tree(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tree") / "choices.json"
+    path.write_text("[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 1]]")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def int8_target(tok):
+    return load_model(copy.deepcopy(tiny_model(len(tok), seed=0)), tokenizer=tok, quantize="int8")
+
+
+def _cases(heads_files, static_tree):
+    return [dict(method="medusa", heads=heads_files["medusa"]),
+            dict(method="medusa", heads=heads_files["medusa"], tree=static_tree),
+            dict(method="medusa", heads=heads_files["medusa"], k=1),
+            dict(method="eagle", heads=heads_files["eagle"]),
+            dict(method="eagle", heads=heads_files["eagle"], k=2)]
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_greedy_equals_plain_for_every_tree(target, int8_target, heads_files, static_tree, weights):
+    model = target if weights == "fp32" else int8_target
+    engine = SpecEngine(model)
+    plain = engine.generate(PROMPTS, max_new_tokens=40)
+    for options in _cases(heads_files, static_tree):
+        outs = engine.generate(PROMPTS, max_new_tokens=40, batch_size=3, **options)
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain], options
+        stats = [o.stats for o in outs]
+        assert sum(s.verified_nodes for s in stats) > 0  # it drafted trees
+        assert sum(s.target_forwards for s in stats) <= sum(len(o.token_ids) for o in outs)
+
+
+def test_trees_are_trees_and_some_are_accepted(target, heads_files):
+    """Random heads still get some nodes accepted (the verifier reads their trees), and each
+    round verifies a tree of several nodes (not one token)."""
+    engine = SpecEngine(target)
+    for kind in ("medusa", "eagle"):
+        outs = engine.generate(PROMPTS, max_new_tokens=60, method=kind, heads=heads_files[kind])
+        assert sum(o.stats.accepted_tokens for o in outs) > 0, kind
+        rounds = sum(o.stats.target_forwards - 1 for o in outs)
+        assert sum(o.stats.verified_nodes for o in outs) > 2 * rounds, kind
+
+
+def test_eagle_cache_equals_full_forward(target, heads_files):
+    """After a few rounds, the head's cache (keys fed incrementally: the prompt's features after
+    the prefill, then the old root and the accepted path after each round) equals the keys of one
+    forward of the head over every committed token's real feature."""
+    from speclm.kv import StaticKV
+
+    engine = SpecEngine(target)
+    heads = engine.heads("eagle", heads_files["eagle"])
+    request = engine.request(PROMPTS[0], method="eagle", heads=heads_files["eagle"], max_new_tokens=30)
+    batch = engine.batch(capacity=200)
+    batch.join(request)
+    while batch.active:
+        batch.step()
+        proposer = next(iter(batch.groups.values())).proposer if batch.groups else None
+        if proposer is not None and len(request.generated) >= 12:
+            break
+    assert proposer is not None
+    context = request.context
+    keys = proposer.keys[0]  # (H_kv, P, D): one per committed token but the root
+    kv = StaticKV(target.model, 1, len(context) + 1)
+    kv.forward([context], 1, hidden_layers=(-1,), hidden_all=True)
+    real = kv.hidden[-1][0]  # (T, E)
+    pending = len(proposer.pending[0][0])
+    fed = keys.shape[1]
+    n = fed  # pairs (feature j, token j + 1) for j < fed
+    with torch.no_grad():
+        _, full_k, _ = heads.module(real[None, :n], heads.embed(torch.tensor([context[1 : n + 1]])),
+                                    torch.arange(1, n + 1)[None])
+    assert fed + pending == len(context) - 1
+    assert torch.allclose(keys, full_k[0], atol=1e-4), (keys - full_k[0]).abs().max()
+
+
+def test_eagle_reads_a_chunked_prompt_whole(int8_target, tmp_path):
+    """A prompt read in chunks while another request decodes (int8 weights: chunk-invariant)
+    reaches EAGLE's head whole: its cache equals one forward of the head over the real features,
+    and both requests' outputs equal their plain ones."""
+    from speclm.kv import StaticKV
+
+    heads_file = random_heads("eagle", int8_target.model, tmp_path / "eagle.safetensors", seed=3)
+    engine = SpecEngine(int8_target)
+    heads = engine.heads("eagle", heads_file)
+    options = dict(method="eagle", heads=heads_file, max_new_tokens=24)
+    first = engine.request(PROMPTS[1], **options)
+    long_prompt = PROMPTS[0] * 2
+    second = engine.request(long_prompt, **options)
+    batch = engine.batch(rows=2, capacity=300, prefill_chunk=7)
+    batch.join(first)
+    batch.step()
+    batch.join(second)
+    reads = 0
+    while batch.active:
+        batch.step()
+        reads += batch.last_step == "prefill"
+        group = next(iter(batch.groups.values()))
+        if second in group.requests and len(second.generated) >= 3:
+            break
+    assert reads > 2  # the second prompt was read in several chunks
+    row = group.requests.index(second)
+    proposer = group.proposer
+    keys = proposer.keys[row]
+    context = second.context
+    kv = StaticKV(int8_target.model, 1, len(context) + 1)
+    kv.forward([context], 1, hidden_layers=(-1,), hidden_all=True)
+    n = keys.shape[1]
+    with torch.no_grad():
+        _, full_k, _ = heads.module(kv.hidden[-1][:, :n], heads.embed(torch.tensor([context[1 : n + 1]])),
+                                    torch.arange(1, n + 1)[None])
+    assert torch.allclose(keys, full_k[0], atol=1e-4)
+    while batch.active:
+        batch.step()
+    plain = engine.generate([PROMPTS[1], long_prompt], max_new_tokens=24)
+    assert [first.generated, second.generated] == [p.token_ids for p in plain]
+
+
+def test_heads_that_do_not_fit_are_refused(tmp_path, target, heads_files):
+    tok = byte_tokenizer()
+    other = loaded(tiny_model(len(tok), seed=5, hidden=96, heads=3), tok, name="wide")
+    with pytest.raises(UsageError, match="do not fit target 'wide'"):
+        SpecEngine(other).generate("x", method="eagle", heads=heads_files["eagle"], max_new_tokens=4)
+    with pytest.raises(UsageError, match="are medusa heads, not eagle"):
+        SpecEngine(target).generate("x", method="eagle", heads=heads_files["medusa"], max_new_tokens=4)
+    with pytest.raises(UsageError, match="none ship for"):
+        SpecEngine(target).generate("x", method="medusa", max_new_tokens=4)
+    with pytest.raises(UsageError, match="heads file not found"):
+        SpecEngine(target).generate("x", method="medusa", heads=str(tmp_path / "nope.safetensors"), max_new_tokens=4)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(UsageError, match="cannot read heads file"):
+        store.load(bad)
+    with pytest.raises(UsageError, match="--heads applies to"):
+        SpecEngine(target).generate("x", method="pld", heads=heads_files["medusa"], max_new_tokens=4)
+
+
+def test_export_is_int8_and_load_round_trips(tmp_path, target):
+    from speclm.heads.modules import HeadsConfig, make
+    from speclm.heads.store import export, load
+
+    config = HeadsConfig("medusa", 64, 10, 257, heads=2)
+    torch.manual_seed(0)
+    module = make(config)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    manifest = export(tmp_path / "m.safetensors", module, config, torch.arange(10), {"steps": 3})
+    back, config2, ids = load(tmp_path / "m.safetensors", target)
+    assert config2 == config and torch.equal(ids, torch.arange(10)) and manifest["steps"] == 3
+    for (name, a), (_, b) in zip(module.state_dict().items(), back.state_dict().items()):
+        scale = a.abs().amax(-1, keepdim=True) / 127 if a.dim() == 2 else 0
+        assert torch.all((a - b).abs() <= scale / 2 + 1e-7), name  # int8 per channel: within half a step
+
+
+def test_typical_acceptance_rule_on_hand_made_logits():
+    """Medusa's rule: a node is acceptable where the target gives its token more than
+    min(0.09, 0.3 exp(-H)) at its parent; the longest acceptable root path is committed, then one
+    token sampled after it. Lossy, so never the default."""
+    import math
+
+    from speclm.options import GenerationOptions
+    from speclm.sampling import SamplingParams
+    from speclm.tree import ROOT, DraftTree
+    from speclm.verify import typical_paths, verify_tree
+
+    root = torch.tensor([0.6, 0.3, 0.07, 0.03])  # H = 0.98: bar = min(0.09, 0.3 e^-0.98 = 0.113) = 0.09
+    flat = torch.full((4,), 0.25)  # H = ln 4: bar = min(0.09, 0.075) = 0.075
+    sharp = torch.tensor([0.97, 0.01, 0.01, 0.01])  # bar = min(0.09, 0.3 e^-0.17 = 0.25) = 0.09
+    # nodes: 0 token 2 (root: 0.07 < 0.09, rejected), 1 token 1 (root: 0.3, accepted),
+    # 2 child of 0 (unreachable), 3 child of 1 token 3 (node 1 flat: 0.25 > 0.075), 4 child of 3 token 1 (sharp: 0.01)
+    tree = DraftTree(torch.tensor([[2, 1, 0, 3, 1]]), torch.tensor([[ROOT, ROOT, 0, 1, 3]]), None)
+    probs = torch.stack([root, sharp, flat, sharp, sharp, sharp])[None]  # (1, 1 + 5, 4): root, then nodes 0..4
+    bar_flat = min(0.09, 0.3 * math.exp(-math.log(4)))
+    assert bar_flat < 0.25
+    assert typical_paths(probs, tree) == [[1, 3]]
+    # every node acceptable: the longest path wins, the first in node order among equals
+    chain = DraftTree(torch.tensor([[0, 1, 0]]), torch.tensor([[ROOT, ROOT, 0]]), None)
+    assert typical_paths(torch.stack([root, sharp, sharp, sharp])[None], chain) == [[0, 2]]
+    # through verify_tree: the path's tokens, then one sampled token; at temperature 0 it is greedy
+    logits = probs.log()
+    g = torch.Generator().manual_seed(0)
+    verdict = verify_tree(logits, tree, SamplingParams(temperature=1.0), [g], acceptance="typical")
+    assert verdict.paths == [[1, 3]] and verdict.committed(0)[:2] == [1, 3]
+    greedy = verify_tree(logits, tree, SamplingParams(temperature=0.0), [None], acceptance="typical")
+    assert greedy.paths == verify_tree(logits, tree, SamplingParams(temperature=0.0), [None]).paths
+    assert GenerationOptions(method="medusa").acceptance == "exact"
+    with pytest.raises(UsageError, match="lossy"):
+        GenerationOptions(method="draft", acceptance="typical")
+
+
+def test_trained_heads_end_to_end(tmp_path, target):
+    """The whole path on the tiny target: `speclm heads data` builds self-distilled data, a few
+    training steps make Medusa and EAGLE heads, and decoding with them stays equal to plain
+    decoding and accepts drafted tokens."""
+    from speclm.heads.data import build
+    from speclm.heads.sources import Prompt
+    from speclm.heads.train import train
+
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa"]
+    prompts = [Prompt.of("code", "test", "Apache-2.0", f"{words[i % 6]} {words[(i * 5) % 6]} {i}") for i in range(24)]
+    build(target, tmp_path / "data", candidates=prompts, max_new_tokens=24, max_prompt_tokens=64, batch_size=8,
+          shard_size=8, progress=False)
+    engine = SpecEngine(target)
+    plain = engine.generate(PROMPTS, max_new_tokens=32)
+    for kind, steps in (("medusa", 60), ("eagle", 60)):
+        summary = train(tmp_path / "data", tmp_path / kind, kind, target, vocab=200, heads=3, intermediate=128,
+                        chunk=64, batch_size=4, steps=steps, eval_every=steps, save_every=steps, progress=False,
+                        valid_fraction=0.2)
+        outs = engine.generate(PROMPTS, max_new_tokens=32, method=kind, heads=summary["heads"])
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain], kind
+        assert sum(o.stats.accepted_tokens for o in outs) > 0, kind
+
+
+def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):
+    """Under the serving policy (speclm.adaptive) a head's tree is verified whole or not at all in
+    a round, sized by the nodes its rows really drafted; outputs stay those of plain decoding."""
+    engine = SpecEngine(target)
+    policy = engine.adaptive()
+    batch = engine.batch(rows=4, speculation=policy)
+    requests = [batch.join(engine.request(p, method=kind, heads=heads_files[kind], max_new_tokens=30))
+                for p, kind in zip(PROMPTS, ("medusa", "eagle", "medusa", "eagle"))]
+    caps = []
+    while batch.active:
+        batch.step()
+        caps.append(dict(policy.last))
+    plain = engine.generate(PROMPTS, max_new_tokens=30)
+    assert [r.generated for r in requests] == [p.token_ids for p in plain]
+    assert all(cap in (None, 0, 1) for round_caps in caps for cap in round_caps.values())
+    assert policy._nodes and all(0 < n <= 48 for n in policy._nodes.values())
