@@ -318,7 +318,7 @@ class Batch:
     def _verify(p: _Proposal, logits: torch.Tensor) -> Verdict:
         """The group's rows, verified with its sampling options; each request draws from its own generator."""
         return verify_tree(logits[p.rows, : 1 + p.tree.width], p.tree, p.group.options.sampling,
-                           [r.generator for r in p.group.requests], p.group.options.acceptance)
+                           [r.generator for r in p.group.requests], acceptance=p.group.options.acceptance)
 
     @staticmethod
     def _count(r: Request, p: _Proposal, i: int, verdict: Verdict, verify_seconds: float, target_seconds: float) -> None:

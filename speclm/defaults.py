@@ -97,6 +97,10 @@ KERNEL_MACROS = {
 # medusa, eagle: the deepest draft (levels below the root): Medusa's heads (4 trained), EAGLE's levels
 K_MEDUSA = 4
 K_EAGLE = 6
+# medusa's --tree default: "auto" (grown each round from the heads' probabilities) or "static" (the
+# tuned tree shipped beside the heads, benchmarks/medusa_tree.py; auto where none is there). Static:
+# 1.05x none against auto's 1.01x (benchmarks/avx2/heads-int8-qwen1.5b-12)
+MEDUSA_TREE = "static"
 
 
 def k(method: str, quantize: str = "none", draft_quantize: str | None = None) -> int:

@@ -215,9 +215,10 @@ class SpecEngine:
         k = self._k(opts)
         costs = self.forward_costs()
         if opts.method == "medusa":
-            spec = opts.tree_spec
-            return MedusaProposer(heads.module, heads.vocab_ids, heads.output_head, k,
-                                  choices=spec.choices if spec is not None else None, costs=costs)
+            # the default (static) is the tuned tree beside the heads where one ships, else a grown one
+            static = opts.medusa_tree == "static" and (opts.tree is not None or heads.has_static_tree())
+            choices = heads.static_tree() if static else opts.tree_spec.choices
+            return MedusaProposer(heads.module, heads.vocab_ids, heads.output_head, k, choices=choices, costs=costs)
         return EagleProposer(heads.module, heads.vocab_ids, heads.output_head, heads.embed, k, costs=costs)
 
     def _tree(self, opts: GenerationOptions) -> TreeSpec | None:
@@ -261,6 +262,24 @@ class LoadedHeads:
                 return embed_table(tokens).float()
 
         return LoadedHeads(kind, str(path), module, ids, output_head(target.model, ids), embed)
+
+    def has_static_tree(self) -> bool:
+        from pathlib import Path
+
+        path = Path(self.path)
+        return path.with_name(path.stem + "-tree.json").is_file()
+
+    def static_tree(self) -> tuple[tuple[int, ...], ...]:
+        """The tuned static tree shipped beside the heads (`<file>-tree.json`: Medusa's choices)."""
+        from pathlib import Path
+
+        from speclm.proposers.draft_tree import parse_tree
+
+        path = Path(self.path)
+        tree = path.with_name(path.stem + "-tree.json")
+        if not tree.is_file():
+            raise UsageError(f"--tree static: no tuned tree beside {path} ({tree.name}); use --tree auto or a FILE")
+        return parse_tree(str(tree)).choices
 
 
 class TextStream:

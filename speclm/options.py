@@ -70,10 +70,12 @@ class GenerationOptions:
         if self.alternatives is not None and not 0 <= self.alternatives <= 1:
             raise UsageError(f"alternatives must be in [0, 1], got {self.alternatives}")
         self.sampling  # validates temperature, top-p, top-k
+        if self.tree == "static" and self.method != "medusa":
+            raise UsageError("--tree static is medusa's (the tuned tree shipped beside its heads)")
         if self.tree is not None and self.method not in DRAFT_METHODS + ("medusa",) and self.tree != "chain":
             raise UsageError(f"--tree applies to {', '.join(DRAFT_METHODS)} and medusa, not '{self.method}'")
         if self.method == "medusa" and self.tree == "chain":
-            raise UsageError("--tree for medusa: auto or a JSON file of rank paths (its heads draft trees)")
+            raise UsageError("--tree for medusa: auto, static or a JSON file of rank paths (its heads draft trees)")
         if self.acceptance not in ("exact", "typical"):
             raise UsageError(f"acceptance must be exact or typical, not '{self.acceptance}'")
         if self.acceptance == "typical" and self.method not in HEAD_METHODS:
@@ -85,11 +87,17 @@ class GenerationOptions:
     @property
     def tree_spec(self) -> TreeSpec | None:
         """The draft's tree (None: a chain)."""
-        if self.method == "medusa":
-            return parse_tree(self.tree if self.tree is not None else "auto")
+        if self.method == "medusa":  # "static": the heads' own tuned tree, which the engine reads beside them
+            tree = self.medusa_tree
+            return parse_tree("auto" if tree == "static" else tree)
         if self.method not in DRAFT_METHODS:
             return None
         return parse_tree(self.tree if self.tree is not None else defaults.TREE)
+
+    @property
+    def medusa_tree(self) -> str:
+        """medusa's tree: auto, static or a file (the default: speclm.defaults.MEDUSA_TREE)."""
+        return self.tree if self.tree is not None else defaults.MEDUSA_TREE
 
     @property
     def sampling(self) -> SamplingParams:

@@ -20,8 +20,10 @@ PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "hello hello hello", 
 @pytest.fixture(scope="module")
 def heads_files(tmp_path_factory, target):
     root = tmp_path_factory.mktemp("heads")
-    return {kind: random_heads(kind, target.model, root / f"{kind}.safetensors", seed=i, std=0.3)
-            for i, kind in enumerate(("medusa", "eagle"))}
+    files = {kind: random_heads(kind, target.model, root / f"{kind}.safetensors", seed=i, std=0.3)
+             for i, kind in enumerate(("medusa", "eagle"))}
+    (root / "medusa-tree.json").write_text("[[0], [1], [0, 0], [0, 0, 0]]")  # `--tree static` reads it
+    return files
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,7 @@ def _cases(heads_files, static_tree):
     return [dict(method="medusa", heads=heads_files["medusa"]),
             dict(method="medusa", heads=heads_files["medusa"], tree=static_tree),
             dict(method="medusa", heads=heads_files["medusa"], k=1),
+            dict(method="medusa", heads=heads_files["medusa"], tree="static"),
             dict(method="eagle", heads=heads_files["eagle"]),
             dict(method="eagle", heads=heads_files["eagle"], k=2)]
 
@@ -157,6 +160,12 @@ def test_heads_that_do_not_fit_are_refused(tmp_path, target, heads_files):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(UsageError, match="cannot read heads file"):
         store.load(bad)
+    alone = tmp_path / "medusa.safetensors"  # no medusa-tree.json beside it
+    alone.write_bytes(open(heads_files["medusa"], "rb").read())
+    with pytest.raises(UsageError, match="no tuned tree beside"):
+        SpecEngine(target).generate("x", method="medusa", heads=str(alone), tree="static", max_new_tokens=4)
+    with pytest.raises(UsageError, match="static is medusa's"):
+        SpecEngine(target).generate("x", method="eagle", heads=heads_files["eagle"], tree="static", max_new_tokens=4)
     with pytest.raises(UsageError, match="--heads applies to"):
         SpecEngine(target).generate("x", method="pld", heads=heads_files["medusa"], max_new_tokens=4)
 
@@ -240,8 +249,12 @@ def test_trained_heads_end_to_end(tmp_path, target):
 def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):
     """Under the serving policy (speclm.adaptive) a head's tree is verified whole or not at all in
     a round, sized by the nodes its rows really drafted; outputs stay those of plain decoding."""
+    from speclm.adaptive import Adaptive
+    from speclm.costmodel import ForwardCosts
+
     engine = SpecEngine(target)
-    policy = engine.adaptive()
+    # a cost line on which verifying is nearly free, so the trees run (a measured tiny model's need not)
+    policy = Adaptive(ForwardCosts({1: 0.1, 64: 0.1001}))
     batch = engine.batch(rows=4, speculation=policy)
     requests = [batch.join(engine.request(p, method=kind, heads=heads_files[kind], max_new_tokens=30))
                 for p, kind in zip(PROMPTS, ("medusa", "eagle", "medusa", "eagle"))]
@@ -252,4 +265,5 @@ def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):
     plain = engine.generate(PROMPTS, max_new_tokens=30)
     assert [r.generated for r in requests] == [p.token_ids for p in plain]
     assert all(cap in (None, 0, 1) for round_caps in caps for cap in round_caps.values())
-    assert policy._nodes and all(0 < n <= 48 for n in policy._nodes.values())
+    assert any(cap is None for round_caps in caps for cap in round_caps.values())  # trees verified whole
+    assert len(policy._nodes) == 2 and all(0 < n <= 48 for n in policy._nodes.values())

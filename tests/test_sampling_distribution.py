@@ -175,8 +175,8 @@ def _redraw_after_verify(monkeypatch, position):
     its accepted ones is drawn again from the target's processed distribution at that position."""
     real = verify_mod.verify_tree
 
-    def verify(target_logits, tree, params, generators):
-        verdict = real(target_logits, tree, params, generators)
+    def verify(target_logits, tree, params, generators, acceptance="exact"):
+        verdict = real(target_logits, tree, params, generators, acceptance)
         probs = processed_probs(target_logits.cpu(), params)
         depths = tree.max_depths()
         for b, g in enumerate(generators):

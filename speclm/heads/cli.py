@@ -82,6 +82,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
                    help="bf16 autocast (GPUs; default %(default)s)")
+    p.add_argument("--positions", choices=("response", "all"), default=None,
+                   help="which positions train: response (those whose next token the target generated) or all "
+                        "(prompt tokens too); default all for eagle (its targets are the target's own features), "
+                        "response for medusa")
     p.set_defaults(heads_command=run_train)
     return p
 

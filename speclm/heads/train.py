@@ -43,6 +43,7 @@ from speclm.errors import UsageError
 from speclm.heads.modules import IGNORE, KINDS, EagleHead, HeadsConfig, labels_in_vocab, make
 
 DEFAULT_LR = {"medusa": 1e-3, "eagle": 3e-4}
+DEFAULT_POSITIONS = {"medusa": "response", "eagle": "all"}  # which positions train (train's `positions`)
 BUFFER_SHARDS = 4  # windows are shuffled within this many shards at a time
 LOG_EVERY = 10  # training steps per line of metrics.jsonl
 FLOOR = 0.1  # the cosine schedule ends at this fraction of the peak learning rate
@@ -75,8 +76,12 @@ class Shards:
     """A data folder's index: every shard's tokens, sequence offsets, prompt lengths and split
     (small, held in memory); features are read a window at a time from the shards (memory-mapped)."""
 
-    def __init__(self, data_dir, chunk: int, valid_fraction: float, open_files: int = 8):
+    def __init__(self, data_dir, chunk: int, valid_fraction: float, open_files: int = 8, every: bool = False):
+        """every: every position trains (EAGLE: its targets, the next feature and the target's
+        distribution there, are the target's own at a prompt token too), not only those whose next
+        token the target generated."""
         self.dir = Path(data_dir)
+        self.every = every
         path = self.dir / "manifest.json"
         if not path.is_file():
             raise UsageError(f"'{data_dir}' is not a heads data folder (no manifest.json)")
@@ -142,7 +147,7 @@ class Shards:
             length = starts[i + 1] - starts[i]
             for a in range(0, length, self.chunk):
                 b = min(a + self.chunk, length)
-                if max(a, prompt_lens[i] - 1) < b - 1:
+                if max(a, 0 if self.every else prompt_lens[i] - 1) < b - 1:
                     out.append(Window(shard, i, a, b))
         return out
 
@@ -204,7 +209,8 @@ class Shards:
             tokens[r, :length] = self.tokens[w.shard][o + w.start:o + w.end].long()
             features[r, :length] = self._file(w.shard).get_slice("hidden")[o + w.start:o + w.end].float()
             positions[r] = torch.arange(w.start, w.start + width)
-            mask[r, :length] = positions[r, :length] >= int(self.prompt_lens[w.shard][w.seq]) - 1
+            first = 0 if self.every else int(self.prompt_lens[w.shard][w.seq]) - 1
+            mask[r, :length] = positions[r, :length] >= first
             pad[r, :length] = False
         return {"tokens": tokens, "positions": positions, "features": features, "mask": mask, "pad": pad}
 
@@ -266,7 +272,8 @@ def _frozen_on(target, ids: torch.Tensor, device):
         def lookup(tokens: torch.Tensor) -> torch.Tensor:
             return nn.functional.embedding(tokens.to(device), weight)
     else:
-        base, source = frozen.embed, next(embed.parameters()).device
+        # speclm's PackedEmbedding (a table kept as GGUF blocks) has a device but no parameters
+        base, source = frozen.embed, getattr(embed, "device", torch.device("cpu"))
 
         def lookup(tokens: torch.Tensor) -> torch.Tensor:
             return base(tokens.to(source)).to(device)
@@ -331,14 +338,16 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
           warmup: int = 50, steps: int | None = None, epochs: float | None = None, minutes: float | None = None,
           eval_every: int = 100, save_every: int = 200, seed: int = 0, valid_fraction: float = 0.05,
           resume: bool = True, progress: bool = True, mixed_precision: str = "no",
-          command: list[str] | None = None) -> dict:
+          command: list[str] | None = None, positions: str | None = None) -> dict:
     """Train `kind` heads (medusa | eagle) for `target` (a catalog name or model folder, loaded
     with the data's quantization, or a LoadedModel) on the data folder `data_dir`; write the run
     folder `out_dir` (see the module's docstring) and return a summary. Stops at `steps`, after
     `epochs` passes over the training split, or after `minutes` of wall time, whichever first;
     the learning rate warms up over `warmup` steps, then follows a cosine to 10% at the end of
     `steps`/`epochs` (constant with `minutes` alone). `command`: the command line, recorded in
-    the heads' file."""
+    the heads' file. positions: "response" (the positions whose next token the target generated)
+    or "all" (prompt tokens too: EAGLE's targets are the target's own features and distribution
+    there); None: all for eagle, response for medusa (its labels are the tokens themselves)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
@@ -359,8 +368,11 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     if mixed_precision not in ("no", "bf16"):
         raise UsageError(f"mixed_precision must be 'no' or 'bf16', not '{mixed_precision}'")
     lr = DEFAULT_LR[kind] if lr is None else lr
+    positions = positions or DEFAULT_POSITIONS[kind]
+    if positions not in ("response", "all"):
+        raise UsageError(f"positions must be response or all, not '{positions}'")
 
-    data = Shards(data_dir, chunk, valid_fraction)
+    data = Shards(data_dir, chunk, valid_fraction, every=positions == "all")
     if isinstance(target, (str, Path)):
         from speclm.models.loading import load_model
 
@@ -388,7 +400,7 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     plan = {"kind": kind, "target": target.name, "vocab": vocab, "heads": heads, "intermediate": intermediate,
             "chunk": chunk, "batch_size": batch_size, "lr": lr, "weight_decay": weight_decay, "warmup": warmup,
             "steps": steps, "epochs": epochs, "seed": seed, "valid_fraction": valid_fraction,
-            "mixed_precision": mixed_precision, "processes": procs}
+            "mixed_precision": mixed_precision, "processes": procs, "positions": positions}
 
     out = Path(out_dir)
     metrics_path = out / "metrics.jsonl"
@@ -605,6 +617,7 @@ def run(args) -> int:
                     weight_decay=args.weight_decay, warmup=args.warmup, steps=args.steps, epochs=args.epochs,
                     minutes=args.minutes, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                     valid_fraction=args.valid_fraction, resume=args.resume, progress=sys.stderr.isatty(),
-                    mixed_precision=args.mixed_precision, command=["speclm"] + sys.argv[1:])
+                    mixed_precision=args.mixed_precision, command=["speclm"] + sys.argv[1:],
+                    positions=args.positions)
     print(json.dumps(summary, indent=1))
     return 0
