@@ -26,7 +26,7 @@ from speclm.proposers.draft_tree import DraftTimes, TreeSpec
 from speclm.requests import Request
 from speclm.runtime import bound_freed_memory
 from speclm.stats import RequestStats
-from speclm.text import IncrementalText, final_text
+from speclm.text import IncrementalText, chat_ids, final_text
 
 __all__ = ["SpecEngine", "GenerationOptions", "Completion", "TextStream", "Batch", "Request"]
 
@@ -175,8 +175,7 @@ class SpecEngine:
             elif chat:
                 if not getattr(tok, "chat_template", None):
                     raise UsageError(f"model '{self.target.name}' has no chat template; drop --chat")
-                text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                ids = tok(text, add_special_tokens=False).input_ids
+                ids = chat_ids(tok, p)
             else:
                 ids = tok(p).input_ids
             if not ids:
@@ -216,7 +215,7 @@ class SpecEngine:
         costs = self.forward_costs()
         if opts.method == "medusa":
             # the default (static) is the tuned tree beside the heads where one ships, else a grown one
-            static = opts.medusa_tree == "static" and (opts.tree is not None or heads.has_static_tree())
+            static = opts.medusa_tree == "static" and (opts.tree is not None or heads.tree_file.is_file())
             choices = heads.static_tree() if static else opts.tree_spec.choices
             return MedusaProposer(heads.module, heads.vocab_ids, heads.output_head, k, choices=choices, costs=costs)
         return EagleProposer(heads.module, heads.vocab_ids, heads.output_head, heads.embed, k, costs=costs)
@@ -263,22 +262,20 @@ class LoadedHeads:
 
         return LoadedHeads(kind, str(path), module, ids, output_head(target.model, ids), embed)
 
-    def has_static_tree(self) -> bool:
+    @property
+    def tree_file(self):
+        """Where the tuned static tree shipped beside the heads lies (`<file>-tree.json`: Medusa's choices)."""
         from pathlib import Path
 
         path = Path(self.path)
-        return path.with_name(path.stem + "-tree.json").is_file()
+        return path.with_name(path.stem + "-tree.json")
 
     def static_tree(self) -> tuple[tuple[int, ...], ...]:
-        """The tuned static tree shipped beside the heads (`<file>-tree.json`: Medusa's choices)."""
-        from pathlib import Path
-
         from speclm.proposers.draft_tree import parse_tree
 
-        path = Path(self.path)
-        tree = path.with_name(path.stem + "-tree.json")
+        tree = self.tree_file
         if not tree.is_file():
-            raise UsageError(f"--tree static: no tuned tree beside {path} ({tree.name}); use --tree auto or a FILE")
+            raise UsageError(f"--tree static: no tuned tree beside {self.path} ({tree.name}); use --tree auto or a FILE")
         return parse_tree(str(tree)).choices
 
 

@@ -59,3 +59,10 @@ class IncrementalText:
                     longest = n
                     break
         return longest
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """A prompt as a chat model reads it: one user message in its chat template, then the
+    assistant's turn opened."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(chat, add_special_tokens=False).input_ids)

@@ -14,6 +14,7 @@ from tiny import loaded, require_compiled_kernels, tiny_model
 
 from speclm import SpecEngine
 from speclm.errors import UsageError
+from speclm.text import chat_ids
 from speclm.heads import data, sources
 from speclm.heads.cli import add_data_parser
 from speclm.heads.sources import Prompt
@@ -49,7 +50,7 @@ def eos_target(tok):
     """A tiny fp32 target whose EOS is a token it generates early for the first prompt, so that
     rows leave both at EOS and at max_new_tokens."""
     model = tiny_model(len(tok), seed=0)
-    ids = data.encode(tok, SHORT[0].text)
+    ids = chat_ids(tok, SHORT[0].text)
     first = SpecEngine(loaded(model, tok)).generate(ids, max_new_tokens=NEW).token_ids
     return LoadedModel(name="tiny-eos", model=model, tokenizer=tok, eos_token_ids=(first[4],))
 
@@ -142,10 +143,10 @@ def test_build_stores_greedy_responses_and_hidden_states(tmp_path, eos_target, t
     # the features as generated, fp32: the same shards decoded again, each with the build's company
     chunks = [SHORT[0:2], SHORT[2:4], SHORT[4:5]]
     generated = [h for chunk in chunks for _, _, h in sorted(data.distill(
-        eos_target, [data.encode(tok, p.text) for p in chunk], max_new_tokens=NEW, batch_size=3))]
+        eos_target, [chat_ids(tok, p.text) for p in chunk], max_new_tokens=NEW, batch_size=3))]
     stopped = []
     for (tokens, hidden, n), prompt, features in zip(stored, SHORT, generated):
-        ids = data.encode(tok, prompt.text)
+        ids = chat_ids(tok, prompt.text)
         assert tokens[:n].tolist() == ids
         response = tokens[n:].tolist()
         assert response == engine.generate(ids, max_new_tokens=NEW).token_ids  # greedy decoding's tokens

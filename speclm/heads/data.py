@@ -48,10 +48,12 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from speclm.bench.report import atomic_write
 from speclm.errors import UsageError
 from speclm.models.store import file_sha256
 from speclm.heads.sources import Prompt, stream
 from speclm.kv import StaticKV
+from speclm.text import chat_ids
 
 FORMAT = 1
 LAYER = -1
@@ -128,12 +130,6 @@ def overlap(prompts: Iterable[Prompt], eval_texts_: Iterable[str] | None = None)
 
 
 # ---------------------------------------------------------------- generation
-def encode(tokenizer, text: str) -> list[int]:
-    """A prompt as the target reads it: one user message in its chat template."""
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(chat, add_special_tokens=False).input_ids)
-
-
 def hidden_size(model) -> int:
     cfg = getattr(model.config, "text_config", None) or model.config
     return int(cfg.hidden_size)
@@ -194,12 +190,6 @@ def distill(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 2
 
 def _shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _write_shard(path: Path, sequences: list[tuple[str, list[int], int, torch.Tensor]]) -> dict:
@@ -339,7 +329,7 @@ def _plan(tokenizer, candidates: Iterable[Prompt], want: int | None, max_prompt_
             if index.hits(p.text):
                 excluded += 1
                 continue
-            ids = encode(tokenizer, p.text)
+            ids = chat_ids(tokenizer, p.text)
             if not ids or len(ids) > max_prompt_tokens:
                 long += 1
                 continue
@@ -432,8 +422,8 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
                                          "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "prompts",
                                          "excluded_eval_overlap", "skipped_long_prompts", "sources", "shards",
                                          "data_sha256")}
-    _write_atomic(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
-    _write_atomic(out / "prompts.jsonl", "".join(json.dumps(p.to_dict(), ensure_ascii=False) + "\n" for p, _ in plan))
+    atomic_write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    atomic_write(out / "prompts.jsonl", "".join(json.dumps(p.to_dict(), ensure_ascii=False) + "\n" for p, _ in plan))
 
     n_shards = -(-len(plan) // shard_size)
     first = len(shards) * shard_size
@@ -467,7 +457,7 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
                         sequences.append((prompt.id, ids + response, len(ids), hidden))
                     shards.append(_write_shard(out / _shard_name(next_shard), sequences))
                     manifest["shards"], manifest["data_sha256"] = shards, _datafile_sha256(shards)
-                    _write_atomic(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+                    atomic_write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
                     next_shard += 1
                     if minutes is not None and time.monotonic() - started >= 60 * minutes:
                         stop = True

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speclm.bench.report import atomic_write
 from speclm.errors import UsageError
 from speclm.models.store import file_sha256
 from speclm.heads.modules import HeadsConfig, make
@@ -47,10 +48,7 @@ def export(path, model: nn.Module, config: HeadsConfig, vocab_ids: torch.Tensor,
     os.replace(tmp, path)
     manifest = {"format": FORMAT, "file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
                 "config": config.to_dict(), **(info or {})}
-    side = path.with_suffix(".json")
-    tmp = side.with_name(side.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, side)
+    atomic_write(path.with_suffix(".json"), json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speclm.bench.report import atomic_write
 from speclm.errors import UsageError
 from speclm.heads.modules import IGNORE, KINDS, EagleHead, HeadsConfig, labels_in_vocab, make
 
@@ -296,12 +296,6 @@ def _factor(step: int, warmup: int, total: int | None) -> float:
 # the run folder
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _checkpoint_dir(out: Path) -> Path | None:
     """The run's checkpoint, or the previous one where a save died between its two renames."""
     for name in (CHECKPOINT, CHECKPOINT + ".old"):
@@ -321,7 +315,7 @@ def _keep_metrics_until(path: Path, step: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue
-    _atomic_write(path, "".join(k + "\n" for k in kept))
+    atomic_write(path, "".join(k + "\n" for k in kept))
 
 
 def _append(path: Path, record: dict) -> None:
@@ -435,7 +429,7 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
 
         ids = frequent_tokens(data.response_counts(), vocab, always=tuple(target.eos_token_ids))
         if main:
-            _atomic_write(out / VOCAB_FILE, json.dumps(ids.tolist()))
+            atomic_write(out / VOCAB_FILE, json.dumps(ids.tolist()))
 
     config = HeadsConfig(kind=kind, hidden_size=data.hidden_size, vocab=len(ids), target_vocab_size=data.vocab_size,
                          target=target.name, heads=heads, num_heads=shape["num_heads"], kv_heads=shape["kv_heads"],

@@ -27,7 +27,7 @@ import time
 import torch
 
 from speclm.proposers.base import Draft, Verified
-from speclm.proposers.head_tree import HeadProposer, Node, best_first, to_draft, verified_size
+from speclm.proposers.head_tree import HeadProposer, Node, choose, to_draft
 from speclm.tree import ROOT
 
 DEPTH = 6  # levels below the root
@@ -123,11 +123,7 @@ class EagleProposer(HeadProposer):
                     feats[b][i] = predicted[b, col]
                 parents.append([(i, rows[b][i].cum) for i in p])
             self._children(rows, parents, predicted, feats, max_tokens, level)
-        chosen = []
-        for b, nodes in enumerate(rows):
-            ranked = sorted(best_first(nodes, len(nodes), min(depth, max_tokens[b])), key=lambda i: -nodes[i].cum)
-            size = verified_size([nodes[i] for i in ranked], self.costs, self.max_nodes)
-            chosen.append(best_first(nodes, size, min(depth, max_tokens[b])))
+        chosen = [choose(nodes, min(depth, max_tokens[b]), self.costs, self.max_nodes) for b, nodes in enumerate(rows)]
         self._seconds += time.perf_counter() - t0
         return to_draft(rows, chosen, forwards)
 
@@ -147,14 +143,11 @@ class EagleProposer(HeadProposer):
             features[b, :m] = f
             tokens[b, :m] = torch.tensor(c[j + 1 : j + 1 + m], dtype=torch.long)
             positions[b, :m] = torch.arange(j + 1, j + 1 + m)
-        past_len = [k.shape[1] for k in self.keys]
-        longest = max(past_len)
-        past_k = torch.zeros(batch, self._kv_shape[0], longest, self._kv_shape[1])
-        past_v = torch.zeros_like(past_k)
+        past_k, past_v, past_len = self._past(0)
+        longest = past_k.shape[2]
         mask = torch.zeros(batch, width, longest + width, dtype=torch.bool)
         mask[:, :, longest:] = torch.ones(width, width, dtype=torch.bool).tril()
         for b, n in enumerate(past_len):
-            past_k[b, :, :n], past_v[b, :, :n] = self.keys[b], self.values[b]
             mask[b, :, :n] = True
         out, k, v = self.head(features, self.embed(tokens), positions, (past_k, past_v), mask)
         for b, m in enumerate(counts):
@@ -162,6 +155,16 @@ class EagleProposer(HeadProposer):
             self.values[b] = torch.cat([self.values[b], v[b, :, :m]], 1)
             self.pending[b] = (features.new_zeros(0, size), 0)
         return out[torch.arange(batch), torch.tensor(counts) - 1]
+
+    def _past(self, extra: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Every row's cached keys and values, padded to the longest row, with `extra` zero columns
+        after them (the round's scratch); (B, H_kv, P + extra, D) each, and each row's length."""
+        past_len = [k.shape[1] for k in self.keys]
+        past_k = torch.zeros(len(self.keys), self._kv_shape[0], max(past_len) + extra, self._kv_shape[1])
+        past_v = torch.zeros_like(past_k)
+        for b, n in enumerate(past_len):
+            past_k[b, :, :n], past_v[b, :, :n] = self.keys[b], self.values[b]
+        return past_k, past_v, past_len
 
     def _run(self, contexts, rows, feats, slot, picks, width, scratch_k, scratch_v, root_features):
         """Run each row's picked candidates through the head: (their parents' predicted feature,
@@ -173,9 +176,9 @@ class EagleProposer(HeadProposer):
         features = torch.zeros(batch, width, size)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
-        past_len = [k.shape[1] for k in self.keys]
-        longest = max(past_len)
         scratch = 0 if scratch_k is None else scratch_k.shape[2]
+        past_k, past_v, past_len = self._past(scratch)
+        longest = past_k.shape[2] - scratch
         mask = torch.zeros(batch, width, longest + scratch + width, dtype=torch.bool)
         for b, p in enumerate(picks):
             mask[b, :, :past_len[b]] = True
@@ -192,10 +195,6 @@ class EagleProposer(HeadProposer):
                 mask[b, col, longest + scratch + col] = True
             for col in range(len(p), width):  # padding queries see themselves (no empty softmax)
                 mask[b, col, longest + scratch + col] = True
-        past_k = torch.zeros(batch, self._kv_shape[0], longest + scratch, self._kv_shape[1])
-        past_v = torch.zeros_like(past_k)
-        for b, n in enumerate(past_len):
-            past_k[b, :, :n], past_v[b, :, :n] = self.keys[b], self.values[b]
         if scratch:
             past_k[:, :, longest:], past_v[:, :, longest:] = scratch_k, scratch_v
         return self.head(features, self.embed(tokens), positions, (past_k, past_v), mask)

@@ -76,6 +76,13 @@ def best_first(nodes: list[Node], size: int, max_depth: int) -> list[int]:
     return chosen
 
 
+def choose(nodes: list[Node], max_depth: int, costs: Callable[[int], float] | None, limit: int) -> list[int]:
+    """A row's verified tree: its best candidates no deeper than max_depth, as many as
+    `verified_size` says (without costs, up to `limit`), parents first."""
+    ranked = sorted(best_first(nodes, len(nodes), max_depth), key=lambda i: -nodes[i].cum)
+    return best_first(nodes, verified_size([nodes[i] for i in ranked], costs, limit), max_depth)
+
+
 def to_draft(rows: list[list[Node]], chosen: list[list[int]], forwards: int) -> Draft:
     """Each row's chosen candidates as a Draft with parents (probs None: point masses)."""
     width = max((len(c) for c in chosen), default=0)

@@ -17,7 +17,7 @@ import time
 import torch
 
 from speclm.proposers.base import Draft, Verified
-from speclm.proposers.head_tree import HeadProposer, Node, best_first, to_draft, verified_size
+from speclm.proposers.head_tree import HeadProposer, Node, choose, to_draft
 from speclm.tree import ROOT
 
 BRANCH = 8  # candidates per head considered for a grown tree (ranks past it are rarely accepted)
@@ -76,9 +76,8 @@ class MedusaProposer(HeadProposer):
             nodes = self._static(tokens[:, b], top_p[:, b]) if self.choices else self._grown(tokens[:, b], top_p[:, b])
             rows.append(nodes)
         for b, nodes in enumerate(rows):
-            ranked = sorted(best_first(nodes, len(nodes), min(depth, max_tokens[b])), key=lambda i: -nodes[i].cum)
-            size = len(ranked) if self.choices else verified_size([nodes[i] for i in ranked], self.costs, self.max_nodes)
-            chosen.append(best_first(nodes, size, min(depth, max_tokens[b])))
+            # a static tree is verified whole (within the row's budget)
+            chosen.append(choose(nodes, min(depth, max_tokens[b]), None if self.choices else self.costs, self.max_nodes))
         self._seconds += time.perf_counter() - t0
         return to_draft(rows, chosen, 1)
 
