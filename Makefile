@@ -6,8 +6,14 @@ PYTHON ?= python3
 SPECLM_TORCH_SPEC ?= torch==2.13.0
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The bench's peers (speclm.bench.peers): llama.cpp and OpenVINO GenAI in speclm's environment, and
+# optimum-intel, which exports models for OpenVINO, in one of its own: it pins an older transformers.
+# Its torchvision (a CUDA build) breaks beside a CPU torch and no export needs it, so it is removed.
+EXPORT_VENV ?= .venv-openvino-export
+OPTIMUM_SPEC ?= optimum-intel[openvino]==2.2.0
+export SPECLM_OPTIMUM_CLI ?= $(abspath $(EXPORT_VENV))/bin/optimum-cli
 
-.PHONY: setup demo test browser clean
+.PHONY: setup peers demo test browser clean
 
 setup: $(VENV)/.installed
 
@@ -17,15 +23,25 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
+peers: $(VENV)/.peers
+
+$(VENV)/.peers: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[peers]'
+	$(PYTHON) -m venv $(EXPORT_VENV)
+	$(EXPORT_VENV)/bin/pip install --quiet $(SPECLM_TORCH_SPEC)
+	$(EXPORT_VENV)/bin/pip install --quiet '$(OPTIMUM_SPEC)' $(SPECLM_TORCH_SPEC)
+	$(EXPORT_VENV)/bin/pip uninstall --quiet -y torchvision
+	touch $@
+
 # The main job: pull the default Qwen pair (once) and run speculative vs plain decoding.
 demo: setup
 	$(BIN)/speclm models pull qwen2.5-coder-1.5b
 	$(BIN)/speclm models pull qwen2.5-coder-0.5b
 	$(BIN)/speclm demo
 
-# The whole suite, the real-model end-to-end test included. pytest exits 5 when it
-# collects no test, which fails this target like any other failure.
-test: setup browser
+# The whole suite, the real-model end-to-end test and the peers' included. pytest exits 5 when
+# it collects no test, which fails this target like any other failure.
+test: setup browser peers
 	$(BIN)/python -m pytest -q
 
 # The server's page is tested in a real headless browser: Debian's chromium (playwright drives it;
@@ -34,4 +50,4 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(EXPORT_VENV) build *.egg-info

@@ -10,7 +10,7 @@ import sys
 from speclm.errors import PullError, SpeclmError, StoreError, UsageError
 from speclm import defaults
 from speclm.defaults import DRAFT_METHODS, METHODS, PREFIX_CACHE_TOKENS
-from speclm.runtime import QUANTIZE_MODES, keep_freed_memory, set_threads
+from speclm.runtime import QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES, keep_freed_memory, set_threads, weights_for
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
 
@@ -20,8 +20,9 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-DRAFT_QUANTIZE_HELP = ("the draft model's weights, if not --quantize's: int4 halves a draft step's bytes on CPU "
-                       "(what is proposed changes, never the output)")
+DRAFT_QUANTIZE_HELP = ("the draft model's weights (default: int4 beside an int8 target where speclm's kernels run, "
+                       "else the target's): int4 halves a draft step's bytes on CPU (what is proposed changes, never "
+                       "the output)")
 
 
 PREFIX_CACHE_HELP = ("keys and values of recent prompts each model keeps, so a prompt that begins like one of them "
@@ -47,15 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line on stdout")
-    g.add_argument("--quantize", choices=QUANTIZE_MODES, default="none", help="int8: int8 weights for every linear layer of target and draft (speclm.quant); default none")
+    g.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto", help=QUANTIZE_HELP)
     g.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
     g.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS", help=PREFIX_CACHE_HELP)
 
     b = sub.add_parser("bench", help="benchmark methods side by side (speclm and transformers) and write a report")
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
-    b.add_argument("--draft", help="draft model for draft and hf-assisted")
+    b.add_argument("--draft", help="draft model for draft, draft+pld, hf-assisted and openvino-draft")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], hf, hf-assisted[:k=N], hf-pld[:k=N]")
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
+                        "llama.cpp, llama.cpp-pld[:k=N,ngram_max=N], openvino, openvino-draft[:k=N], openvino-pld[:k=N,ngram_max=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
     b.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
@@ -66,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1, help="runs of each method on each prompt (default %(default)s)")
     b.add_argument("--chat", action="store_true", help="apply the target's chat template")
     b.add_argument("--cost-repeats", type=int, default=5, help="samples per point of the cost model (0: skip it)")
-    b.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
-                   help="weights of every method without its own quantize= option (default none)")
+    b.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
+                   help="weights of every method without its own quantize= option: " + QUANTIZE_HELP.removeprefix("the target's weights. "))
     b.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
     b.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS",
                    help=PREFIX_CACHE_HELP + "; each method its own, empty at the first prompt")
@@ -81,10 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default=DEMO_PROMPT, help="the prompt (default: a short Python task)")
     d.add_argument("--k", type=int, default=None, help=defaults.k_help("draft"))
     d.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated (default %(default)s)")
-    d.add_argument("--quantize", choices=QUANTIZE_MODES, default="int8",
-                   help="int8 (default): int8 weights, the fast path on CPU; none: the weights as published")
-    d.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None,
-                   help=DRAFT_QUANTIZE_HELP + "; default int4 with --quantize int8 where speclm's kernels run")
+    d.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto", help=QUANTIZE_HELP)
+    d.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
     d.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 
     from speclm.serve.options import add_serve_parser
@@ -296,9 +296,9 @@ def _generate(args) -> int:
     check_model_name(args.target)  # fail fast, before minutes of loading
     if uses_draft:
         check_model_name(args.draft)
-    target = load_model(args.target, quantize=args.quantize, progress=_progress())
-    draft = (load_model(args.draft, quantize=args.draft_quantize or args.quantize, progress=_progress())
-             if uses_draft else None)
+    quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
+    target = load_model(args.target, quantize=quantize, progress=_progress())
+    draft = load_model(args.draft, quantize=draft_quantize, progress=_progress()) if uses_draft else None
     engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
     encoded = engine.encode(prompts, opts.chat)  # every prompt is checked before any output is written
     weights = _weights_note(target, draft)
@@ -389,10 +389,10 @@ def _bench(args) -> int:
         raise UsageError("bench needs --target and --out (or --compare A.json B.json)")
     specs = parse_methods(args.methods)
     for s in specs:  # every method's options, before anything is loaded
-        if not s.is_hf:
+        if not s.is_hf and not s.is_peer:
             GenerationOptions(method=s.name, **s.decoding_options)
     if any(s.needs_draft for s in specs) and not args.draft:
-        raise UsageError("methods draft, draft+pld and hf-assisted need --draft MODEL")
+        raise UsageError("methods draft, draft+pld, hf-assisted and openvino-draft need --draft MODEL")
     for name, value, low in (("max-new-tokens", args.max_new_tokens, 1), ("repeats", args.repeats, 1),
                              ("cost-repeats", args.cost_repeats, 0), ("prefix-cache", args.prefix_cache, 0)):
         if value < low:
@@ -406,21 +406,24 @@ def _bench(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a folder")
+    args.quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
     engines = {}  # quantize mode -> engine over those weights; the default mode's first
     for mode in dict.fromkeys([args.quantize] + [s.quantize for s in specs if s.quantize]):
-        needs_draft = args.draft and any(s.needs_draft and (s.quantize or args.quantize) == mode for s in specs)
+        needs_draft = args.draft and any(s.needs_draft and not s.is_peer and (s.quantize or args.quantize) == mode
+                                         for s in specs)
         engines[mode] = SpecEngine(
             load_model(args.target, quantize=mode, progress=_progress()),
-            draft=load_model(args.draft, quantize=args.draft_quantize or mode, progress=_progress()) if needs_draft else None)
+            draft=load_model(args.draft, quantize=weights_for(mode, args.draft_quantize)[1], progress=_progress())
+            if needs_draft else None)
     engine = engines[args.quantize]
     engine.encode([p.text for p in prompts], args.chat)  # every prompt fits and templates, before --out is made
     target, draft = engine.target, engine.draft
     config = BenchConfig(
-        target=args.target, draft=args.draft if draft else None, methods=[s.label for s in specs], dataset=args.dataset,
+        target=args.target, draft=args.draft if draft or any(s.needs_draft for s in specs) else None, methods=[s.label for s in specs], dataset=args.dataset,
         categories=categories, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, repeats=args.repeats, chat=args.chat,
         dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""), cost_repeats=args.cost_repeats,
-        quantize=args.quantize, draft_quantize=args.draft_quantize, prefix_cache=args.prefix_cache,
+        quantize=args.quantize, draft_quantize=draft_quantize if draft else None, prefix_cache=args.prefix_cache,
     )
     created = not out.exists()
     try:
@@ -451,18 +454,15 @@ def _demo(args) -> int:
     from speclm.engine import GenerationOptions, SpecEngine
     from speclm.models.loading import load_model
 
-    from speclm import kernels
-
     if args.k is not None:
         GenerationOptions(method="draft", k=args.k)  # validates k before minutes of loading
-    draft_mode = args.draft_quantize or (
-        "int4" if args.quantize == "int8" and kernels.compiled() is not None else args.quantize)
-    print(f"loading {args.target} (target, weights {args.quantize}) and {args.draft} (draft, weights {draft_mode})...",
+    quantize, draft_mode = weights_for(args.quantize, args.draft_quantize)
+    print(f"loading {args.target} (target, weights {quantize}) and {args.draft} (draft, weights {draft_mode})...",
           file=sys.stderr)
-    engine = SpecEngine(load_model(args.target, quantize=args.quantize, progress=_progress()),
+    engine = SpecEngine(load_model(args.target, quantize=quantize, progress=_progress()),
                         draft=load_model(args.draft, quantize=draft_mode, progress=_progress()))
     common = dict(max_new_tokens=args.max_new_tokens, chat=True)
-    k = args.k or GenerationOptions(method="draft").draft_length(args.quantize, draft_mode)
+    k = args.k or GenerationOptions(method="draft").draft_length(quantize, draft_mode)
     for method in ("none", "draft"):  # warm-up of both runs' paths: first-call allocations
         engine.generate("Hi", method=method, k=k, max_new_tokens=4, chat=True)
     print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={k}), streamed")

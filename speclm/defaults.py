@@ -51,6 +51,9 @@ TABLE: tuple[Tuned, ...] = (
           "(about 230 MB for the 1.5B)", "benchmarks/epyc/prefix-cache.txt", "what a cached chat head saves"),
     Tuned("PREFILL_ROW_BLOCK", 256, "speclm.lean", "a long feed's row-wise work (norms, projections, MLP) runs in "
           "blocks of this many rows", "benchmarks/intel/prefill-cpu.txt", "1000 tokens: 5.2 s against 6.9 s unblocked"),
+    Tuned("FP32_FEW_ROWS", 256, "speclm.lean", "fp32 CPU weights: linear layers over up to this many rows (a "
+          "prefill block at most) run as (W x^T)^T, not x W^T", "benchmarks/avx2/fp32-linear-rows.txt",
+          "4 rows 3.2x faster, 256 rows 1.05x"),
     Tuned("VNNI_MAX_ROWS", 16, "speclm.quant", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
           "on oneDNN's", "benchmarks/epyc/int8-gemm-rows.txt", "about even at 16 rows"),
     Tuned("ATTENTION_QUERY_TILE", 64, "speclm/csrc", "queries of a kv head per tile in the compiled attention",
@@ -74,6 +77,7 @@ NGRAM_MIN_DRAFT_PLD: int = _BY_NAME["NGRAM_MIN_DRAFT_PLD"]
 DRAFT_PROMPT_RATIO: float = _BY_NAME["DRAFT_PROMPT_RATIO"]
 PREFIX_CACHE_TOKENS: int = _BY_NAME["PREFIX_CACHE_TOKENS"]
 PREFILL_ROW_BLOCK: int = _BY_NAME["PREFILL_ROW_BLOCK"]
+FP32_FEW_ROWS: int = _BY_NAME["FP32_FEW_ROWS"]
 VNNI_MAX_ROWS: int = _BY_NAME["VNNI_MAX_ROWS"]
 ATTENTION_QUERY_TILE: int = _BY_NAME["ATTENTION_QUERY_TILE"]
 ATTENTION_SLOT_BLOCK: int = _BY_NAME["ATTENTION_SLOT_BLOCK"]
@@ -82,6 +86,11 @@ WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 # --tree's default for `draft` and `draft+pld`: "chain" or "auto" (speclm.proposers.draft_tree). Chain:
 # on the AVX2 machine auto trees measured slower than chains (benchmarks/avx2/trees-int8-qwen1.5b-60)
 TREE = "chain"
+
+# fp32 CPU weights: rows -> the rows a linear layer's GEMM runs over, zero rows added (speclm.lean). MKL's
+# (W x^T)^T over 4 rows cost what 1 row does on the AVX2 machine, over 3 rows 1.45x; 13-15 rows 1.5-1.8x
+# 16 rows' (benchmarks/avx2/fp32-linear-rows.txt, the padded column)
+FP32_PADDED_ROWS = {2: 4, 3: 4, 13: 16, 14: 16, 15: 16}
 
 # --k's bound: acceptance decays with draft position (the tuned k are 2-6), so more drafts only widen verification
 MAX_K = 64

@@ -9,6 +9,27 @@ import os
 from speclm.errors import UsageError
 
 QUANTIZE_MODES = ("none", "int8", "int4")  # weights: as published, or speclm.quant's int8 / int4
+QUANTIZE_CHOICES = ("auto",) + QUANTIZE_MODES  # the CLI's --quantize: auto resolves by `weights_for`
+QUANTIZE_HELP = ("the target's weights. auto (default): int8 where speclm's compiled CPU kernels run (the fast path, "
+                 "and speculative output equals plain output bit for bit there), else the weights as loaded; "
+                 "none: the weights as loaded (fp32 for the catalog's models); int8, int4: speclm.quant's")
+
+
+def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, str]:
+    """The target's and the draft's weights for --quantize and --draft-quantize (None: the default).
+
+    auto is int8 where speclm's compiled kernels run, else none. The draft defaults to int4 beside
+    an int8 target on those kernels (half a draft step's bytes; what is proposed changes, never
+    the output), else to the target's weights.
+    """
+    from speclm import kernels
+
+    fast = kernels.compiled() is not None
+    if quantize == "auto":
+        quantize = "int8" if fast else "none"
+    if draft_quantize in (None, "auto"):
+        draft_quantize = "int4" if quantize == "int8" and fast else quantize
+    return quantize, draft_quantize
 
 
 def usable_cores() -> int:

@@ -1,4 +1,5 @@
 import atexit
+import json
 import os
 import shutil
 import sys
@@ -51,3 +52,19 @@ def folders(tmp_path_factory):
         "draft": save(tiny_model(len(tok), seed=1, layers=1), tok, root / "draft"),
         "other_vocab": save(tiny_model(40, seed=2), word_tokenizer(40), root / "other"),
     }
+
+
+@pytest.fixture
+def engine(target, unrelated_draft):
+    from speclm import SpecEngine
+
+    return SpecEngine(target, draft=unrelated_draft)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """Short prompts in three categories (a JSON-lines file, as users pass with --dataset)."""
+    path = tmp_path / "prompts.jsonl"
+    rows = [("qa", "who wrote it? who wrote it?"), ("rag", "the cat sat. the cat"), ("translation", "Hallo Welt, Hallo")]
+    path.write_text("\n".join(json.dumps({"id": i, "category": c, "prompt": p}) for i, (c, p) in enumerate(rows)) + "\n")
+    return str(path)

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from speclm import SpecEngine
 from speclm.bench import report
 from speclm.bench.costs import predicted_speedup
 from speclm.bench.dataset import SPEC_BENCH_KINDS, load_prompts
@@ -98,20 +97,6 @@ def test_predicted_speedup_formula():
     assert predicted_speedup(2.0, 9, 0.1, v) is None  # v(10) not measured
 
 
-@pytest.fixture
-def engine(target, unrelated_draft):
-    return SpecEngine(target, draft=unrelated_draft)
-
-
-@pytest.fixture
-def dataset(tmp_path):
-    """Short prompts in three categories (a JSON-lines file, as users pass with --dataset)."""
-    path = tmp_path / "prompts.jsonl"
-    rows = [("qa", "who wrote it? who wrote it?"), ("rag", "the cat sat. the cat"), ("translation", "Hallo Welt, Hallo")]
-    path.write_text("\n".join(json.dumps({"id": i, "category": c, "prompt": p}) for i, (c, p) in enumerate(rows)) + "\n")
-    return str(path)
-
-
 def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
     specs = parse_methods("none,draft:k=2,draft:k=3,alternatives=1,pld:k=3,draft+pld:k=2,hf,hf-assisted:k=2,hf-pld:k=3")
     prompts = load_prompts(dataset, ["qa", "rag"], 1)
@@ -148,7 +133,7 @@ def test_lossless_check_catches_planted_mismatch(engine, tmp_path, monkeypatch, 
 
     real = runner.run_method
 
-    def corrupt(spec, eng, ids, n, temperature, seed):
+    def corrupt(spec, eng, ids, n, temperature, seed, peer=None):
         r = real(spec, eng, ids, n, temperature, seed)
         if spec.name == "pld" and n > 8:
             r = RunResult(r.token_ids[:5] + [(r.token_ids[5] + 1) % 257] + r.token_ids[6:], r.seconds, r.stats)
@@ -161,7 +146,7 @@ def test_lossless_check_catches_planted_mismatch(engine, tmp_path, monkeypatch, 
     bad = [r for r in results["runs"] if r["lossless"] is False]
     assert len(bad) == 1 and bad[0]["mismatch"]["position"] == 5
     assert bad[0]["mismatch"]["top2_margin"] > 0
-    assert "1 greedy output(s) differ from `none`" in (tmp_path / "out" / "report.md").read_text()
+    assert "1 greedy output(s) differ from their plain decoding" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_interrupted_run_keeps_finished_part(engine, tmp_path, monkeypatch, dataset):
@@ -169,7 +154,7 @@ def test_interrupted_run_keeps_finished_part(engine, tmp_path, monkeypatch, data
 
     real, calls = runner.run_method, []
 
-    def interrupt_later(spec, eng, ids, n, temperature, seed):
+    def interrupt_later(spec, eng, ids, n, temperature, seed, peer=None):
         calls.append(spec.label)
         if len(calls) == 2 + 5:  # 2 warm-ups, 2 prompts of 2 methods, then stop inside the third prompt
             raise KeyboardInterrupt

@@ -46,6 +46,7 @@ SCRIPTS = {
     "int4_draft.py": (["--target", "{target}", "--draft", "{draft}"],
                       ["| GEMMs of one 0.5B step, 1 row | speclm int8 ms | speclm int4 ms |",
                        "| draft weights | draft step ms | prefill of 40 tokens ms |", "| int4 | ", " | 1/1 |"], True),
+    "fp32_linear_rows.py": ([], ["| rows | F.linear ms | (W x^T)^T ms | F.linear / (W x^T)^T |", "| 16 | "], False),
     "int8_gemm_rows.py": ([], ["| rows | speclm kernel ms | onednn.qlinear_pointwise ms | torch._int_mm ms |",
                                "| 32 | "], False),
     "int8_kernels.py": ([], ["| path | k=1 ms | k=4 ms | k=8 ms | k=16 ms | batch-invariant | rel. error vs fp64 |",

@@ -216,3 +216,34 @@ def test_threads_default_to_usable_cores(monkeypatch):
             set_threads(0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_auto_weights_resolve_to_the_exact_fast_path_where_kernels_run(monkeypatch):
+    from speclm import kernels
+    from speclm.runtime import weights_for
+
+    monkeypatch.setattr(kernels, "compiled", lambda: object())  # speclm's kernels run here
+    assert weights_for("auto") == ("int8", "int4")
+    assert weights_for("auto", "int8") == ("int8", "int8")
+    assert weights_for("none") == ("none", "none")
+    assert weights_for("int8") == ("int8", "int4")
+    monkeypatch.setattr(kernels, "compiled", lambda: None)  # none: no int8 path that is exact by construction
+    assert weights_for("auto") == ("none", "none")
+    assert weights_for("int8") == ("int8", "int8")
+
+
+def test_generate_runs_int8_by_default_and_says_so(folders, capsys):
+    """No --quantize: int8 target and int4-or-int8 draft where speclm's kernels run, named on the
+    statistics line; the output equals the explicit int8 run's."""
+    require_compiled_kernels()
+    base = ["generate", "--target", folders["target"], "--prompt", "auto auto auto", "--max-new-tokens", "8",
+            "--method", "draft", "--draft", folders["draft"]]
+    code, _, err = run(base, capsys)
+    assert code == 0
+    assert "target int8 weights on speclm" in err.splitlines()[-1] and "draft int" in err.splitlines()[-1]
+    code, out_auto, _ = run(base + ["--json"], capsys)
+    code2, out_int8, _ = run(base + ["--json", "--quantize", "int8"], capsys)
+    assert code == code2 == 0
+    assert json.loads(out_auto)["token_ids"] == json.loads(out_int8)["token_ids"]
+    code, _, err = run(base + ["--quantize", "none"], capsys)
+    assert code == 0 and "target float32 weights" in err.splitlines()[-1]

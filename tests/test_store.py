@@ -148,18 +148,19 @@ def test_a_cache_under_a_regular_file_is_one_error(tmp_path, monkeypatch):
 
 
 def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1, heads: int = 2, kv_heads: int = 1,
-                    ff: int = 128, quantized: bool = False, tied: bool = False) -> Path:
+                    ff: int = 128, quantized: bool = False, tied: bool = False, merges: tuple[str, ...] = ()) -> Path:
     """A qwen2 GGUF of a few hundred KB (a byte-level vocabulary of 257 tokens) that transformers'
     GGUF loader converts in a second: the store's real conversion path, without a download. fp32
     tensors, or with `quantized` GGUF blocks as a Q4/Q5/Q8 file mixes them (the embedding Q5_0,
     projections Q8_0, the MLP's down projection Q4_1); `tied`: no output.weight (the head is the
-    embedding table)."""
+    embedding table); `merges`: BPE merges to write, their tokens added before EOS (llama.cpp refuses a
+    file with none)."""
     import gguf
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     rng = np.random.default_rng(seed)
-    tokens = sorted(bytes_to_unicode().values()) + ["<|endoftext|>"]
+    tokens = sorted(bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
     vocab, head_dim = len(tokens), hidden // heads
     w = gguf.GGUFWriter(str(path), "qwen2")
     w.add_name("tiny")
@@ -176,7 +177,7 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
     w.add_token_types([1] * (vocab - 1) + [3])  # the last one a control token: EOS
-    w.add_token_merges([])
+    w.add_token_merges(list(merges))
     w.add_token_scores([0.0] * vocab)
     w.add_eos_token_id(vocab - 1)
     w.add_bos_token_id(vocab - 1)

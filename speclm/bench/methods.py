@@ -1,10 +1,12 @@
 """Benchmark methods: `name[:key=value,...]`, e.g. `none`, `draft:k=4`, `draft:k=6,confidence=0.4`, `pld:k=8,ngram_max=2`,
 `draft+pld:ngram_min=3`,
 `medusa:tree=FILE`, `eagle:heads=FILE`, `hf`, `hf-assisted:k=4`, `hf-pld:k=10`, `none:quantize=none` (that method on other weights
-than bench's --quantize, to compare fp32 and int8 side by side in one run).
+than bench's --quantize, to compare fp32 and int8 side by side in one run), and the peers `llama.cpp`, `llama.cpp-pld`,
+`openvino`, `openvino-draft`, `openvino-pld` (speclm.bench.peers).
 
 speclm methods run through `SpecEngine`; `hf*` methods through transformers' `generate` on
-the very same model objects (so on the same weights, dtype and threads).
+the very same model objects (so on the same weights, dtype and threads); peers through their
+own engines on the same source weights.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speclm.bench import peers
 from speclm.defaults import DRAFT_METHODS, MAX_K, METHODS
 from speclm.engine import SpecEngine
 from speclm.errors import UsageError
@@ -23,13 +26,14 @@ from speclm.stats import RequestStats
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float,
                 "alternatives": float, "vocab": int, "prompt_ratio": float, "tree": str, "heads": str,
-                "acceptance": str}
+                "acceptance": str, "weights": str, "draft_weights": str}
+PEER_ONLY = ("weights", "draft_weights")
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     label: str  # as written by the user; the key in every report
-    name: str  # none | draft | pld | draft+pld | hf | hf-assisted | hf-pld
+    name: str  # a speclm method, hf | hf-assisted | hf-pld, or a peer (speclm.bench.peers.PEER_METHODS)
     options: dict = field(default_factory=dict, hash=False)
 
     @property
@@ -37,8 +41,17 @@ class MethodSpec:
         return self.name in HF_METHODS
 
     @property
+    def is_peer(self) -> bool:
+        return self.name in peers.PEER_METHODS
+
+    @property
+    def plain(self) -> str:
+        """The method whose greedy output this one's must equal: its own engine's plain decoding."""
+        return peers.PLAIN[self.name] if self.is_peer else "none"
+
+    @property
     def needs_draft(self) -> bool:
-        return self.name in DRAFT_METHODS + ("hf-assisted",)
+        return self.name in DRAFT_METHODS + ("hf-assisted", "openvino-draft")
 
     @property
     def quantize(self) -> str | None:
@@ -55,8 +68,9 @@ def parse_methods(text: str) -> list[MethodSpec]:
     specs = []
     for label in _split(text):
         name, _, opts = label.partition(":")
-        if name not in METHODS + HF_METHODS:
-            raise UsageError(f"unknown method '{name}' (choose from {', '.join(METHODS + HF_METHODS)})")
+        known = METHODS + HF_METHODS + peers.PEER_METHODS
+        if name not in known:
+            raise UsageError(f"unknown method '{name}' (choose from {', '.join(known)})")
         options = {}
         for item in filter(None, opts.split(",")):
             key, eq, value = item.partition("=")
@@ -67,6 +81,12 @@ def parse_methods(text: str) -> list[MethodSpec]:
             except ValueError:
                 kind = "a number" if OPTION_TYPES[key] is float else "an integer"
                 raise UsageError(f"option {key} of method '{label}' must be {kind}") from None
+        if name in peers.PEER_METHODS:
+            if "quantize" in options:
+                raise UsageError(f"method {label} runs its own engine's weights: it takes weights=, not quantize=")
+            peers.check(name, options)
+        elif set(options) & set(PEER_ONLY):
+            raise UsageError(f"weights= and draft_weights= are options of the openvino methods, not of '{label}'")
         if options.get("quantize", "none") not in QUANTIZE_MODES:
             raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)} in method '{label}'")
         if options.get("k", 1) < 1:
@@ -99,11 +119,16 @@ def _split(text: str) -> list[str]:
 class RunResult:
     token_ids: list[int]
     seconds: float
-    stats: RequestStats | None  # None for hf methods (transformers reports none)
+    stats: RequestStats | None  # None for hf methods and peers (they report none)
 
 
 def run_method(spec: MethodSpec, engine: SpecEngine, prompt_ids: list[int], max_new_tokens: int,
-               temperature: float, seed: int) -> RunResult:
+               temperature: float, seed: int, peer=None) -> RunResult:
+    """One generation; `peer` is the peer engine of a peer method (speclm.bench.peers.make_peer)."""
+    if spec.is_peer:
+        start = time.perf_counter()
+        ids = peer.generate(prompt_ids, max_new_tokens, temperature, seed)
+        return RunResult(ids, time.perf_counter() - start, None)
     if spec.is_hf:
         return _run_hf(spec, engine, prompt_ids, max_new_tokens, temperature, seed)
     start = time.perf_counter()

@@ -194,7 +194,7 @@ def markdown(results: dict, summary: dict) -> str:
         "",
         "| method | tokens/s | speedup vs none | speedup vs hf | decode tokens/s | decode speedup vs none | mean accepted tokens "
         "| acceptance rate | verified draft tokens / forward | target forwards / token | time outside model forwards "
-        "| peak resident memory | lossless vs none |",
+        "| peak resident memory | identical to plain decoding |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     methods = summary["methods"]
@@ -211,8 +211,9 @@ def markdown(results: dict, summary: dict) -> str:
               "over the time after the prefill, which is what speculation can speed up (speclm methods only).",
               "", "Time outside model forwards: share of each request's wall time spent outside target and draft "
               "forwards (drafting logic, verification, bookkeeping); it is what a faster engine loop could remove. "
-              "`none` in a row's label means plain decoding on that row's weights; lossless compares each method "
-              "with `none` on the same weights. Verified draft tokens / forward: the draft tokens (a tree's nodes) each target forward after the prefill scored; acceptance rate is accepted over drafted, so a tree's is lower by design. Peak resident memory: the process's largest resident size during "
+              "`none` in a row's label means plain decoding on that row's weights; identical to plain decoding compares "
+              "each greedy output token for token with `none`'s on the same weights (a peer's with its own engine's plain "
+              "decoding: `llama.cpp`, `openvino`). Verified draft tokens / forward: the draft tokens (a tree's nodes) each target forward after the prefill scored; acceptance rate is accepted over drafted, so a tree's is lower by design. Peak resident memory: the process's largest resident size during "
               "any of the method's runs (models included; the peak is reset before each run)."]
     parts = {m: cells[ALL]["time"] for m, cells in methods.items() if cells.get(ALL, {}).get("time")}
     if parts:
@@ -227,6 +228,7 @@ def markdown(results: dict, summary: dict) -> str:
                          f"{cell('draft_prefill')} | {cell('drafting')} | {cell('rest')} |")
         lines += ["", "Speculation shortens only the target's forwards after the prefill, and pays for drafting and "
                   "the draft model's prefill out of what it saves there."]
+    lines += _peer_lines(results, methods)
     cats = [x for x in summary["categories"] if x != ALL]
     lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " | mean of the categories |",
               "|---" * (len(cats) + 2) + "|"]
@@ -273,18 +275,41 @@ def markdown(results: dict, summary: dict) -> str:
     bad = [r for r in results["runs"] if r["lossless"] is False]
     lines += ["", "## Lossless check", ""]
     if bad:
-        lines += [f"**{len(bad)} greedy output(s) differ from `none`:**", "",
+        lines += [f"**{len(bad)} greedy output(s) differ from their plain decoding's:**", "",
                   "| method | prompt | first differing position | expected | got | target top-2 logit margin there |", "|---|---|---|---|---|---|"]
         for r in bad:
             mm = r["mismatch"]
-            lines.append(f"| {r['method']} | {r['category']}/{r['prompt_id']} | {mm['position']} | {mm['expected']} | {mm['got']} | {mm['top2_margin']:.4g} |")
-        lines += ["", "A margin near 0 is a floating-point near-tie (a k-token forward is not bit-identical to k 1-token forwards); a large one is a bug."]
+            margin = "–" if mm.get("top2_margin") is None else f"{mm['top2_margin']:.4g}"
+            lines.append(f"| {r['method']} | {r['category']}/{r['prompt_id']} | {mm['position']} | {mm['expected']} | {mm['got']} | {margin} |")
+        lines += ["", "A margin near 0 is a floating-point near-tie (a k-token forward is not bit-identical to k 1-token forwards); "
+                  "a large one is a bug. A peer's margin is not shown: speclm's target is not that engine's model."]
     elif cfg["temperature"] == 0:
-        lines.append("Every greedy output equals `none`'s token for token.")
+        lines.append("Every greedy output equals its plain decoding's token for token.")
     else:
         lines.append("Sampling run: outputs are not compared token for token.")
     lines += ["", "Plots: `speedup.png`, `accepted_per_position.png`, `v_k.png`.", ""]
     return "\n".join(lines)
+
+
+def _peer_lines(results: dict, methods: dict) -> list[str]:
+    """What the other engines ran, at which settings: transformers' assisted generation and the peers."""
+    rows = []
+    for label in methods:
+        name = label.partition(":")[0]
+        if name == "hf-assisted":
+            rows.append(f"- `{label}`: transformers' assisted generation, " + (
+                "a fixed number of draft tokens each round (constant schedule, no confidence stop)" if ":" in label and "k=" in label
+                else "transformers' default schedule: up to 20 draft tokens a round, stopped where the draft's confidence "
+                     "falls below a threshold (0.4 at first) that transformers adjusts as rounds are accepted or rejected"))
+        elif name in ("hf", "hf-pld"):
+            rows.append(f"- `{label}`: transformers' `generate`" + (" with prompt lookup" if name == "hf-pld" else "")
+                        + ", on the same model objects as speclm's methods")
+        elif label in results.get("peers", {}):
+            rows.append(f"- `{label}`: {results['peers'][label]}")
+    if not rows:
+        return []
+    return ["", "## Other engines and their settings", "", *rows, "",
+            "Every engine reads the same prompt token ids and runs with this run's thread count."]
 
 
 def plots(results: dict, summary: dict, out_dir: Path) -> list[Path]:
@@ -320,7 +345,8 @@ def plots(results: dict, summary: dict, out_dir: Path) -> list[Path]:
     ax.set_ylabel("share of target forwards accepting a token there")
     ax.set_ylim(0, 1)
     ax.set_title("accepted tokens by draft position or tree depth")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no line where no method drafted
+        ax.legend(fontsize=8)
     fig.tight_layout()
     written.append(_save(fig, out_dir / "accepted_per_position.png"))
 

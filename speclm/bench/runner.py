@@ -9,9 +9,10 @@
    another method just read (which would spare it that prompt's prefill).
 4. For each prompt, for each repeat, run every method in turn (A B C A B C ...), so that
    drift of a shared machine hits all methods alike.
-5. Greedy outputs of every method are compared with `none` token for token; a mismatch is
-   reported with its first differing position and the target's top-2 logit margin there,
-   which tells a floating-point near-tie from a bug.
+5. Greedy outputs of every method are compared with `none` token for token (a peer's with its
+   own engine's plain decoding, speclm.bench.peers.PLAIN); a mismatch is reported with its
+   first differing position and the target's top-2 logit margin there, which tells a
+   floating-point near-tie from a bug.
 6. Each run records the process's peak resident memory during it (its peak is reset before the
    run: speclm.memory), so a method's peak shows what it adds beside the models.
 7. Results are written after every prompt; an interrupted run (Ctrl-C, SIGTERM) keeps
@@ -37,6 +38,7 @@ from speclm.bench.costs import measure_costs
 from speclm.bench.dataset import BenchPrompt
 from speclm.bench.machine import machine_facts
 from speclm.bench.methods import MethodSpec, run_method
+from speclm.bench.peers import describe as describe_peer, make_peer
 from speclm.engine import GenerationOptions, SpecEngine
 from speclm.defaults import DRAFT_METHODS
 from speclm.prefix_cache import DEFAULT_TOKENS, PrefixCaches
@@ -78,14 +80,20 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
         return engines[spec.quantize or config.quantize]
 
     caches: dict[str, PrefixCaches] = {}  # method label -> its own prefix caches
+    encoded = engine.encode([p.text for p in prompts], config.chat)
+    peer_engines = {}  # peer method label -> its engine (each keeps its own cache of the last prompt)
+    for spec in specs:
+        if spec.is_peer:
+            peer_engines[spec.label] = make_peer(
+                spec.name, spec.options, config.target, config.draft, max(map(len, encoded)) + config.max_new_tokens + 64,
+                torch.get_num_threads(), tuple(engine.target.eos_token_ids), progress)
 
     def run(spec: MethodSpec, ids: list[int], max_new_tokens: int, seed: int):
         engine = engine_of(spec)
         engine.prefix = caches.setdefault(spec.label, PrefixCaches.of_size(config.prefix_cache))
-        return run_method(spec, engine, ids, max_new_tokens, config.temperature, seed)
+        return run_method(spec, engine, ids, max_new_tokens, config.temperature, seed, peer_engines.get(spec.label))
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    encoded = engine.encode([p.text for p in prompts], config.chat)
     results = {
         "schema": SCHEMA_VERSION,
         "command": "speclm " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("speclm") else None,
@@ -94,6 +102,7 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
         "machine": machine_facts(),
         "resident_after_load": asdict(now) if (now := memory.resident()) else None,
         "config": asdict(config),
+        "peers": {s.label: describe_peer(s.name, s.options) for s in specs if s.is_peer},
         "cost_model": None,
         "runs": [],
     }
@@ -115,18 +124,18 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
         for spec in specs:
             run(spec, encoded[0], 8, config.seed)
         caches.clear()  # the first prompt is read whole, as a server's first request
-        # `none` runs first on each set of weights: it is the reference of the others there
-        order = sorted(specs, key=lambda s: s.name != "none")
+        # plain decoding runs first on each set of weights and each peer engine: the others' reference
+        order = sorted(specs, key=lambda s: s.name != s.plain)
         for prompt, ids in zip(prompts, encoded):
             for repeat in range(config.repeats):
-                reference: dict[str, list[int]] = {}  # quantize mode -> `none`'s output
+                reference: dict[str, list[int]] = {}  # quantize mode or peer engine -> its plain decoding's output
                 for spec in order:
                     bar.set_postfix_str(f"{prompt.category}/{prompt.prompt_id} {spec.label}")
-                    mode = spec.quantize or config.quantize
+                    mode = spec.plain if spec.is_peer else spec.quantize or config.quantize
                     memory.reset_peak()
                     r = run(spec, ids, config.max_new_tokens, config.seed + repeat)
                     peak = memory.peak_bytes()
-                    if spec.name == "none":
+                    if spec.name == spec.plain:
                         reference[mode] = r.token_ids
                     results["runs"].append({**_record(engine_of(spec), prompt, spec, repeat, r, ids, reference.get(mode), config),
                                             "peak_resident_bytes": peak})
@@ -144,9 +153,14 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
 
 def _record(engine, prompt, spec, repeat, r, prompt_ids, reference, config) -> dict:
     lossless = mismatch = None
-    if config.temperature == 0 and reference is not None and spec.name != "none":
+    if config.temperature == 0 and reference is not None and spec.name != spec.plain:
         lossless = r.token_ids == reference
-        if not lossless:
+        if not lossless and spec.is_peer:  # speclm's target is not the peer's model: no margin from it
+            pos = next((i for i, (a, b) in enumerate(zip(reference, r.token_ids)) if a != b),
+                       min(len(reference), len(r.token_ids)))
+            mismatch = {"position": pos, "expected": reference[pos] if pos < len(reference) else None,
+                        "got": r.token_ids[pos] if pos < len(r.token_ids) else None, "top2_margin": None}
+        elif not lossless:
             mismatch = first_mismatch(engine, prompt_ids, reference, r.token_ids)
     return {
         "prompt_id": prompt.prompt_id,
@@ -160,6 +174,7 @@ def _record(engine, prompt, spec, repeat, r, prompt_ids, reference, config) -> d
         "token_ids": r.token_ids,
         "stats": r.stats.to_dict() if r.stats else None,
         "lossless": lossless,
+        "compared_with": spec.plain,
         "mismatch": mismatch,
     }
 

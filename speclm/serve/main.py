@@ -32,7 +32,7 @@ def check(args) -> str:
 
 def build(args, progress: bool = False):
     """The engine, its scheduler (not started) and the app, from `speclm serve`'s options."""
-    from speclm import kernels
+    from speclm.runtime import weights_for
     from speclm.engine import SpecEngine
     from speclm.models.loading import check_model_name, load_model
     from speclm.serve.app import ServerConfig, create_app
@@ -48,12 +48,9 @@ def build(args, progress: bool = False):
     check_model_name(args.target)
     if args.draft:
         check_model_name(args.draft)
-    target = load_model(args.target, quantize=args.quantize, progress=progress)
-    draft = None
-    if args.draft:
-        draft_mode = args.draft_quantize or (
-            "int4" if args.quantize == "int8" and kernels.compiled() is not None else args.quantize)
-        draft = load_model(args.draft, quantize=draft_mode, progress=progress)
+    quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
+    target = load_model(args.target, quantize=quantize, progress=progress)
+    draft = load_model(args.draft, quantize=draft_quantize, progress=progress) if args.draft else None
     engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
     if options.method in ("medusa", "eagle"):
         engine.heads(options.method, options.heads)  # fail at start, not at the first request

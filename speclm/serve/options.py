@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from speclm.defaults import METHODS
-from speclm.runtime import QUANTIZE_MODES
+from speclm.runtime import QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES
 
 MAX_BATCH = 8  # requests decoding at once: the concurrency the load benchmark measures up to
 MAX_QUEUE = 64
@@ -27,11 +27,8 @@ def add_serve_parser(sub, add_draft_options, prefix_cache_help: str, draft_quant
                         "measured forward costs and the requests' acceptance (0: plain decoding); fixed: every round "
                         "drafts k (a request that sets k keeps it either way)")
     add_draft_options(s)
-    s.add_argument("--quantize", choices=QUANTIZE_MODES, default="int8",
-                   help="int8 (default): int8 weights, the fast path on CPU, output bit-identical with and without "
-                        "speculation; none: the weights as published")
-    s.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None,
-                   help=draft_quantize_help + "; default int4 with --quantize int8 where speclm's kernels run")
+    s.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto", help=QUANTIZE_HELP)
+    s.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=draft_quantize_help)
     s.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS", help=prefix_cache_help
                    + "; shared by all requests")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
