@@ -88,7 +88,7 @@ WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 TREE = "chain"
 
 # fp32 CPU weights: rows -> the rows a linear layer's GEMM runs over, zero rows added (speclm.lean). MKL's
-# (W x^T)^T over 4 rows cost what 1 row does on the AVX2 machine, over 3 rows 1.45x; 13-15 rows 1.5-1.8x
+# (W x^T)^T over 4 rows cost what 1 row does on the AVX2 machine, over 3 rows 1.45x; 13-15 rows 1.6-2.0x
 # 16 rows' (benchmarks/avx2/fp32-linear-rows.txt, the padded column)
 FP32_PADDED_ROWS = {2: 4, 3: 4, 13: 16, 14: 16, 15: 16}
 

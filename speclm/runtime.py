@@ -24,11 +24,10 @@ def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, 
     """
     from speclm import kernels
 
-    fast = kernels.compiled() is not None
     if quantize == "auto":
-        quantize = "int8" if fast else "none"
-    if draft_quantize in (None, "auto"):
-        draft_quantize = "int4" if quantize == "int8" and fast else quantize
+        quantize = "int8" if kernels.compiled() is not None else "none"
+    if draft_quantize in (None, "auto"):  # `none` asks nothing of the kernels (their first build takes a minute)
+        draft_quantize = "int4" if quantize == "int8" and kernels.compiled() is not None else quantize
     return quantize, draft_quantize
 
 

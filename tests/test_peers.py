@@ -33,7 +33,7 @@ def test_parse_peer_methods(monkeypatch):
     assert specs[2].options == {"k": 4, "ngram_max": 3}
     assert specs[4].needs_draft and not specs[3].needs_draft
     assert peers.settings("llama.cpp-pld", specs[2].options) == {"k": 4, "ngram_max": 3}
-    assert peers.settings("openvino-pld", {}) == {"k": 5, "ngram_max": 3}  # OpenVINO GenAI's own sample settings
+    assert peers.settings("openvino-pld", {}) == {"k": 5, "ngram_max": 3, "weights": "int8"}  # OpenVINO GenAI's own sample settings
     for bad in ("llama.cpp:quantize=int8", "draft:weights=int4", "pld:draft_weights=int8"):
         with pytest.raises(UsageError):
             parse_methods(bad)

@@ -26,8 +26,7 @@ from speclm.stats import RequestStats
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float,
                 "alternatives": float, "vocab": int, "prompt_ratio": float, "tree": str, "heads": str,
-                "acceptance": str, "weights": str, "draft_weights": str}
-PEER_ONLY = ("weights", "draft_weights")
+                "acceptance": str, **{key: str for key in peers.OPENVINO_OPTIONS}}
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def parse_methods(text: str) -> list[MethodSpec]:
             if "quantize" in options:
                 raise UsageError(f"method {label} runs its own engine's weights: it takes weights=, not quantize=")
             peers.check(name, options)
-        elif set(options) & set(PEER_ONLY):
+        elif set(options) & set(peers.OPENVINO_OPTIONS):
             raise UsageError(f"weights= and draft_weights= are options of the openvino methods, not of '{label}'")
         if options.get("quantize", "none") not in QUANTIZE_MODES:
             raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)} in method '{label}'")

@@ -41,12 +41,15 @@ PLAIN = {m: ("llama.cpp" if m in LLAMA_CPP else "openvino") for m in PEER_METHOD
 # - llama-cpp-python's README: "num_pred_tokens is the number of tokens to predict 10 is the default and
 #   generally good for gpu, 2 performs better for cpu-only machines"; max_ngram_size 2 is its default.
 # - OpenVINO GenAI's speculative-decoding and prompt-lookup samples: num_assistant_tokens 5, max_ngram_size 3.
+# - OpenVINO's weights: int8 target and int4 draft, as speclm's default pair.
 PEER_DEFAULTS = {
     "llama.cpp-pld": {"k": 2, "ngram_max": 2},
-    "openvino-draft": {"k": 5},
-    "openvino-pld": {"k": 5, "ngram_max": 3},
+    "openvino": {"weights": "int8"},
+    "openvino-draft": {"k": 5, "weights": "int8", "draft_weights": "int4"},
+    "openvino-pld": {"k": 5, "ngram_max": 3, "weights": "int8"},
 }
 OPENVINO_WEIGHTS = ("int8", "int4", "fp16")
+OPENVINO_OPTIONS = ("weights", "draft_weights")  # options of the openvino methods alone
 INSTALL_HINT = "pip install 'speclm[peers]' (or make peers)"
 
 
@@ -62,21 +65,21 @@ def describe(name: str, options: dict) -> str:
         return "llama.cpp (llama-cpp-python), plain decoding on the GGUF file"
     if name == "llama.cpp-pld":
         return f"llama.cpp prompt lookup (LlamaPromptLookupDecoding), num_pred_tokens {s['k']}, max_ngram_size {s['ngram_max']}"
-    weights = f"target weights {s.get('weights', 'int8')}"
+    weights = f"target weights {s['weights']}"
     if name == "openvino":
         return f"OpenVINO GenAI LLMPipeline, plain decoding, {weights}"
     if name == "openvino-draft":
         return (f"OpenVINO GenAI speculative decoding, num_assistant_tokens {s['k']}, {weights}, "
-                f"draft weights {s.get('draft_weights', 'int4')}")
+                f"draft weights {s['draft_weights']}")
     return f"OpenVINO GenAI prompt lookup, num_assistant_tokens {s['k']}, max_ngram_size {s['ngram_max']}, {weights}"
 
 
 def check(name: str, options: dict) -> None:
     """The method's options and its engine's package, before anything is loaded."""
-    for key in ("weights", "draft_weights"):
+    for key in OPENVINO_OPTIONS:
         if key in options and options[key] not in OPENVINO_WEIGHTS:
             raise UsageError(f"{key} must be one of {', '.join(OPENVINO_WEIGHTS)} in method '{name}'")
-    bad = set(options) - {"k", "ngram_max"} - ({"weights", "draft_weights"} if name in OPENVINO else set())
+    bad = set(options) - {"k", "ngram_max"} - (set(OPENVINO_OPTIONS) if name in OPENVINO else set())
     if bad:
         raise UsageError(f"method {name} takes no option {', '.join(sorted(bad))}")
     module = "llama_cpp" if name in LLAMA_CPP else "openvino_genai"
@@ -126,11 +129,11 @@ class OpenVINOPeer:
 
         s = settings(name, options)
         props = {"INFERENCE_NUM_THREADS": threads}
-        model = openvino_model(target_folder, s.get("weights", "int8"), progress)
+        model = openvino_model(target_folder, s["weights"], progress)
         if name == "openvino-draft":
             if draft_folder is None:
                 raise UsageError("openvino-draft needs --draft")
-            draft = openvino_model(draft_folder, s.get("draft_weights", "int4"), progress)
+            draft = openvino_model(draft_folder, s["draft_weights"], progress)
             self.pipe = ov_genai.LLMPipeline(str(model), "CPU", draft_model=ov_genai.draft_model(str(draft), "CPU", **props), **props)
         elif name == "openvino-pld":
             self.pipe = ov_genai.LLMPipeline(str(model), "CPU", prompt_lookup=True, **props)

@@ -156,10 +156,7 @@ def _record(engine, prompt, spec, repeat, r, prompt_ids, reference, config) -> d
     if config.temperature == 0 and reference is not None and spec.name != spec.plain:
         lossless = r.token_ids == reference
         if not lossless and spec.is_peer:  # speclm's target is not the peer's model: no margin from it
-            pos = next((i for i, (a, b) in enumerate(zip(reference, r.token_ids)) if a != b),
-                       min(len(reference), len(r.token_ids)))
-            mismatch = {"position": pos, "expected": reference[pos] if pos < len(reference) else None,
-                        "got": r.token_ids[pos] if pos < len(r.token_ids) else None, "top2_margin": None}
+            mismatch = {**first_difference(reference, r.token_ids), "top2_margin": None}
         elif not lossless:
             mismatch = first_mismatch(engine, prompt_ids, reference, r.token_ids)
     return {
@@ -182,13 +179,18 @@ def _record(engine, prompt, spec, repeat, r, prompt_ids, reference, config) -> d
 @torch.inference_mode()
 def first_mismatch(engine: SpecEngine, prompt_ids: list[int], reference: list[int], got: list[int]) -> dict:
     """Where two greedy outputs first differ, and the target's top-2 logit margin there."""
-    pos = next((i for i, (a, b) in enumerate(zip(reference, got)) if a != b), min(len(reference), len(got)))
-    ids = torch.tensor([prompt_ids + reference[:pos]], device=engine.target.model.device)
+    diff = first_difference(reference, got)
+    ids = torch.tensor([prompt_ids + reference[:diff["position"]]], device=engine.target.model.device)
     logits = engine.target.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
     top = torch.topk(logits, 2)
+    return {**diff, "top2_margin": float(top.values[0] - top.values[1])}
+
+
+def first_difference(reference: list[int], got: list[int]) -> dict:
+    """The first position where two outputs differ (or the shorter one's end), and their tokens there."""
+    pos = next((i for i, (a, b) in enumerate(zip(reference, got)) if a != b), min(len(reference), len(got)))
     return {"position": pos, "expected": reference[pos] if pos < len(reference) else None,
-            "got": got[pos] if pos < len(got) else None,
-            "top2_margin": float(top.values[0] - top.values[1])}
+            "got": got[pos] if pos < len(got) else None}
 
 
 def _install_sigterm():
