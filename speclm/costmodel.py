@@ -10,12 +10,14 @@ during the request (and a sampled request with a seed stays reproducible on this
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -29,9 +31,15 @@ REPEATS = 5
 
 @dataclass(frozen=True)
 class ForwardCosts:
-    """Seconds of a target forward over n tokens: intercept + slope * n, the least-squares line
-    through the measured medians (each token is one more row through the same weights, so the
-    cost grows by about the same each time; a line also smooths a sample a slow spell hit)."""
+    """Seconds of a target forward over n tokens, from the medians measured at some sizes.
+
+    Between measured sizes: linear interpolation through the medians made non-decreasing (pool
+    adjacent violators, so a sample a slow spell hit is averaged with its neighbours instead of
+    bending the curve). Not a single line: kernels that tile rows make the cost a staircase (the
+    AVX-512 int8 kernel reads 1 to 7 rows for about the price of one, 8 for 1.5), and a line
+    through it would price small trees too high and large ones too low. Beyond the largest
+    measured size: the least-squares line's slope (each token is one more row through the same
+    weights)."""
 
     seconds: dict[int, float]  # tokens read -> median seconds measured
 
@@ -45,9 +53,29 @@ class ForwardCosts:
         slope = max(slope, 0.0)
         return my - slope * mx, slope
 
+    @cached_property
+    def curve(self) -> tuple[list[int], list[float]]:
+        """(sizes ascending, their non-decreasing fitted seconds)."""
+        xs = sorted(self.seconds)
+        blocks: list[list[float]] = []  # [sum, count] of pooled adjacent sizes
+        for x in xs:
+            blocks.append([self.seconds[x], 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        ys = [s / c for s, c in blocks for _ in range(int(c))]
+        return xs, ys
+
     def __call__(self, tokens: int) -> float:
-        intercept, slope = self.line
-        return max(intercept + slope * tokens, 1e-6)
+        xs, ys = self.curve
+        if tokens >= xs[-1]:
+            return max(ys[-1] + self.line[1] * (tokens - xs[-1]), 1e-6)
+        if tokens <= xs[0]:
+            return max(ys[0], 1e-6)
+        i = bisect.bisect_right(xs, tokens)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), 1e-6)
 
     def to_dict(self) -> dict:
         return {str(k): v for k, v in self.seconds.items()}

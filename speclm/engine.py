@@ -127,6 +127,10 @@ class SpecEngine:
         """The target's forward time by tokens read (speclm.costmodel; measured once per model, then cached)."""
         return verification_costs(self.target.model, f"{self.target.name}-{self.target.quantize}")
 
+    def draft_costs(self):
+        """The draft model's forward time by tokens read, as forward_costs."""
+        return verification_costs(self.draft.model, f"{self.draft.name}-{self.draft.quantize}")
+
     def request(self, prompt, options: GenerationOptions | None = None, index: int = 0, seed: int | None = None,
                 **kwargs) -> Request:
         """A request to join a Batch: a prompt (string or token ids) and its own options (a
@@ -222,8 +226,10 @@ class SpecEngine:
 
     def _tree(self, opts: GenerationOptions) -> TreeSpec | None:
         spec = opts.tree_spec
-        if spec is not None and spec.choices is None and opts.sampling.greedy:  # auto's budget: measured costs
+        if spec is not None and spec.choices is None:  # auto's budget: measured costs (sampling: the draft's too)
             spec = replace(spec, costs=self.forward_costs())
+            if not opts.sampling.greedy:
+                spec = replace(spec, draft_costs=self.draft_costs())
         return spec
 
     def _k(self, opts: GenerationOptions) -> int:

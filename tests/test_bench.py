@@ -194,7 +194,7 @@ def test_bench_int8_beside_fp32_in_one_run(folders, tmp_path, dataset, capsys):
     target, draft = folders["target"], folders["draft"]
     out = tmp_path / "mixed"
     code = main(["bench", "--target", target, "--draft", draft, "--quantize", "int8",
-                 "--methods", "none,none:quantize=none,draft:k=3,pld:k=4,hf", "--dataset", dataset,
+                 "--methods", "none,none:quantize=none,draft:k=3,pld:k=4,draft:tree=auto,hf", "--dataset", dataset,
                  "--categories", "qa", "--per-category", "1", "--max-new-tokens", "10", "--cost-repeats", "1",
                  "--out", str(out)])
     assert code == 0
@@ -202,6 +202,7 @@ def test_bench_int8_beside_fp32_in_one_run(folders, tmp_path, dataset, capsys):
     assert saved["config"]["quantize"] == "int8"
     runs = {r["method"]: r for r in saved["runs"]}
     assert runs["draft:k=3"]["lossless"] and runs["pld:k=4"]["lossless"]  # vs int8 none
+    assert runs["draft:tree=auto"]["lossless"]  # a tree method beside the cost model's measurement
     assert runs["none:quantize=none"]["lossless"] is None  # it is the reference on fp32 weights
     assert 0 <= runs["draft:k=3"]["stats"]["overhead_share"] < 1
     stats = runs["draft:k=3"]["stats"]

@@ -9,7 +9,9 @@ import torch
 
 from speclm import SpecEngine
 from speclm.errors import UsageError
-from speclm.proposers.draft_tree import MAX_NODES, TreeSpec, _best, _Node, check_choices, parse_tree
+from speclm.costmodel import ForwardCosts
+from speclm.proposers.draft_tree import (MAX_NODES, TreeSpec, _best, _Node, _Plan, _sampled_counts, check_choices,
+                                         coverage, parse_tree)
 from speclm.quant import quantize_model
 from speclm.tree import ROOT
 from tiny import loaded
@@ -89,6 +91,31 @@ def test_auto_tree_budget_follows_the_measured_costs():
     assert steep == []
     linear = _best(nodes, lambda n: 1.0 + 0.4 * (n - 1), spent=0.0)  # 0.9 and 0.6 pay for 0.4 each, 0.3 does not
     assert [n.token for n in linear] == [1, 3] and [n.parent for n in linear] == [ROOT, 0]
+
+
+def test_forward_costs_follow_a_staircase():
+    """The cost line interpolates the measured medians made non-decreasing: a kernel that reads
+    1 to 7 rows at one price and 8 at another is priced so, not as one straight line."""
+    costs = ForwardCosts({1: 0.10, 2: 0.10, 4: 0.11, 6: 0.09, 8: 0.15, 16: 0.20, 32: 0.36})
+    assert costs(1) == pytest.approx(0.10) and costs(3) == pytest.approx(0.10)
+    assert costs(4) == pytest.approx(0.10) and costs(6) == pytest.approx(0.10)  # 0.11 and 0.09 pooled
+    assert costs(7) == pytest.approx(0.125) and costs(12) == pytest.approx(0.175)
+    assert costs(64) > costs(32) == pytest.approx(0.36)  # past the last size: the line's slope
+    assert all(costs(n) <= costs(n + 1) for n in range(1, 80))
+    assert ForwardCosts({1: 0.2})(5) == pytest.approx(0.2)
+
+
+def test_sampled_children_counts_follow_the_distribution():
+    """A sampled auto tree chooses a node's children count from its distribution before drawing:
+    a sure draft one child, an unsure one more, as many as the cost line says pay."""
+    spec = TreeSpec(costs=lambda n: 1.0 + 0.05 * (n - 1), draft_costs=lambda n: 0.1)
+    sure, unsure = torch.tensor([0.97, 0.01, 0.01, 0.01]), torch.full((4,), 0.25)
+    assert coverage(unsure, 2)[0] == pytest.approx(0.25) and coverage(unsure, 2)[1] == pytest.approx(0.4375)
+    assert _sampled_counts(spec, _Plan(spent=0.1), [1.0], [sure]) == [1]
+    counts = _sampled_counts(spec, _Plan(spent=0.1), [1.0, 0.5], [unsure, unsure])
+    assert counts[0] > 1 and counts[0] >= counts[1] >= 1 and max(counts) <= spec.branch
+    free = TreeSpec(costs=lambda n: 1.0, draft_costs=lambda n: 0.1)  # verification free: every draw
+    assert _sampled_counts(free, _Plan(spent=0.1), [1.0], [unsure]) == [4]
 
 
 def test_tree_files_are_checked(tmp_path):

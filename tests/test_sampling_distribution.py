@@ -14,8 +14,9 @@ requests, one row each with its own generator, are decoded as one batch per case
 auto, and auto under draft+pld; a tree two deep fills the same window; trained heads' trees:
 medusa grown and static, eagle, with untrained random heads) and their counts compared with the
 exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 18 checks, by the union bound, with probability at most 1.8e-3
-nominally, 3.6e-3 with the chi-square approximation's error as measured there).
+about ALPHA = 1e-4; this file's 19 checks, by the union bound, with probability at most 1.9e-3
+nominally, 3.8e-3 with the chi-square approximation's error as measured there). An auto tree
+sized from cost lines (its nodes' children counts chosen from their distributions) is one of them.
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
 fail the very check (same case, seed and sample count) the real code passes:
@@ -166,6 +167,29 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_tokens_follow_target_distribution(small, case):
     assert pvalue(small, *CASES[case]) > ALPHA
+
+
+def test_sized_auto_tree_follows_target_distribution(small, monkeypatch):
+    """A sampled auto tree sized by cost lines under which each verified token costs 15% of a
+    forward: its nodes get 1 to 4 children as their distributions say, and the tokens still
+    follow the target's distribution (the tiny models' own measured lines are flat, so the
+    `tree-auto` case draws every node's 4 children)."""
+    import speclm.proposers.draft_tree as draft_tree
+    from speclm.costmodel import ForwardCosts
+
+    monkeypatch.setattr(SpecEngine, "forward_costs", lambda self: ForwardCosts({1: 1.0, 64: 10.45}))
+    monkeypatch.setattr(SpecEngine, "draft_costs", lambda self: ForwardCosts({1: 0.1, 64: 0.73}))
+    seen = []
+    real = draft_tree._sampled_counts
+
+    def counts(*args):
+        out = real(*args)
+        seen.extend(out)
+        return out
+
+    monkeypatch.setattr(draft_tree, "_sampled_counts", counts)
+    assert pvalue(small, "draft", T1, {"tree": "auto"}) > ALPHA
+    assert {1, 2} <= set(seen) and max(seen) <= 4, sorted(set(seen))
 
 
 # ---------------------------------------------------------------- mutations: the check has power

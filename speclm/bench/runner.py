@@ -116,7 +116,7 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
                 engine.target.model, engine.draft.model if engine.draft else None, encoded[0][:256],
                 repeats=config.cost_repeats,
                 pld_labels=[s.label for s in specs if s.name == "pld"],
-                draft_vocabs={s.label: GenerationOptions(**s.decoding_options).draft_vocabulary()
+                draft_vocabs={s.label: GenerationOptions(method=s.name, **s.decoding_options).draft_vocabulary()
                               for s in specs if s.name in DRAFT_METHODS},
                 always=tuple(engine.target.eos_token_ids),
             )

@@ -14,10 +14,15 @@ Two shapes:
   the target's measured forward time over N + 1 tokens, speclm.costmodel).
 
 Sampling stays exact: a node's children are its distribution's draws without replacement (rank
-r: the r-th draw, carrying the distribution it was drawn from), and whether a node gets children
-is decided before they are drawn, from what was drawn earlier; every drawn node is verified (a
-choice among drawn nodes by their own probability would bias them). Greedy: rank r is the r-th
-likeliest token.
+r: the r-th draw, carrying the distribution it was drawn from), and whether a node gets children,
+and how many, is decided before they are drawn, from what was drawn earlier and from the
+distribution itself; every drawn node is verified (a choice among drawn nodes by their own
+probability would bias them). With the cost lines set (`costs`, `draft_costs`: measured once per
+model, so a seeded request's tree does not depend on timings or on its batch), a sampled auto
+tree is sized as it grows: a node's children count is the one maximising expected tokens per
+second, the chance that the target's token is among c draws estimated from the distribution as
+sum_x q(x) (1 - (1 - q(x))^c); a level is expanded where the expected gain pays for a draft
+forward and the wider verification. Greedy: rank r is the r-th likeliest token.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class TreeSpec:
     min_prob: float = 0.05  # auto: a node below this cumulative probability is not expanded
     follow: float = 0.6  # auto, greedy: a level's likeliest node is expanded where the draft gave it this much
     costs: Callable[[int], float] | None = field(default=None, compare=False)  # tokens -> seconds (target forward)
+    draft_costs: Callable[[int], float] | None = field(default=None, compare=False)  # the same, the draft's (sampling)
 
     @property
     def max_depth(self) -> int:
@@ -179,6 +185,8 @@ def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logi
     head = vocabs.head
     by_cost = (spec.choices is None and params.greedy and spec.costs is not None and times is not None
                and batch == 1)
+    sized = spec.choices is None and not params.greedy and spec.costs is not None and spec.draft_costs is not None
+    plans = [_Plan(spent=spec.draft_costs(1)) for _ in range(batch)] if sized else None
     nodes: list[list[_Node]] = [[] for _ in range(batch)]
     limit = [min(spec.max_depth, max(b, 0)) for b in budgets]
     # per row: (parent node or ROOT, its logits (S,)) to draw children from at this level
@@ -187,9 +195,13 @@ def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logi
     for depth in range(spec.max_depth):
         grown = [[] for _ in range(batch)]  # per row: this level's new node indices
         for b in range(batch):
-            for parent, logits in frontier[b]:
-                ranks = _ranks_wanted(spec, nodes[b], parent)
-                for rank, token, p, q in _children(vocabs.logits(rows[b], logits), ranks, params, generators[b],
+            scores = [vocabs.logits(rows[b], logits) for _, logits in frontier[b]]
+            if sized:
+                counts = _sampled_counts(spec, plans[b], [nodes[b][n].prob if n != ROOT else 1.0 for n, _ in frontier[b]],
+                                         [processed_probs(x, params) for x in scores])
+            for i, (parent, _) in enumerate(frontier[b]):
+                ranks = list(range(counts[i])) if sized else _ranks_wanted(spec, nodes[b], parent)
+                for rank, token, p, q in _children(scores[i], ranks, params, generators[b],
                                                    vocabs.token_ids(rows[b]), vocab_size):
                     value = times.acceptance(p, rank) if by_cost else p
                     if rank == 0 and by_cost:
@@ -198,11 +210,18 @@ def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logi
                     nodes[b].append(_Node(token, parent, depth, (up.ranks if up else ()) + (rank,),
                                           (up.prob if up else 1.0) * value, q, local=p))
                     grown[b].append(len(nodes[b]) - 1)
+                    if sized:
+                        plans[b].gain += nodes[b][-1].prob
+            if sized:
+                plans[b].nodes = len(nodes[b])
         if depth + 1 >= spec.max_depth:
             break
         if by_cost:
             chosen = [_expand_by_cost(spec, nodes[0], grown[0], times, time.perf_counter() - began)
                       if depth + 1 < limit[0] else []]
+        elif sized:
+            chosen = [_expand_sampled(spec, plans[b], nodes[b], grown[b]) if depth + 1 < limit[b] else []
+                      for b in range(batch)]
         else:
             chosen = [_to_expand(spec, nodes[b], grown[b]) if depth + 1 < limit[b] else [] for b in range(batch)]
         width = max(map(len, chosen))
@@ -271,6 +290,72 @@ def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, ge
             out.append((r, token_of(ids, i), float(q[i]), on_vocabulary(dist, ids, vocab_size)))
         left[i] = 0.0  # the next rank is drawn without it
     return out
+
+
+@dataclass
+class _Plan:
+    """A sampled auto tree's row as it grows: the estimated drafting seconds so far (from the draft's
+    cost line), the nodes drawn, their summed values (the expected accepted tokens) and the one-draw
+    coverage of each distribution drawn from."""
+    spent: float
+    nodes: int = 0
+    gain: float = 0.0
+    cover: list[float] = field(default_factory=list)
+
+
+def coverage(q: torch.Tensor, draws: int) -> list[float]:
+    """For c = 1..draws: the chance that a token drawn from q is among c draws from q, an estimate
+    of the chance that the target's token is (with replacement: a lower bound of the draws without
+    replacement that a tree makes). q (S,)."""
+    q = q.float()
+    return [float((q * (1 - (1 - q) ** c)).sum()) for c in range(1, draws + 1)]
+
+
+def _sampled_counts(spec: TreeSpec, plan: _Plan, values: list[float], dists: list[torch.Tensor]) -> list[int]:
+    """How many children each of a level's expanded nodes (values: their paths' values; dists:
+    the distributions their children are drawn from) gets, before any is drawn: at least one (its
+    draft forward is paid for), more while the expected gain of another draw pays for one more
+    verified token. The gains of a node's draws shrink (coverage is concave), so the best prefix
+    of all draws sorted by gain is the best choice."""
+    counts, extra = [], []  # extra: (gain, node) of each draw after a node's first
+    for i, (value, q) in enumerate(zip(values, dists)):
+        cover = coverage(q, spec.branch)
+        plan.cover.append(cover[0])
+        counts.append(1)
+        extra += [(value * (cover[c] - cover[c - 1]), i) for c in range(1, len(cover))]
+    extra.sort(key=lambda e: -e[0])
+    room = max(0, MAX_NODES - plan.nodes - len(values))
+    drawn = plan.nodes + len(values)
+    gain = 1.0 + plan.gain + sum(v * q for v, q in zip(values, plan.cover[-len(values):]))
+    best, best_rate = 0, gain / (plan.spent + spec.costs(drawn + 1))
+    for j, (g, _) in enumerate(extra[:room], 1):
+        gain += g
+        rate = gain / (plan.spent + spec.costs(drawn + j + 1))
+        if rate > best_rate:
+            best, best_rate = j, rate
+    for _, i in extra[:best]:
+        counts[i] += 1
+    return counts
+
+
+def _expand_sampled(spec: TreeSpec, plan: _Plan, nodes: list[_Node], grown: list[int]) -> list[int]:
+    """Which of this level's drawn nodes a sampled auto tree expands: the w of highest value, w the
+    one whose expected rate is best, each expected to add a child of its value times the mean
+    one-draw coverage so far, for a draft forward over w tokens and w more verified tokens. At least
+    the likeliest where the draft gave its token `follow` or more (as in greedy trees)."""
+    candidates = sorted(grown, key=lambda n: -nodes[n].prob)[: max(0, min(spec.expand, MAX_NODES - plan.nodes))]
+    kappa = sum(plan.cover) / len(plan.cover) if plan.cover else 0.0
+    best, best_rate = [], (1.0 + plan.gain) / (plan.spent + spec.costs(plan.nodes + 1))
+    if candidates and nodes[candidates[0]].local >= spec.follow:
+        best, best_rate = candidates[:1], 0.0
+    for w in range(1, len(candidates) + 1):
+        added = kappa * sum(nodes[n].prob for n in candidates[:w])
+        rate = (1.0 + plan.gain + added) / (plan.spent + spec.draft_costs(w) + spec.costs(plan.nodes + w + 1))
+        if rate > best_rate:
+            best, best_rate = candidates[:w], rate
+    if best:
+        plan.spent += spec.draft_costs(len(best))
+    return sorted(best)
 
 
 def _best_rate(probs: list[float], costs: Callable[[int], float], spent: float) -> float:
