@@ -18,6 +18,10 @@ anyway (k = 1): at most one round in 32 costs a few more verified tokens per row
 not probed: after rounds without drafting it would first have to read every token it missed
 (and a new request's whole prompt), which at the load that turned it off costs more than the
 probe can win; it drafts again when the batch is small enough for its last measured acceptance.
+What a draft forward costs is measured by the number of rows it drafted for (a forward for 8 rows
+costs more than one for 1), without the time a draft spends reading tokens committed while it sat
+out (its prefill): priced at a burst's width or with a catch-up in it, a draft would look too dear
+to turn on again once the load is gone.
 
 A request that sets k keeps it. Greedy output does not depend on the draft, so it is unchanged.
 A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on
@@ -48,7 +52,7 @@ class Adaptive:
         self.costs, self.prior, self.decay, self.probe = costs, prior, decay, probe
         self._rounds = 0
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
-        self._step: dict = {}  # group key -> seconds per draft forward (or per proposal, where none)
+        self._step: dict = {}  # group key -> {rows drafted for: seconds per draft forward (or per proposal, where none)}
         self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
@@ -60,8 +64,11 @@ class Adaptive:
             return self.prior
         return (rate.hits + self.prior * prior_weight) / (rate.tries + prior_weight)
 
-    def observe(self, request, drafted: int, accepted: int, propose_seconds: float, forwards: int) -> None:
-        """One round of `request`: `drafted` tokens proposed (a tree's nodes), `accepted` on its path."""
+    def observe(self, request, drafted: int, accepted: int, propose_seconds: float, forwards: int,
+                rows: int = 1) -> None:
+        """One round of `request`: `drafted` tokens proposed (a tree's nodes), `accepted` on its path;
+        its group's proposal took propose_seconds (its prefill left out) over `forwards` draft
+        forwards for `rows` rows."""
         if drafted <= 0:
             return
         rate = self._rates.setdefault(request, _Rate())
@@ -72,8 +79,9 @@ class Adaptive:
         rate.rounds = d * rate.rounds + 1
         key = request.options.proposer_key()
         step = propose_seconds / max(forwards, 1)  # per draft forward (prompt lookup: per proposal)
-        old = self._step.get(key)
-        self._step[key] = step if old is None else 0.8 * old + 0.2 * step
+        steps = self._step.setdefault(key, {})
+        old = steps.get(rows)
+        steps[rows] = step if old is None else 0.8 * old + 0.2 * step
         old = self._nodes.get(key)  # a tree's verified nodes per row, as its proposer sized them
         self._nodes[key] = drafted if old is None else 0.8 * old + 0.2 * drafted
 
@@ -86,6 +94,17 @@ class Adaptive:
             return 1.0 + (rate.gained / rate.rounds if rate is not None and rate.rounds else self.prior * 2)
         a = min(self.acceptance(request), 0.999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def _step_seconds(self, key, rows: int) -> float:
+        """Seconds of the group's draft forward for `rows` rows: as measured there, else the nearest
+        measured row count's scaled as the target's forward scales (the same kernels); 0 before any."""
+        steps = self._step.get(key)
+        if not steps:
+            return 0.0
+        if rows in steps:
+            return steps[rows]
+        near = min(steps, key=lambda n: (abs(n - rows), n))
+        return steps[near] * self.costs(rows) / self.costs(near)
 
     def _tree_width(self, key, g) -> int:
         """A tree's verified nodes per row: as measured (a tree sized by cost is far below its
@@ -122,7 +141,7 @@ class Adaptive:
                 own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
                 tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
                 if own:
-                    drafting += self._step.get(key, 0.0) * own
+                    drafting += self._step_seconds(key, len(g.requests)) * own
                     width = max(width, self._tree_width(key, g) if is_tree else own)
             rate = tokens / (self.costs(rows * (1 + width)) + drafting)
             if rate > best_rate * (1 + 1e-9):

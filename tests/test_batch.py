@@ -311,6 +311,52 @@ def test_adaptive_policy_drafts_long_alone_and_stops_when_verification_is_not_fr
     assert policy.caps(fixed) == {}  # a request's own k is kept
 
 
+def test_adaptive_policy_prices_a_draft_forward_by_its_rows():
+    """A draft step measured for 8 rows (dear) does not price the drafting of a lone request after
+    the burst: that is scaled to 1 row as the forward's cost scales, and drafting comes back."""
+    from speclm.adaptive import Adaptive
+    from speclm.costmodel import ForwardCosts
+    from speclm.options import GenerationOptions
+
+    options = GenerationOptions(method="draft")
+    key = options.proposer_key()
+    costs = ForwardCosts({1: 0.1, 8: 0.3, 16: 0.6, 48: 1.6})
+    policy = Adaptive(costs)
+    eight, rows8 = _policy_batch(8, options)
+    for r in rows8:
+        for _ in range(20):
+            policy.observe(r, 6, 5, 6 * 0.06, 6, rows=8)  # 0.06 s a draft forward for 8 rows
+    assert policy.caps(eight)[key] == 0
+    one, rows1 = _policy_batch(1, options)  # a new request: the prior acceptance
+    assert policy._step_seconds(key, 1) == pytest.approx(0.06 * costs(1) / costs(8))
+    assert policy.caps(one)[key] > 0  # priced at 0.06 s a step it would stay off
+    policy.observe(rows1[0], 6, 4, 6 * 0.01, 6, rows=1)  # measured for one row: that is used
+    assert policy._step_seconds(key, 1) == pytest.approx(0.01)
+
+
+def test_a_draft_reading_tokens_it_missed_counts_them_as_its_prefill(int8_pair):
+    """After rounds without drafting (adaptive speculation), the draft reads the tokens it missed:
+    that time is its prefill, not its draft step."""
+    from speclm.proposers.base import Verified
+    from speclm.proposers.draft_model import DraftModelProposer
+    from speclm.sampling import SamplingParams
+
+    t8, d8 = int8_pair
+    ids = t8.tokenizer("hello world, hello world, hello").input_ids
+    proposer = DraftModelProposer(d8.model, k=2)
+    proposer.start(1, 256)
+    greedy = SamplingParams()
+    proposer.propose([ids], [2], greedy, [None])
+    read = proposer.prefill_seconds
+    assert read > 0
+    proposer.accept(Verified([len(ids)], [[]], None))  # nothing accepted: the target's token next
+    proposer.propose([ids + [11]], [2], greedy, [None])
+    assert proposer.prefill_seconds == read  # one new token: a draft step
+    proposer.accept(Verified([len(ids) + 1], [[]], None))
+    proposer.propose([ids + [11, 12, 13, 14, 15, 16]], [2], greedy, [None])  # five committed while it sat out
+    assert proposer.prefill_seconds > read
+
+
 def test_caches_that_grew_during_a_forward_still_take_prefixes(int8_pair):
     """A longer request joins a group whose draft cache was sized for shorter ones, so the draft's
     cache grows inside its forward; a later request still copies a cached prefix into it."""

@@ -117,10 +117,13 @@ class DraftModelProposer(Proposer):
         # logits over the draft's vocabulary: all V ids, or head.ids (S,) when restricted
         t0 = time.perf_counter()
         logits = kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head, only=only)[:, -1]  # (B, V or S)
-        if not new and max(len(c) - h for c, h in zip(contexts, have)) == 1:
+        unseen = max(len(c) - h for c, h in zip(contexts, have))  # normally the target's token, and a last draft
+        if not new and unseen == 1:
             self._times.record(1, time.perf_counter() - t0)
         if new:
             self._prefill_seconds += time.perf_counter() - began
+        elif unseen > 2:  # reading what was committed while this draft sat out (adaptive speculation): a prefill
+            self._prefill_seconds += time.perf_counter() - t0
         vocab_size = head.vocab_size if head is not None else logits.shape[-1]  # the target's V
         if self.tree is not None:
             lengths = kv.lengths_list()
