@@ -21,7 +21,11 @@ probe can win; it drafts again when the batch is small enough for its last measu
 What a draft forward costs is measured by the number of rows it drafted for (a forward for 8 rows
 costs more than one for 1), without the time a draft spends reading tokens committed while it sat
 out (its prefill): priced at a burst's width or with a catch-up in it, a draft would look too dear
-to turn on again once the load is gone.
+to turn on again once the load is gone. That reading is priced apart: a draft model about to draft
+for rows it has not read (a new request's prompt, tokens committed while it was off) costs the
+round a share of reading them (the target's cost of a forward over those tokens, scaled by the
+draft's measured cost against the target's), the share being one over the rounds the request has
+left, over which the reading pays off.
 
 A request that sets k keeps it. Greedy output does not depend on the draft, so it is unchanged.
 A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on
@@ -106,6 +110,23 @@ class Adaptive:
         near = min(steps, key=lambda n: (abs(n - rows), n))
         return steps[near] * self.costs(rows) / self.costs(near)
 
+    def _catch_up(self, key, g, own: int, is_tree: bool) -> float:
+        """This round's share of the seconds the group's draft model would spend reading the tokens
+        of its rows it has not seen: each row's over the rounds it has left at this draft length."""
+        kv = getattr(g.proposer, "kv", None)
+        if kv is None or not own:
+            return 0.0
+        rows = len(g.requests)
+        ratio = self._step_seconds(key, rows) / self.costs(rows)  # the draft's forward against the target's
+        have = kv.lengths_list()
+        seconds = 0.0
+        for r, h in zip(g.requests, have):
+            unseen = len(r.context) - h
+            if unseen > 2:  # more than a round's own: the target's token and a last draft
+                rounds = max(1.0, r.tokens_left / self._expected(r, own, is_tree))
+                seconds += ratio * self.costs(unseen) / rounds
+        return seconds
+
     def _tree_width(self, key, g) -> int:
         """A tree's verified nodes per row: as measured (a tree sized by cost is far below its
         most), else its most."""
@@ -141,7 +162,7 @@ class Adaptive:
                 own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
                 tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
                 if own:
-                    drafting += self._step_seconds(key, len(g.requests)) * own
+                    drafting += self._step_seconds(key, len(g.requests)) * own + self._catch_up(key, g, own, is_tree)
                     width = max(width, self._tree_width(key, g) if is_tree else own)
             rate = tokens / (self.costs(rows * (1 + width)) + drafting)
             if rate > best_rate * (1 + 1e-9):

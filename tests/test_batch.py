@@ -334,6 +334,41 @@ def test_adaptive_policy_prices_a_draft_forward_by_its_rows():
     assert policy._step_seconds(key, 1) == pytest.approx(0.01)
 
 
+class _ReadKV:
+    """A draft cache stand-in: how many tokens of each row the draft has read."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def lengths_list(self):
+        return list(self.lengths)
+
+
+def test_adaptive_policy_prices_what_a_draft_has_not_read():
+    """Turning a draft model on for rows it has not read costs their reading, shared over the
+    rounds each row has left: worth it for a request with many tokens to go, not for one about to
+    end; nothing once read."""
+    from speclm.adaptive import Adaptive
+    from speclm.costmodel import ForwardCosts
+    from speclm.options import GenerationOptions
+    from speclm.requests import Request
+
+    options = GenerationOptions(method="draft", max_new_tokens=200)
+    key = options.proposer_key()
+    policy = Adaptive(ForwardCosts({1: 0.1, 8: 0.11, 64: 0.3, 512: 3.0}))
+    request = Request.of(0, list(range(400)), options, 0, None)
+    group = _Group(key, [request])
+    batch = type("B", (), {"requests": [request], "groups": {key: group}})()
+    policy.observe(request, 6, 5, 6 * 0.02, 6, rows=1)  # 0.02 s a draft step: a fifth of the target's
+    group.proposer.kv = _ReadKV([400])  # read: drafting pays
+    assert policy.caps(batch)[key] > 0
+    group.proposer.kv = _ReadKV([0])  # the prompt unread, 200 tokens to go: still pays
+    assert policy._catch_up(key, group, 6, False) > 0
+    assert policy.caps(batch)[key] > 0
+    request.context += list(range(197))  # 3 tokens to go: reading 597 tokens for them does not pay
+    assert request.tokens_left == 3 and policy.caps(batch)[key] == 0
+
+
 def test_a_draft_reading_tokens_it_missed_counts_them_as_its_prefill(int8_pair):
     """After rounds without drafting (adaptive speculation), the draft reads the tokens it missed:
     that time is its prefill, not its draft step."""
@@ -381,7 +416,7 @@ def test_adaptive_policy_probes_prompt_lookup_but_not_a_draft_model():
     for method, model in (("pld", None), ("draft", object())):
         options = GenerationOptions(method=method)
         batch, rows = _policy_batch(8, options)
-        batch.groups[options.proposer_key()].proposer.kv = model  # a draft model's cache, or none
+        batch.groups[options.proposer_key()].proposer.kv = model and _ReadKV([3] * 8)  # a draft model's cache, or none
         for r in rows:
             for _ in range(20):
                 policy.observe(r, 6, 0, 0.0, 0)
