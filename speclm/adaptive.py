@@ -113,15 +113,12 @@ class Adaptive:
     def _catch_up(self, key, g, own: int, is_tree: bool) -> float:
         """This round's share of the seconds the group's draft model would spend reading the tokens
         of its rows it has not seen: each row's over the rounds it has left at this draft length."""
-        kv = getattr(g.proposer, "kv", None)
-        if kv is None or not own:
+        if not own or not hasattr(g.proposer, "unread"):
             return 0.0
         rows = len(g.requests)
         ratio = self._step_seconds(key, rows) / self.costs(rows)  # the draft's forward against the target's
-        have = kv.lengths_list()
         seconds = 0.0
-        for r, h in zip(g.requests, have):
-            unseen = len(r.context) - h
+        for r, unseen in zip(g.requests, g.proposer.unread([r.context for r in g.requests])):
             if unseen > 2:  # more than a round's own: the target's token and a last draft
                 rounds = max(1.0, r.tokens_left / self._expected(r, own, is_tree))
                 seconds += ratio * self.costs(unseen) / rounds

@@ -334,16 +334,6 @@ def test_adaptive_policy_prices_a_draft_forward_by_its_rows():
     assert policy._step_seconds(key, 1) == pytest.approx(0.01)
 
 
-class _ReadKV:
-    """A draft cache stand-in: how many tokens of each row the draft has read."""
-
-    def __init__(self, lengths):
-        self.lengths = lengths
-
-    def lengths_list(self):
-        return list(self.lengths)
-
-
 def test_adaptive_policy_prices_what_a_draft_has_not_read():
     """Turning a draft model on for rows it has not read costs their reading, shared over the
     rounds each row has left: worth it for a request with many tokens to go, not for one about to
@@ -360,9 +350,9 @@ def test_adaptive_policy_prices_what_a_draft_has_not_read():
     group = _Group(key, [request])
     batch = type("B", (), {"requests": [request], "groups": {key: group}})()
     policy.observe(request, 6, 5, 6 * 0.02, 6, rows=1)  # 0.02 s a draft step: a fifth of the target's
-    group.proposer.kv = _ReadKV([400])  # read: drafting pays
+    group.proposer.unread = lambda contexts: [0]  # read: drafting pays
     assert policy.caps(batch)[key] > 0
-    group.proposer.kv = _ReadKV([0])  # the prompt unread, 200 tokens to go: still pays
+    group.proposer.unread = lambda contexts: [len(c) for c in contexts]  # the prompt unread, 200 tokens to go: pays
     assert policy._catch_up(key, group, 6, False) > 0
     assert policy.caps(batch)[key] > 0
     request.context += list(range(197))  # 3 tokens to go: reading 597 tokens for them does not pay
@@ -373,6 +363,7 @@ def test_a_draft_reading_tokens_it_missed_counts_them_as_its_prefill(int8_pair):
     """After rounds without drafting (adaptive speculation), the draft reads the tokens it missed:
     that time is its prefill, not its draft step."""
     from speclm.proposers.base import Verified
+    from speclm.proposers.draft_lookup import DraftLookupProposer
     from speclm.proposers.draft_model import DraftModelProposer
     from speclm.sampling import SamplingParams
 
@@ -388,8 +379,12 @@ def test_a_draft_reading_tokens_it_missed_counts_them_as_its_prefill(int8_pair):
     proposer.propose([ids + [11]], [2], greedy, [None])
     assert proposer.prefill_seconds == read  # one new token: a draft step
     proposer.accept(Verified([len(ids) + 1], [[]], None))
+    assert proposer.unread([ids + [11, 12, 13, 14, 15, 16]]) == [5]
     proposer.propose([ids + [11, 12, 13, 14, 15, 16]], [2], greedy, [None])  # five committed while it sat out
     assert proposer.prefill_seconds > read
+    lookup = DraftLookupProposer(d8.model, k=2, prompt_ratio=1.0)  # the model drafts prompts up to 1x the budget
+    lookup.start(2, 256, prompt_lengths=[len(ids), len(ids)], max_new_tokens=[len(ids), 2])
+    assert lookup.unread([ids, ids]) == [len(ids), 0]  # the second row is lookup's alone: never read
 
 
 def test_caches_that_grew_during_a_forward_still_take_prefixes(int8_pair):
@@ -416,7 +411,7 @@ def test_adaptive_policy_probes_prompt_lookup_but_not_a_draft_model():
     for method, model in (("pld", None), ("draft", object())):
         options = GenerationOptions(method=method)
         batch, rows = _policy_batch(8, options)
-        batch.groups[options.proposer_key()].proposer.kv = model and _ReadKV([3] * 8)  # a draft model's cache, or none
+        batch.groups[options.proposer_key()].proposer.kv = model  # a draft model's cache, or none
         for r in rows:
             for _ in range(20):
                 policy.observe(r, 6, 0, 0.0, 0)

@@ -151,6 +151,11 @@ class Proposer:
         restricted head and its forwards over the prompts), part of proposing."""
         return 0.0
 
+    def unread(self, contexts: list[list[int]]) -> list[int]:
+        """Per row: the tokens of its context a model of this proposer would read before drafting
+        for it (a new prompt, tokens committed while it sat out), 0 where it never reads the row."""
+        return [0] * len(contexts)
+
     def propose(
         self,
         contexts: list[list[int]],

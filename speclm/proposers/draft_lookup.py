@@ -68,6 +68,9 @@ class DraftLookupProposer(DraftModelProposer):
         super().select(rows)
         self.model_on = [self.model_on[r] for r in rows]
 
+    def unread(self, contexts) -> list[int]:
+        return [n if on else 0 for n, on in zip(super().unread(contexts), self.model_on)]  # lookup rows: never
+
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
         found = [(self.beside if on else self.alone).found([c], [m])[0]
                  for c, m, on in zip(contexts, max_tokens, self.model_on)]

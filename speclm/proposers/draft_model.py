@@ -78,6 +78,10 @@ class DraftModelProposer(Proposer):
     def prefill_seconds(self) -> float:
         return self._prefill_seconds
 
+    def unread(self, contexts) -> list[int]:
+        have = self.kv.lengths_list() if self.kv is not None else [0] * len(contexts)
+        return [max(0, len(c) - h) for c, h in zip(contexts, have)]
+
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
         batch = len(contexts)
         rows = [b for b in range(batch) if max_tokens[b] > 0]  # rows that draft this round; the others wait
