@@ -31,6 +31,28 @@ def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, 
     return quantize, draft_quantize
 
 
+def release_openmp_threads() -> bool:
+    """Free the OpenMP worker threads that torch's operations on the calling thread created
+    (libgomp's omp_pause_resource_all), before another thread takes over the model's work.
+
+    Why: a thread that ran torch operations keeps its own pool of OpenMP workers. Once a second
+    thread runs them (speclm serve's engine thread, after the main thread loaded the models),
+    libgomp counts more threads than cores and stops spin-waiting at its barriers: every parallel
+    region then sleeps and wakes its workers, and a decode step on 2 cores took 1.2x as long
+    (benchmarks/engine_thread.py). Call it on the thread that is done, and run nothing parallel
+    there afterwards. Returns whether it could (False: torch uses another OpenMP, or not Linux).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]), None)
+        if path is None:
+            return False
+        omp_pause_soft = 1
+        return ctypes.CDLL(path).omp_pause_resource_all(omp_pause_soft) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity), which a container may limit below os.cpu_count()."""
     try:
