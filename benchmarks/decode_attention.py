@@ -1,12 +1,12 @@
 """Justifies the compiled decode attention and its slot block (speclm.defaults.ATTENTION_SLOT_BLOCK):
 decode attention cost by context length, speclm's compiled `decode_attention` (rotary, cache
-write and attention of one decode forward, speclm/csrc/cpu_kernels.cpp) against torch's ops
-on the same cache (speclm.attention.attend_each_query, what runs without the compiled
+write and attention of one decode forward, speclm/quant/csrc/cpu_kernels.cpp) against torch's ops
+on the same cache (speclm.forward.attention.attend_each_query, what runs without the compiled
 kernels), at the attention shapes of Qwen2.5-1.5B (12 heads, 2 kv heads, head size 128,
 28 layers) and Qwen2.5-0.5B (14, 2, 64, 24 layers), for 1 query row (a plain step) and 5
 (a verification of 4 drafted tokens). Times are per layer (median of 20) and per step (times
 the layers). `--source FILE` builds that version of the kernel file instead (for instance
-another revision's: `git show REV:speclm/csrc/cpu_kernels.cpp > /tmp/k.cpp`); its output is
+another revision's: `git show REV:speclm/quant/csrc/cpu_kernels.cpp > /tmp/k.cpp`); its output is
 checked bit for bit against the installed kernel's. Needs speclm's compiled kernels.
 
 Run: .venv/bin/python benchmarks/decode_attention.py [--source FILE] >> benchmarks/intel/decode-attention-cpu.txt
@@ -20,8 +20,8 @@ import argparse
 
 import torch
 
-from speclm import kernels
-from speclm.attention import attend_each_query
+from speclm.quant.weights import kernels
+from speclm.forward.attention import attend_each_query
 
 from timing import median_ms  # benchmarks/timing.py
 

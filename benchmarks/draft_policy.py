@@ -45,7 +45,7 @@ import torch
 from speclm.bench.dataset import SPEC_BENCH_KINDS, load_prompts
 from speclm.defaults import DRAFT_VOCAB
 from speclm.engine import SpecEngine
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 from speclm.models.loading import load_model
 from speclm.proposers.draft_vocab import restricted_head
 from speclm.proposers.prompt_lookup import lookup

@@ -1,4 +1,4 @@
-"""Justifies how speclm's fp32 path computes a linear layer over a few rows (speclm.lean: FP32_FEW_ROWS and
+"""Justifies how speclm's fp32 path computes a linear layer over a few rows (speclm.forward.lean: FP32_FEW_ROWS and
 FP32_PADDED_ROWS): whole-model fp32 GEMM cost by number of rows, as `F.linear(x, W)` (x W^T, what
 transformers runs), as `(W x^T)^T`, and as that over the rows padded with zero rows to a multiple of 4,
 over weights of the shapes of one decode step of Qwen2.5-1.5B (q/k/v and gate/up fused, output head

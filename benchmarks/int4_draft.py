@@ -1,5 +1,5 @@
-"""Justifies int4 weights for the draft model (speclm.quant.Int4Linear, groups of
-speclm.quant.INT4_GROUP inputs: what `--draft-quantize int4` runs): int8 against int4 weights
+"""Justifies int4 weights for the draft model (speclm.quant.weights.Int4Linear, groups of
+speclm.quant.weights.INT4_GROUP inputs: what `--draft-quantize int4` runs): int8 against int4 weights
 for the draft. The GEMMs of one 0.5B step (random weights of its shapes, one row, interleaved,
 best of 3 medians of 5; beside them torch's own int4 CPU GEMM, `_weight_int4pack_mm_for_cpu`,
 groups of 64, with bf16 activations: with fp32 ones it is some 40x slower still), a real
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 import speclm
-from speclm import kernels
+from speclm.quant.weights import kernels
 from speclm.bench.dataset import load_prompts
-from speclm.kv import StaticKV
-from speclm.quant import int4_groups, int4_layout, vnni_layout
+from speclm.forward.cache import StaticKV
+from speclm.quant.weights import int4_groups, int4_layout, vnni_layout
 
 from timing import median_ms  # benchmarks/timing.py
 

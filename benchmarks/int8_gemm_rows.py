@@ -1,10 +1,10 @@
 """Justifies where int8 GEMMs switch from speclm's kernel to oneDNN's (speclm.defaults.VNNI_MAX_ROWS;
 the kernel as built, with its WEIGHT_PREFETCH_BYTES): whole-model int8 GEMM cost by number of
-rows, speclm's compiled kernel (speclm/csrc/cpu_kernels.cpp, or cpu_kernels_avx2.cpp on an AVX2-only
+rows, speclm's compiled kernel (speclm/quant/csrc/cpu_kernels.cpp, or cpu_kernels_avx2.cpp on an AVX2-only
 CPU; activation quantization and rescale included), oneDNN's packed int8 GEMM and `torch._int_mm` (GEMM alone), over weights of
 the shapes of one decode step of Qwen2.5-1.5B (q/k/v and gate/up fused, output head included;
 1.54 GB of int8). Interleaved, best of 2 medians of 5; the weights are far larger than the
-caches, as in a real step. speclm.quant.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS
+caches, as in a real step. speclm.quant.weights.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS
 rows and oneDNN beyond (or, without the compiled kernel, `_int_mm` for one row and oneDNN for
 more). Without the compiled kernels its column reads n/a.
 
@@ -21,8 +21,8 @@ import argparse
 
 import torch
 
-from speclm import kernels
-from speclm.quant import vnni_layout
+from speclm.quant.weights import kernels
+from speclm.quant.weights import vnni_layout
 
 from timing import median_ms  # benchmarks/timing.py
 

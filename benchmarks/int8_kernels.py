@@ -1,4 +1,4 @@
-"""Justifies speclm's int8 kernel (speclm.quant.Int8Linear: W8A8 with per-row activation scales,
+"""Justifies speclm's int8 kernel (speclm.quant.weights.Int8Linear: W8A8 with per-row activation scales,
 batch-invariant, which speculative exactness needs): the CPU int8 linear-layer options measured
 on one Qwen2.5-1.5B MLP layer (8960 x 1536).
 
@@ -83,7 +83,7 @@ def main() -> None:
     }
     dyn = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(copy.deepcopy(layer)), {torch.nn.Linear}, dtype=torch.qint8)
     paths["torch quantize_dynamic (fbgemm, per-tensor act.)"] = lambda x: dyn(x)
-    from speclm.quant import Int8Linear
+    from speclm.quant.weights import Int8Linear
     speclm_layer = Int8Linear(layer)
     paths["speclm Int8Linear: onednn.qlinear_pointwise, per-row act."] = lambda x: speclm_layer(x)
     try:

@@ -1,4 +1,4 @@
-"""Justifies the int8 kernel on whole models (speclm.quant.Int8Linear, W8A8 per-row, against
+"""Justifies the int8 kernel on whole models (speclm.quant.weights.Int8Linear, W8A8 per-row, against
 int8 weight-only with bf16 activations): the CPU int8 paths on a real target, all through
 transformers' forward and DynamicCache (the kernels compare on equal terms; speclm's own forward
 is leaner): cost of a forward over k new tokens (v(k)), and agreement of the next-token argmax
@@ -24,7 +24,7 @@ from torch import nn
 
 from speclm.bench.dataset import load_prompts
 from speclm.models.loading import load_model
-from speclm.quant import Int8Linear, int8_per_channel
+from speclm.quant.weights import Int8Linear, int8_per_channel
 
 warnings.filterwarnings("ignore")
 
@@ -87,7 +87,7 @@ def main() -> None:
     prompts = [p.text for p in load_prompts("spec-bench", categories, 1)]
     print(f"model={name} threads={torch.get_num_threads()} torch={torch.__version__} prompts={len(prompts)}")
     ref = None
-    modes = {"fp32": "fp32", "w8a8": "int8 W8A8 per-row (speclm.quant.Int8Linear, oneDNN)",
+    modes = {"fp32": "fp32", "w8a8": "int8 W8A8 per-row (speclm.quant.weights.Int8Linear, oneDNN)",
              "int8pack": "int8 weight-only, bf16 act. (_weight_int8pack_mm)"}
     for key, mode in modes.items():
         if only and key not in only and key != "fp32":

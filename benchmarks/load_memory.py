@@ -125,8 +125,8 @@ def phase_identity(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     import speclm
-    from speclm.embedding import PackedEmbedding
-    from speclm.quant import QuantLinear, quantize_model
+    from speclm.forward.embedding import PackedEmbedding
+    from speclm.quant.weights import QuantLinear, quantize_model
 
     rows = []
     for name, mode in ((args.target, "int8"), (args.draft, "int4")):
@@ -187,7 +187,7 @@ def main() -> None:
         return child(args)
     import torch
 
-    from speclm import kernels
+    from speclm.quant.weights import kernels
     from speclm.models import qcache, store
     from speclm.models.loading import resolve_model
     from speclm.runtime import KEPT_FREE_BYTES
@@ -226,7 +226,7 @@ def main() -> None:
         print(f"| {n} | {gib(total)} | {gib(anon)} | {gib(peak)} | {gib(prefix)} | {gib(total - prefix)} |")
     half = soak["rows"][len(soak["rows"]) // 2:]
     print(f"\nover the second half of the run: resident {gib(min(r[1] for r in half))} to {gib(max(r[1] for r in half))}; "
-          f"less the prefix caches (bounded by their token budget, speclm.prefix_cache) "
+          f"less the prefix caches (bounded by their token budget, speclm.forward.prefix_cache) "
           f"{gib(min(r[1] - r[4] for r in half))} to {gib(max(r[1] - r[4] for r in half))}\n")
 
     print("## On disk\n")

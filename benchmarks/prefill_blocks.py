@@ -1,6 +1,6 @@
 """Justifies the prefill's row block (speclm.defaults.PREFILL_ROW_BLOCK): prefill time of
 speclm's lean forward on int8 qwen2.5-coder-1.5b by prompt length, with the row-wise work run
-in blocks of 64, 128 or 256 rows (speclm.lean.ROW_BLOCK) or over the whole prompt at once.
+in blocks of 64, 128 or 256 rows (speclm.forward.lean.ROW_BLOCK) or over the whole prompt at once.
 Best of 2, variants interleaved.
 
 Run: .venv/bin/python benchmarks/prefill_blocks.py > benchmarks/intel/prefill-cpu.txt
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-import speclm.lean as lean
-from speclm.kv import StaticKV
+import speclm.forward.lean as lean
+from speclm.forward.cache import StaticKV
 from speclm.models.loading import load_model
 from speclm.runtime import set_threads, usable_cores
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from speclm import kernels
+from speclm.quant.weights import kernels
 from speclm.runtime import keep_freed_memory, set_threads, usable_cores
 
 LENGTHS = (238, 700, 969)
@@ -61,8 +61,8 @@ def main():
         raise SystemExit("the compiled kernels do not run here")
     timed = Timed(compiled)
     kernels.compiled = lambda: timed  # before the models are built: their layers bind it
-    from speclm import quant
-    from speclm.kv import StaticKV
+    from speclm.quant.weights import weights as quant
+    from speclm.forward.cache import StaticKV
     from speclm.models.loading import load_model
 
     for cls in (quant.Int8Linear, quant.Int4Linear):  # a GEMM call, whichever kernel runs it

@@ -2,7 +2,7 @@
 what the prefix cache costs and spares, on int8 qwen2.5-coder-1.5b and the int4 0.5B draft.
 
 1. A prefill on quantized weights attends per query (so that a prompt read partly from the
-   cache gives the bits of one read whole, speclm.lean): its time against the causal SDPA
+   cache gives the bits of one read whole, speclm.forward.lean): its time against the causal SDPA
    prefill it replaces, by prompt length.
 2. A prompt whose first 24 tokens (Qwen2.5's chat head with its default system prompt) come
    from the cache: its prefill time against reading it whole, both per-query.
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 from speclm.models.loading import load_model
-from speclm.prefix_cache import PrefixCache
+from speclm.forward.prefix_cache import PrefixCache
 from speclm.runtime import keep_freed_memory, set_threads, usable_cores
 
 LENGTHS = (40, 84, 238, 700, 969)  # Spec-Bench chat prompts: qa, math, a long mt_bench, rag, the longest summary

@@ -21,7 +21,7 @@ import torch
 from speclm.bench.dataset import load_prompts
 from speclm.bench.machine import cpu_name
 from speclm.engine import SpecEngine
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 from speclm.models.loading import load_model
 from speclm.runtime import set_threads
 from speclm.sampling import SamplingParams, processed_probs

@@ -10,13 +10,13 @@
     print(out.text, out.stats.mean_accepted_tokens)
 """
 
-from speclm.batch import Batch
+from speclm.spec.batch import Batch
 from speclm.defaults import METHODS
 from speclm.engine import Completion, GenerationOptions, SpecEngine, TextStream
 from speclm.requests import Request
 from speclm.errors import PullError, SpeclmError, UsageError
 from speclm.models import LoadedModel, load_model, pull
-from speclm.quant import QUANTIZE_MODES, quantize_model
+from speclm.quant.weights import QUANTIZE_MODES, quantize_model
 from speclm.runtime import keep_freed_memory, set_threads
 from speclm.sampling import SamplingParams
 from speclm.stats import RequestStats

@@ -332,7 +332,7 @@ def _as_kwargs(opts, seed_offset: int) -> dict:
 
 def _weights_note(target, draft) -> str:
     """Which weights and int8 kernels ran, for the statistics line: they decide the speed."""
-    from speclm.quant import int8_kernels
+    from speclm.quant.weights import int8_kernels
 
     def one(model) -> str:
         if model.quantize == "none":

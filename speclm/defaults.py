@@ -49,18 +49,18 @@ TABLE: tuple[Tuned, ...] = (
           "this times max_new_tokens", "benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1", "18 prompts outside the rule's sample"),
     Tuned("PREFIX_CACHE_TOKENS", 4096, "--prefix-cache", "keys and values of recent prompts kept per model "
           "(about 230 MB for the 1.5B)", "benchmarks/epyc/prefix-cache.txt", "what a cached chat head saves"),
-    Tuned("PREFILL_ROW_BLOCK", 256, "speclm.lean", "a long feed's row-wise work (norms, projections, MLP) runs in "
+    Tuned("PREFILL_ROW_BLOCK", 256, "speclm.forward.lean", "a long feed's row-wise work (norms, projections, MLP) runs in "
           "blocks of this many rows", "benchmarks/intel/prefill-cpu.txt", "1000 tokens: 5.2 s against 6.9 s unblocked"),
-    Tuned("FP32_FEW_ROWS", 256, "speclm.lean", "fp32 CPU weights: linear layers over up to this many rows (a "
+    Tuned("FP32_FEW_ROWS", 256, "speclm.forward.lean", "fp32 CPU weights: linear layers over up to this many rows (a "
           "prefill block at most) run as (W x^T)^T, not x W^T", "benchmarks/avx2/fp32-linear-rows.txt",
           "4 rows 3.2x faster, 256 rows 1.05x"),
-    Tuned("VNNI_MAX_ROWS", 16, "speclm.quant", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
+    Tuned("VNNI_MAX_ROWS", 16, "speclm.quant.weights", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
           "on oneDNN's", "benchmarks/epyc/int8-gemm-rows.txt", "about even at 16 rows"),
-    Tuned("ATTENTION_QUERY_TILE", 64, "speclm/csrc", "queries of a kv head per tile in the compiled attention",
+    Tuned("ATTENTION_QUERY_TILE", 64, "speclm/quant/csrc", "queries of a kv head per tile in the compiled attention",
           "benchmarks/epyc/prefill-kernels.txt", "969 tokens: 0.60 s against 0.92 s untiled"),
-    Tuned("ATTENTION_SLOT_BLOCK", 32, "speclm/csrc", "cached slots per block in the compiled attention (16 KB of "
+    Tuned("ATTENTION_SLOT_BLOCK", 32, "speclm/quant/csrc", "cached slots per block in the compiled attention (16 KB of "
           "keys at head size 128: L1)", "benchmarks/intel/decode-attention-cpu.txt", "the kernel as built"),
-    Tuned("WEIGHT_PREFETCH_BYTES", 2048, "speclm/csrc", "software prefetch distance in the int8 kernel's weight "
+    Tuned("WEIGHT_PREFETCH_BYTES", 2048, "speclm/quant/csrc", "software prefetch distance in the int8 kernel's weight "
           "stream", "benchmarks/epyc/int8-gemm-rows.txt", "the kernel as built; the run without it is not committed"),
 )
 
@@ -87,7 +87,7 @@ WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 # on the AVX2 machine auto trees measured slower than chains (benchmarks/avx2/trees-int8-qwen1.5b-60)
 TREE = "chain"
 
-# fp32 CPU weights: rows -> the rows a linear layer's GEMM runs over, zero rows added (speclm.lean). MKL's
+# fp32 CPU weights: rows -> the rows a linear layer's GEMM runs over, zero rows added (speclm.forward.lean). MKL's
 # (W x^T)^T over 4 rows cost what 1 row does on the AVX2 machine, over 3 rows 1.45x; 13-15 rows 1.6-2.0x
 # 16 rows' (benchmarks/avx2/fp32-linear-rows.txt, the padded column)
 FP32_PADDED_ROWS = {2: 4, 3: 4, 13: 16, 14: 16, 15: 16}
@@ -95,7 +95,7 @@ FP32_PADDED_ROWS = {2: 4, 3: 4, 13: 16, 14: 16, 15: 16}
 # --k's bound: acceptance decays with draft position (the tuned k are 2-6), so more drafts only widen verification
 MAX_K = 64
 
-# The compiled kernels take their tuned sizes as macros (speclm.kernels adds them to the build).
+# The compiled kernels take their tuned sizes as macros (speclm.quant.kernels adds them to the build).
 KERNEL_MACROS = {
     "SPECLM_QUERY_TILE": ATTENTION_QUERY_TILE,
     "SPECLM_SLOT_BLOCK": ATTENTION_SLOT_BLOCK,

@@ -1,5 +1,5 @@
 """The speculative decoding engine's facade: `generate`, `stream`, and `batch` for requests that
-join and leave a running decode (speclm.batch holds the round and its contract).
+join and leave a running decode (speclm.spec.batch holds the round and its contract).
 
 A request's seed: `generate(prompts, seed=s)` gives prompt i the generator seeded s + i, so a
 prompt's output with a seed is the same alone, in any batch, and whichever requests share it.
@@ -13,14 +13,14 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from speclm import defaults
-from speclm.adaptive import Adaptive
-from speclm.batch import Batch
-from speclm.costmodel import verification_costs
+from speclm.spec.adaptive import Adaptive
+from speclm.spec.batch import Batch
+from speclm.forward.costs import verification_costs
 from speclm.defaults import DRAFT_METHODS, HEAD_METHODS
 from speclm.errors import UsageError
 from speclm.models.loading import LoadedModel
 from speclm.options import GenerationOptions
-from speclm.prefix_cache import PrefixCaches
+from speclm.forward.prefix_cache import PrefixCaches
 from speclm.proposers import DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec
 from speclm.requests import Request
@@ -58,7 +58,7 @@ class SpecEngine:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, prefix_cache: int = defaults.PREFIX_CACHE_TOKENS):
         """prefix_cache: tokens of recent prompts whose keys and values each model keeps for later
-        prompts that begin alike (speclm.prefix_cache; 0: none). Only on quantized CPU weights,
+        prompts that begin alike (speclm.forward.prefix_cache; 0: none). Only on quantized CPU weights,
         where reusing them gives the same bits as reading the prompt whole."""
         if prefix_cache < 0:
             raise UsageError(f"prefix-cache must be >= 0 tokens, got {prefix_cache}")
@@ -119,12 +119,12 @@ class SpecEngine:
         return Batch(self, rows, capacity, prefill_chunk, speculation)
 
     def adaptive(self) -> Adaptive:
-        """Speculation that adapts each round's draft length to the batch (speclm.adaptive), from
+        """Speculation that adapts each round's draft length to the batch (speclm.spec.adaptive), from
         this machine's measured forward costs."""
         return Adaptive(self.forward_costs())
 
     def forward_costs(self):
-        """The target's forward time by tokens read (speclm.costmodel; measured once per model, then cached)."""
+        """The target's forward time by tokens read (speclm.forward.costs; measured once per model, then cached)."""
         return verification_costs(self.target.model, f"{self.target.name}-{self.target.quantize}")
 
     def draft_costs(self):
@@ -253,7 +253,7 @@ class LoadedHeads:
 
         from speclm.heads import store
         from speclm.heads.vocab import output_head
-        from speclm.quant import quantize_linears
+        from speclm.quant.weights import quantize_linears
 
         module, config, ids = store.load(path, target)
         if config.kind != kind:

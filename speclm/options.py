@@ -47,7 +47,7 @@ class GenerationOptions:
     # medusa, eagle: a heads file (speclm.heads.store); None: the heads shipped for the target
     heads: str | None = None
     # "exact" (lossless rejection sampling) or "typical": Medusa's typical acceptance, LOSSY at
-    # temperature > 0 (speclm.verify.typical_paths); medusa and eagle only
+    # temperature > 0 (speclm.spec.verify.typical_paths); medusa and eagle only
     acceptance: str = "exact"
 
     def __post_init__(self) -> None:

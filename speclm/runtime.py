@@ -8,11 +8,11 @@ import os
 
 from speclm.errors import UsageError
 
-QUANTIZE_MODES = ("none", "int8", "int4")  # weights: as published, or speclm.quant's int8 / int4
+QUANTIZE_MODES = ("none", "int8", "int4")  # weights: as published, or speclm.quant.weights's int8 / int4
 QUANTIZE_CHOICES = ("auto",) + QUANTIZE_MODES  # the CLI's --quantize: auto resolves by `weights_for`
 QUANTIZE_HELP = ("the target's weights. auto (default): int8 where speclm's compiled CPU kernels run (the fast path, "
                  "and speculative output equals plain output bit for bit there), else the weights as loaded; "
-                 "none: the weights as loaded (fp32 for the catalog's models); int8, int4: speclm.quant's")
+                 "none: the weights as loaded (fp32 for the catalog's models); int8, int4: speclm.quant.weights's")
 
 
 def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, str]:
@@ -22,7 +22,7 @@ def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, 
     an int8 target on those kernels (half a draft step's bytes; what is proposed changes, never
     the output), else to the target's weights.
     """
-    from speclm import kernels
+    from speclm.quant.weights import kernels
 
     if quantize == "auto":
         quantize = "int8" if kernels.compiled() is not None else "none"

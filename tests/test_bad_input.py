@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from speclm import quant
+from speclm.quant.weights import weights as quant
 from speclm.catalog import CatalogEntry, WheelPart
 from speclm.cli import main
 from speclm.defaults import MAX_K
@@ -108,9 +108,9 @@ def truncated_weights(tmp):
 
 
 def no_memory(monkeypatch):
-    import speclm.kv
+    import speclm.forward.cache
 
-    monkeypatch.setattr(speclm.kv, "available_memory", lambda device: 1 << 10)
+    monkeypatch.setattr(speclm.forward.cache, "available_memory", lambda device: 1 << 10)
 
 
 # name -> (tmp, monkeypatch, folders, out) -> (argv, part of the message)

@@ -1,4 +1,4 @@
-"""Requests that join a running decode between rounds and leave when done (speclm.batch): each
+"""Requests that join a running decode between rounds and leave when done (speclm.spec.batch): each
 request's output is its output alone, greedy or sampled with its seed, whatever shares its batch."""
 
 import copy
@@ -8,8 +8,8 @@ import torch
 
 from speclm import SpecEngine
 from speclm.errors import UsageError
-from speclm.kv import StaticKV
-from speclm.quant import quantize_model
+from speclm.forward.cache import StaticKV
+from speclm.quant.weights import quantize_model
 from tiny import loaded
 
 N = 24
@@ -19,7 +19,7 @@ PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy
 
 @pytest.fixture(scope="module")
 def int8_pair(target, unrelated_draft):
-    """int8 weights: a row's bits do not depend on the other rows of a forward (speclm.quant)."""
+    """int8 weights: a row's bits do not depend on the other rows of a forward (speclm.quant.weights)."""
     t8 = loaded(quantize_model(copy.deepcopy(target.model), "int8"), target.tokenizer, name="tiny-target-int8")
     d8 = loaded(quantize_model(copy.deepcopy(unrelated_draft.model), "int8"), unrelated_draft.tokenizer, name="d8")
     return t8, d8
@@ -136,7 +136,7 @@ def test_cache_rows_join_and_leave_without_moving_the_others(int8_pair):
 
 
 def test_transformers_forward_reads_its_own_rows_of_the_pool(target, monkeypatch):
-    import speclm.runner as kv_mod
+    import speclm.forward.runner as kv_mod
 
     monkeypatch.setattr(kv_mod.lean, "supports", lambda model: False)
     model = copy.deepcopy(target.model)
@@ -286,8 +286,8 @@ def _policy_batch(n_rows, options):
 
 
 def test_adaptive_policy_drafts_long_alone_and_stops_when_verification_is_not_free():
-    from speclm.adaptive import Adaptive
-    from speclm.costmodel import ForwardCosts
+    from speclm.spec.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
     options = GenerationOptions(method="pld")
@@ -314,8 +314,8 @@ def test_adaptive_policy_drafts_long_alone_and_stops_when_verification_is_not_fr
 def test_adaptive_policy_prices_a_draft_forward_by_its_rows():
     """A draft step measured for 8 rows (dear) does not price the drafting of a lone request after
     the burst: that is scaled to 1 row as the forward's cost scales, and drafting comes back."""
-    from speclm.adaptive import Adaptive
-    from speclm.costmodel import ForwardCosts
+    from speclm.spec.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
     options = GenerationOptions(method="draft")
@@ -338,8 +338,8 @@ def test_adaptive_policy_prices_what_a_draft_has_not_read():
     """Turning a draft model on for rows it has not read costs their reading, shared over the
     rounds each row has left: worth it for a request with many tokens to go, not for one about to
     end; nothing once read."""
-    from speclm.adaptive import Adaptive
-    from speclm.costmodel import ForwardCosts
+    from speclm.spec.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
     from speclm.requests import Request
 
@@ -403,8 +403,8 @@ def test_caches_that_grew_during_a_forward_still_take_prefixes(int8_pair):
 
 
 def test_adaptive_policy_probes_prompt_lookup_but_not_a_draft_model():
-    from speclm.adaptive import Adaptive
-    from speclm.costmodel import ForwardCosts
+    from speclm.spec.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
     policy = Adaptive(ForwardCosts({1: 0.11, 48: 0.58}), probe=4)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speclm import kernels
+from speclm.quant.weights import kernels
 from speclm.cli import main
 from tiny import byte_tokenizer, loaded, random_heads, require_compiled_kernels, tiny_model
 
@@ -57,7 +57,7 @@ SCRIPTS = {
                              # speclm's row: timed, and batch-invariant
                              re.compile(r"\| speclm Int8Linear: .*( [0-9.]+ \|){4} yes \|")], False),
     "int8_model.py": (["--target", "{target}"],
-                      ["prompts=2", "fp32: load ", "int8 W8A8 per-row (speclm.quant.Int8Linear, oneDNN): load ",
+                      ["prompts=2", "fp32: load ", "int8 W8A8 per-row (speclm.quant.weights.Int8Linear, oneDNN): load ",
                        "int8 weight-only, bf16 act. (_weight_int8pack_mm): load ",
                        "argmax agreement with fp32"], False),
     "load_memory.py": (["--target", "{target}", "--draft", "{draft}"],
@@ -201,8 +201,8 @@ def private_speclm_names(source: str) -> list[str]:
 
 
 def test_the_check_for_private_names_finds_them():
-    assert private_speclm_names("from speclm.quant import _vnni_layout, Int8Linear") == ["speclm.quant._vnni_layout"]
-    assert private_speclm_names("import speclm.quant as q\nq._int4_groups(w, 64)") == ["q..._int4_groups"]
+    assert private_speclm_names("from speclm.quant.weights import _vnni_layout, Int8Linear") == ["speclm.quant.weights._vnni_layout"]
+    assert private_speclm_names("import speclm.quant.weights as q\nq._int4_groups(w, 64)") == ["q..._int4_groups"]
     assert private_speclm_names("from speclm import quant\nquant.Int8Linear._restricted") == ["quant..._restricted"]
     assert private_speclm_names("import torch\ntorch.ops.aten._weight_int8pack_mm(x)") == []
 

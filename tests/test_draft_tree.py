@@ -9,11 +9,11 @@ import torch
 
 from speclm import SpecEngine
 from speclm.errors import UsageError
-from speclm.costmodel import ForwardCosts
+from speclm.forward.costs import ForwardCosts
 from speclm.proposers.draft_tree import (MAX_NODES, TreeSpec, _best, _Node, _Plan, _sampled_counts, check_choices,
                                          coverage, parse_tree)
-from speclm.quant import quantize_model
-from speclm.tree import ROOT
+from speclm.quant.weights import quantize_model
+from speclm.spec.tree import ROOT
 from tiny import loaded
 
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]

@@ -5,14 +5,14 @@ sampled distribution stay exact."""
 import pytest
 import torch
 
-import speclm.quant as quant
+import speclm.quant.weights as quant
 from chisq import ALPHA, chisq_pvalue
 from speclm import SpecEngine
 from speclm.defaults import DRAFT_VOCAB
 from speclm.engine import GenerationOptions
 from speclm.proposers import DraftModelProposer
 from speclm.proposers.draft_vocab import RestrictedHead
-from speclm.quant import Int4Linear, Int8Linear, quantize_model
+from speclm.quant.weights import Int4Linear, Int8Linear, quantize_model
 from speclm.sampling import SamplingParams
 from test_sampling_distribution import PROMPT, V, exact_joint, sampled_counts, small  # noqa: F401 (fixture)
 from tiny import loaded, require_compiled_kernels, tiny_model
@@ -61,7 +61,7 @@ def test_first_ids_round_down_to_whole_column_groups():
 
 def _spy_drafts(monkeypatch):
     """Every draft token the engine sends to verification."""
-    import speclm.batch as engine_mod
+    import speclm.spec.batch as engine_mod
 
     seen: list[int] = []
     real = engine_mod.verify_tree

@@ -75,7 +75,7 @@ def test_eagle_cache_equals_full_forward(target, heads_files):
     """After a few rounds, the head's cache (keys fed incrementally: the prompt's features after
     the prefill, then the old root and the accepted path after each round) equals the keys of one
     forward of the head over every committed token's real feature."""
-    from speclm.kv import StaticKV
+    from speclm.forward.cache import StaticKV
 
     engine = SpecEngine(target)
     heads = engine.heads("eagle", heads_files["eagle"])
@@ -107,7 +107,7 @@ def test_eagle_reads_a_chunked_prompt_whole(int8_target, tmp_path):
     """A prompt read in chunks while another request decodes (int8 weights: chunk-invariant)
     reaches EAGLE's head whole: its cache equals one forward of the head over the real features,
     and both requests' outputs equal their plain ones."""
-    from speclm.kv import StaticKV
+    from speclm.forward.cache import StaticKV
 
     heads_file = random_heads("eagle", int8_target.model, tmp_path / "eagle.safetensors", seed=3)
     engine = SpecEngine(int8_target)
@@ -195,8 +195,8 @@ def test_typical_acceptance_rule_on_hand_made_logits():
 
     from speclm.options import GenerationOptions
     from speclm.sampling import SamplingParams
-    from speclm.tree import ROOT, DraftTree
-    from speclm.verify import typical_paths, verify_tree
+    from speclm.spec.tree import ROOT, DraftTree
+    from speclm.spec.verify import typical_paths, verify_tree
 
     root = torch.tensor([0.6, 0.3, 0.07, 0.03])  # H = 0.98: bar = min(0.09, 0.3 e^-0.98 = 0.113) = 0.09
     flat = torch.full((4,), 0.25)  # H = ln 4: bar = min(0.09, 0.075) = 0.075
@@ -247,10 +247,10 @@ def test_trained_heads_end_to_end(tmp_path, target):
 
 
 def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):
-    """Under the serving policy (speclm.adaptive) a head's tree is verified whole or not at all in
+    """Under the serving policy (speclm.spec.adaptive) a head's tree is verified whole or not at all in
     a round, sized by the nodes its rows really drafted; outputs stay those of plain decoding."""
-    from speclm.adaptive import Adaptive
-    from speclm.costmodel import ForwardCosts
+    from speclm.spec.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
 
     engine = SpecEngine(target)
     # a cost line on which verifying is nearly free, so the trees run (a measured tiny model's need not)

@@ -18,7 +18,7 @@ from speclm.text import chat_ids
 from speclm.heads import data, sources
 from speclm.heads.cli import add_data_parser
 from speclm.heads.sources import Prompt
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 from speclm.models.loading import LoadedModel, load_model
 
 NEW = 12  # max_new_tokens of the builds here

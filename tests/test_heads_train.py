@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from speclm.errors import UsageError
 from speclm.heads import train as train_mod
 from speclm.heads.train import Shards, is_validation, train
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 
 SEQUENCES, PER_SHARD, RESPONSE = 16, 4, 16
 VALID = 0.1  # prompt ids p0..p15: 3 of them (p3, p10, p12) fall in validation (checked below)

@@ -1,4 +1,4 @@
-"""int4 weights (speclm.quant.Int4Linear, speclm/csrc's linear_rows_w4): exact integer
+"""int4 weights (speclm.quant.weights.Int4Linear, speclm/quant/csrc's linear_rows_w4): exact integer
 arithmetic, batch invariance, and speculative == plain with an int4 draft or target."""
 
 import copy
@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-import speclm.quant as quant
+import speclm.quant.weights as quant
 from speclm import SpecEngine, UsageError, kernels
-from speclm.quant import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, quantize_model
+from speclm.quant.weights import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, quantize_model
 from tiny import loaded, require_compiled_kernels, tiny_model
 
 N = 40

@@ -2,7 +2,7 @@
 
 import torch
 
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 
 
 def test_ragged_rows_equal_rows_alone(target, tok):
@@ -57,7 +57,7 @@ def test_select_keeps_rows(target, tok):
 
 def test_lean_forward_matches_transformers(target, tok):
     """The lean Llama/Qwen2 forward computes what the transformers forward computes."""
-    import speclm.lean as lean
+    import speclm.forward.lean as lean
 
     assert lean.supports(target.model)
     ids = tok("a lean forward, a lean forward").input_ids
@@ -70,7 +70,7 @@ def test_lean_forward_matches_transformers(target, tok):
 
 
 def test_transformers_path_when_lean_unsupported(target, tok, monkeypatch):
-    import speclm.runner as kv_mod
+    import speclm.forward.runner as kv_mod
 
     monkeypatch.setattr(kv_mod.lean, "supports", lambda model: False)
     ids = tok("fallback path").input_ids
@@ -86,8 +86,8 @@ def test_compiled_decode_attention_matches_torch_ops(tok):
     """speclm's compiled decode attention (rotary, cache write, per-query softmax) computes what
     the lean forward's torch ops compute, at head sizes 32 and 128, GQA included; and a token's
     logits do not depend on how many tokens share its forward."""
-    from speclm import kernels
-    from speclm.quant import quantize_model
+    from speclm.quant.weights import kernels
+    from speclm.quant.weights import quantize_model
     from tiny import require_compiled_kernels, tiny_model
 
     require_compiled_kernels()
@@ -188,8 +188,8 @@ def test_tree_nodes_get_the_bits_of_a_plain_step(tok, monkeypatch):
     the compiled kernel, the torch ops and the transformers path; fed in one forward or level by
     level (as a draft grows a tree, ancestors in earlier forwards); and after `move_path` the
     cache continues as if the accepted path had been fed plainly."""
-    import speclm.runner as kv_mod
-    from speclm.quant import quantize_model
+    import speclm.forward.runner as kv_mod
+    from speclm.quant.weights import quantize_model
     from tiny import require_compiled_kernels, tiny_model
 
     require_compiled_kernels()
@@ -232,7 +232,7 @@ def test_decode_attention_bits_do_not_depend_on_its_query_tiles():
     """The compiled attention takes a kv head's queries in tiles (so a prefill's scores stay in
     cache); each query's arithmetic is its own, so any tiling gives the same bits, for a prefill's
     many queries, a ragged batch and a tree alike."""
-    from speclm import kernels
+    from speclm.quant.weights import kernels
     from tiny import require_compiled_kernels
 
     require_compiled_kernels()
@@ -266,7 +266,7 @@ def test_forward_returns_hidden_states_only_when_asked(tok, monkeypatch):
     """hidden_layers: the forward leaves the asked layers' hidden states of the kept tokens in
     `kv.hidden` ((B, K, E); -1 after the final norm, what the output head reads), on the lean
     forward and on transformers'; nothing is kept when none are asked."""
-    import speclm.runner as kv_mod
+    import speclm.forward.runner as kv_mod
     from tiny import tiny_model
 
     model = tiny_model(len(tok), seed=4)

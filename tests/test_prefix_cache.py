@@ -10,9 +10,9 @@ from tiny import loaded, require_compiled_kernels, tiny_model
 
 from speclm.engine import SpecEngine
 from speclm.errors import UsageError
-from speclm.kv import StaticKV
-from speclm.prefix_cache import PrefixCache
-from speclm.quant import quantize_model
+from speclm.forward.cache import StaticKV
+from speclm.forward.prefix_cache import PrefixCache
+from speclm.quant.weights import quantize_model
 
 HEAD = "<system>You are a careful assistant who answers briefly.<user>"
 PROMPTS = [HEAD + "Name three prime numbers.", HEAD + "Name three colours of the rainbow.",

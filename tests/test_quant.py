@@ -1,13 +1,13 @@
-"""int8 weights (speclm.quant): batch invariance, accuracy, and speculative == plain on int8."""
+"""int8 weights (speclm.quant.weights): batch invariance, accuracy, and speculative == plain on int8."""
 
 import copy
 
 import pytest
 import torch
 
-import speclm.quant as quant
+import speclm.quant.weights as quant
 from speclm import SpecEngine, kernels
-from speclm.quant import Int8Linear, Int8Slice, quantize_model
+from speclm.quant.weights import Int8Linear, Int8Slice, quantize_model
 from tiny import loaded, require_compiled_kernels, tiny_model
 
 N = 40
@@ -159,7 +159,7 @@ def test_int8_logits_stay_close_to_fp32(tok):
 def test_int8_exact_through_the_transformers_forward_too(int8_pair, monkeypatch):
     """Models the lean forward does not cover run transformers' forward with speclm's
     per-query attention; speculative output still equals plain output on int8 weights."""
-    import speclm.runner as kv_mod
+    import speclm.forward.runner as kv_mod
 
     monkeypatch.setattr(kv_mod.lean, "supports", lambda model: False)
     target, draft = int8_pair
@@ -236,7 +236,7 @@ def test_the_kernel_build_follows_the_cpu_and_speclm_kernels(monkeypatch):
 
 
 def test_compiled_kernels_reject_mismatched_arguments():
-    """The checks both builds share (speclm/csrc/common.h) fail with an error, before anything is written."""
+    """The checks both builds share (speclm/quant/csrc/common.h) fail with an error, before anything is written."""
     require_compiled_kernels()
     compiled = kernels.compiled()
     q, scale = quant.int8_per_channel(torch.randn(70, 64))

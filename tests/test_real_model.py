@@ -86,7 +86,7 @@ def test_the_store_keeps_the_gguf_and_loads_transformers_values(smollm):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from speclm.embedding import PackedEmbedding
+    from speclm.forward.embedding import PackedEmbedding
 
     model, _ = smollm
     folder = store.cached_path("smollm2-135m")

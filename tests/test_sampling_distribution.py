@@ -48,7 +48,7 @@ import numpy as np
 import pytest
 import torch
 
-import speclm.verify as verify_mod
+import speclm.spec.verify as verify_mod
 from chisq import ALPHA, MIN_EXPECTED, chisq_pvalue, pool
 from speclm import SpecEngine
 from speclm.sampling import SamplingParams, processed_probs
@@ -175,7 +175,7 @@ def test_sized_auto_tree_follows_target_distribution(small, monkeypatch):
     follow the target's distribution (the tiny models' own measured lines are flat, so the
     `tree-auto` case draws every node's 4 children)."""
     import speclm.proposers.draft_tree as draft_tree
-    from speclm.costmodel import ForwardCosts
+    from speclm.forward.costs import ForwardCosts
 
     monkeypatch.setattr(SpecEngine, "forward_costs", lambda self: ForwardCosts({1: 1.0, 64: 10.45}))
     monkeypatch.setattr(SpecEngine, "draft_costs", lambda self: ForwardCosts({1: 0.1, 64: 0.73}))
@@ -210,7 +210,7 @@ def _redraw_after_verify(monkeypatch, position):
                 verdict.tokens[b, n] = torch.multinomial(probs[b, at], 1, generator=g).item()
         return verdict
 
-    monkeypatch.setattr("speclm.batch.verify_tree", verify)
+    monkeypatch.setattr("speclm.spec.batch.verify_tree", verify)
 
 
 def bonus_from_previous_position(monkeypatch):

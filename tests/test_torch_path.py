@@ -1,5 +1,5 @@
 """The exactness tests on torch's ops alone: SPECLM_KERNELS=torch turns every compiled kernel off
-(speclm.kernels), and int8 then runs on oneDNN and torch._int_mm, RMSNorm, silu and attention on
+(speclm.quant.kernels), and int8 then runs on oneDNN and torch._int_mm, RMSNorm, silu and attention on
 torch's ops. Where the compiled kernels run, this file runs the greedy-equality, kernel-agreement
 and alternatives tests again in a process with them off; where they do not run, the whole suite
 is already on that path and this test is skipped. On a CPU with AVX-512 VNNI the same tests run
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from speclm import kernels
+from speclm.quant.weights import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 EXACTNESS_TESTS = ["tests/test_engine_greedy.py", "tests/test_quant.py", "tests/test_alternatives.py",

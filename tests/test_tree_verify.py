@@ -1,4 +1,4 @@
-"""The tree verifier (speclm.verify.verify_tree) is lossless for trees of several shapes.
+"""The tree verifier (speclm.spec.verify.verify_tree) is lossless for trees of several shapes.
 
 A synthetic target and draft over a 4-token vocabulary: each is a fixed distribution for every
 prefix (softmax of seeded random logits), so the exact distribution of the first L = 3 committed
@@ -33,10 +33,10 @@ import numpy as np
 import pytest
 import torch
 
-import speclm.verify as verify_mod
+import speclm.spec.verify as verify_mod
 from chisq import ALPHA, chisq_pvalue
 from speclm.sampling import SamplingParams
-from speclm.tree import PAD, ROOT, DraftTree
+from speclm.spec.tree import PAD, ROOT, DraftTree
 
 V = 4
 L = 3  # committed tokens counted per request

@@ -10,10 +10,10 @@ import torch
 from test_store import write_tiny_gguf
 from tiny import byte_tokenizer, require_compiled_kernels, tiny_model
 
-from speclm.embedding import PackedEmbedding
+from speclm.forward.embedding import PackedEmbedding
 from speclm.models import qcache, store, weights
 from speclm.models.loading import load_model
-from speclm.quant import quantize_model
+from speclm.quant.weights import quantize_model
 
 IDS = torch.tensor([[3, 100, 7, 256, 42, 42, 9]])
 

@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from speclm import kernels
+from speclm.quant.weights import kernels
 from speclm.models.loading import LoadedModel
 
 EOS = "<eos>"
@@ -40,7 +40,7 @@ def word_tokenizer(size: int) -> PreTrainedTokenizerFast:
 def tiny_model(vocab_size: int, seed: int, layers: int = 2, hidden: int = 64, init: float = 0.2,
                heads: int = 2, kv_heads: int = 1) -> Qwen2ForCausalLM:
     """Head size hidden / heads = 32 by default: the smallest the compiled decode attention
-    (speclm/csrc) takes, so the tests run it; 2 query heads per kv head keep GQA covered."""
+    (speclm/quant/csrc) takes, so the tests run it; 2 query heads per kv head keep GQA covered."""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 from speclm.proposers import lookup
 from speclm.proposers.draft_vocab import restricted_head
 

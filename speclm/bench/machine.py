@@ -21,7 +21,7 @@ def machine_facts() -> dict:
     import torch
     import transformers
 
-    from speclm.quant import int8_kernels
+    from speclm.quant.weights import int8_kernels
 
     return {
         "cpu": cpu_name(),

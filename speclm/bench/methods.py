@@ -20,7 +20,7 @@ from speclm.bench import peers
 from speclm.defaults import DRAFT_METHODS, MAX_K, METHODS
 from speclm.engine import SpecEngine
 from speclm.errors import UsageError
-from speclm.quant import QUANTIZE_MODES
+from speclm.quant.weights import QUANTIZE_MODES
 from speclm.stats import RequestStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")

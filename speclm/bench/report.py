@@ -166,7 +166,7 @@ def _prefix_cache_line(results: dict) -> list[str]:
     if not size:
         return ["No prefix cache: every prompt is read whole.", ""]
     shares = ", ".join(f"{m} {c} of {n}" for m, (c, n) in read.items())
-    return [f"Prefix cache: {size} tokens per model, each method its own (speclm.prefix_cache); prompt tokens "
+    return [f"Prefix cache: {size} tokens per model, each method its own (speclm.forward.prefix_cache); prompt tokens "
             f"the target took from it instead of reading them: {shares or 'none yet'}.", ""]
 
 

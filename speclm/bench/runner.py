@@ -4,7 +4,7 @@
    model objects.
 2. Measure the cost model (v(k), c) on the first prompt.
 3. Warm up every method on a short generation.
-   Each speclm method keeps its own prefix cache (speclm.prefix_cache), emptied after the
+   Each speclm method keeps its own prefix cache (speclm.forward.prefix_cache), emptied after the
    warm-up: it sees the prompts before the current one, as a server would, and never a prompt
    another method just read (which would spare it that prompt's prefill).
 4. For each prompt, for each repeat, run every method in turn (A B C A B C ...), so that
@@ -41,7 +41,7 @@ from speclm.bench.methods import MethodSpec, run_method
 from speclm.bench.peers import describe as describe_peer, make_peer
 from speclm.engine import GenerationOptions, SpecEngine
 from speclm.defaults import DRAFT_METHODS
-from speclm.prefix_cache import DEFAULT_TOKENS, PrefixCaches
+from speclm.forward.prefix_cache import DEFAULT_TOKENS, PrefixCaches
 
 SCHEMA_VERSION = 1
 

@@ -52,7 +52,7 @@ from speclm.bench.report import atomic_write
 from speclm.errors import UsageError
 from speclm.models.store import file_sha256
 from speclm.heads.sources import Prompt, stream
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 from speclm.text import chat_ids
 
 FORMAT = 1

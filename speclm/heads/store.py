@@ -21,7 +21,7 @@ from speclm.bench.report import atomic_write
 from speclm.errors import UsageError
 from speclm.models.store import file_sha256
 from speclm.heads.modules import HeadsConfig, make
-from speclm.quant import int8_per_channel
+from speclm.quant.weights import int8_per_channel
 
 FORMAT = "speclm-heads-1"
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from speclm.heads.modules import Frozen
-from speclm.quant import Int8Linear, QuantLinear, from_vnni_layout
+from speclm.quant.weights import Int8Linear, QuantLinear, from_vnni_layout
 
 
 def frequent_tokens(counts: Counter, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:

@@ -20,7 +20,7 @@ class LoadedModel:
     model: object  # a transformers PreTrainedModel (causal LM), in eval mode
     tokenizer: object  # its transformers tokenizer
     eos_token_ids: tuple[int, ...]  # every id that ends generation
-    quantize: str = "none"  # none | int8 | int4 (speclm.quant)
+    quantize: str = "none"  # none | int8 | int4 (speclm.quant.weights)
 
     @property
     def vocab_size(self) -> int:
@@ -118,14 +118,14 @@ def load_model(name, *, tokenizer=None, dtype: str = "float32", device: str = "c
     loaded (then `tokenizer` is its tokenizer, and the model is used as it is: its dtype, its
     device unless `device` names another; quantize converts its linear layers in place, without
     the cache). quantize="int8" gives every linear layer, output head included, int8 weights
-    (speclm.quant); quantize="int4" int4 ones (grouped scales; meant for draft models). A
+    (speclm.quant.weights); quantize="int4" int4 ones (grouped scales; meant for draft models). A
     quantized model is written once to the quantized-weights cache (speclm.models.qcache;
     `cache=False`: neither read nor written) and later loads read it; the first quantization
     reads the weights one decoder layer at a time (speclm.models.weights), so the fp32 model is
     never held whole."""
     import torch
 
-    from speclm.quant import QUANTIZE_MODES
+    from speclm.quant.weights import QUANTIZE_MODES
 
     if quantize not in QUANTIZE_MODES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not '{quantize}'")
@@ -170,7 +170,7 @@ def load_model(name, *, tokenizer=None, dtype: str = "float32", device: str = "c
 
 def _loaded_objects(model, tokenizer, device: str, quantize: str) -> LoadedModel:
     """A transformers model and tokenizer the caller loaded, checked and taken as they are."""
-    from speclm.quant import quantize_model
+    from speclm.quant.weights import quantize_model
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_output_embeddings") or not callable(getattr(model, "forward", None)):
@@ -242,7 +242,7 @@ def _from_checkpoint(folder: Path, config, dtype, quantize: str, progress: bool)
     import torch
 
     from speclm.models import weights
-    from speclm.quant import mark_quantized, quantize_linears, quantize_model
+    from speclm.quant.weights import mark_quantized, quantize_linears, quantize_model
 
     _warn_fp32_store(folder)
     skel = weights.skeleton(config, dtype if quantize == "none" else torch.float32)

@@ -7,8 +7,8 @@ modification times, so a changed or replaced checkpoint gets a new file; a file 
 version is never read. It is written to a temporary name and renamed under the model's lock, so a
 reader sees a complete file or none; `speclm models rm` removes a model's files with it.
 
-Its tensors: each quantized layer's `state()` (speclm.quant), the parameters left in fp32 (norms),
-and the embedding table in its compact form (speclm.embedding); its metadata says which module
+Its tensors: each quantized layer's `state()` (speclm.quant.weights), the parameters left in fp32 (norms),
+and the embedding table in its compact form (speclm.forward.embedding); its metadata says which module
 each belongs to, and which sibling projections share one fused layer.
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speclm.embedding import PackedEmbedding
-from speclm.quant import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, QuantLinear, _Fused, mark_quantized
+from speclm.forward.embedding import PackedEmbedding
+from speclm.quant.weights import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, QuantLinear, _Fused, mark_quantized
 
 # Bump when a stored tensor's layout or meaning changes: older files are then ignored, not misread.
 LAYOUT_VERSION = 1

@@ -7,7 +7,7 @@ the mapped file. speclm only needs that to quantize it. Here the model's modules
 weights (accelerate's `init_empty_weights`: parameters on the meta device, buffers such as the
 rotary frequencies real), and each decoder layer's weights are read, quantized and dropped before
 the next layer's are read; the embedding table stays in its file's compact form
-(speclm.embedding). The tensors are copies: no file stays mapped once the model is built.
+(speclm.forward.embedding). The tensors are copies: no file stays mapped once the model is built.
 
 The values are the ones `from_pretrained` gives: the same gguf de-quantization and transformers'
 own GGUF name map and tensor processors (tests/test_weights.py compares every tensor bit for bit).
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from speclm.embedding import PackedEmbedding
+from speclm.forward.embedding import PackedEmbedding
 
 GGUF_FILE = "model.gguf"  # the name a store folder gives its GGUF
 

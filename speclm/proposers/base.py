@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from speclm.sampling import SamplingParams
-from speclm.tree import PAD, ROOT, DraftTree
+from speclm.spec.tree import PAD, ROOT, DraftTree
 
 
 @dataclass
@@ -34,9 +34,9 @@ class Draft:
     forwards: int = 0  # draft model forwards spent on this proposal
     # (B, K) long or None: a second candidate for position j, verified beside tokens[:, j] (a tree
     # whose extra branches are leaves), -1 where none; drawn from draft_probs[:, j] independently
-    # of tokens[:, j] (greedy: the draft's second choice). See speclm.verify.
+    # of tokens[:, j] (greedy: the draft's second choice). See speclm.spec.verify.
     alternatives: torch.Tensor | None = None
-    # (B, K) long or None: a tree's parents (speclm.tree: ROOT, PAD or an earlier node); then row
+    # (B, K) long or None: a tree's parents (speclm.spec.tree: ROOT, PAD or an earlier node); then row
     # b's nodes are tokens[b, :lengths[b]] and `alternatives` is None. None: a chain.
     parents: torch.Tensor | None = None
 

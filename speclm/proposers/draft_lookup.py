@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from speclm.proposers.base import Draft, Verified
-from speclm.tree import PAD, DraftTree
+from speclm.spec.tree import PAD, DraftTree
 from speclm.proposers.draft_model import DraftModelProposer
 from speclm.proposers.prompt_lookup import PromptLookupProposer
 from speclm.sampling import SamplingParams
@@ -40,7 +40,7 @@ class DraftLookupProposer(DraftModelProposer):
         ngram_min: the lookup's while the draft model runs; prompt_ratio: the draft model stays off
         for a row whose prompt is longer than this times its max_new_tokens (0: always off, inf:
         always on); lookup_k: tokens per lookup draft when the model is off; prefix_cache:
-        the draft model's (speclm.prefix_cache); tree: the draft model's tree (None: a chain)."""
+        the draft model's (speclm.forward.prefix_cache); tree: the draft model's tree (None: a chain)."""
         super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always, alternatives=alternatives,
                          prefix_cache=prefix_cache, tree=tree, times=times)
         self.beside = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)  # while the model runs

@@ -1,6 +1,6 @@
 """Drafting with a smaller model that shares the target's tokenizer.
 
-The draft keeps its own preallocated KV cache (speclm.kv.StaticKV). Each proposal first feeds the committed tokens
+The draft keeps its own preallocated KV cache (speclm.forward.cache.StaticKV). Each proposal first feeds the committed tokens
 the draft has not seen (at the start the prompt, then the target's first token, split as the
 target fed them; afterwards the target's
 recovered or bonus token, plus the last draft token when every draft was accepted), then
@@ -17,8 +17,8 @@ import torch
 from speclm.proposers.base import Draft, Proposer, Verified
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec, grow, record_acceptance
 from speclm.proposers.draft_vocab import RestrictedHead, RowVocabs, on_vocabulary, token_of
-from speclm.kv import StaticKV
-from speclm.prefix_cache import PrefixCache
+from speclm.forward.cache import StaticKV
+from speclm.forward.prefix_cache import PrefixCache
 from speclm.sampling import SamplingParams, processed_probs, sample
 
 

@@ -1,5 +1,5 @@
 """A draft model's tree: several candidates per position, grown level by level, one draft forward
-per level, all verified in one target forward (speclm.tree, speclm.verify.verify_tree).
+per level, all verified in one target forward (speclm.spec.tree, speclm.spec.verify.verify_tree).
 
 Two shapes:
 - static (`--tree FILE`): a JSON list of root paths of ranks, Medusa's "choices" format: [[0], [1],
@@ -11,7 +11,7 @@ Two shapes:
   children, up to `depth` levels, while some node is worth expanding (cumulative probability at
   least `min_prob`). Greedy decoding then keeps the nodes of highest cumulative probability, as
   many as pay for themselves: N maximising (1 + their summed probability) / (drafting time +
-  the target's measured forward time over N + 1 tokens, speclm.costmodel).
+  the target's measured forward time over N + 1 tokens, speclm.forward.costs).
 
 Sampling stays exact: a node's children are its distribution's draws without replacement (rank
 r: the r-th draw, carrying the distribution it was drawn from), and whether a node gets children,
@@ -38,7 +38,7 @@ import torch
 from speclm.errors import UsageError
 from speclm.proposers.draft_vocab import on_vocabulary, token_of
 from speclm.sampling import SamplingParams, processed_probs, sample
-from speclm.tree import PAD, ROOT
+from speclm.spec.tree import PAD, ROOT
 
 MAX_NODES = 64  # the most nodes a tree may hold (the KV caches' headroom)
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speclm import lean
-from speclm.quant import QuantLinear
+from speclm.forward import lean
+from speclm.quant.weights import QuantLinear
 
 ALIGN = 64  # the quantized layouts store output columns in groups of 64
 
@@ -100,7 +100,7 @@ class RowVocabs:
     """The rows of a batch each with its own restricted vocabulary (the lowest ids, its own prompt's
     tokens, `always`) under one RestrictedHead over their union: a row's logits are its own
     columns of the union's, in ascending id order, so what it drafts does not depend on the other
-    rows of the batch (each column of the head is computed on its own: speclm.quant's kernels).
+    rows of the batch (each column of the head is computed on its own: speclm.quant.weights's kernels).
     The union grows as rows join; rows that left keep their columns until it is rebuilt."""
 
     def __init__(self, model, vocab: int, always: tuple[int, ...]):

@@ -28,7 +28,7 @@ import torch
 
 from speclm.proposers.base import Draft, Verified
 from speclm.proposers.head_tree import HeadProposer, Node, choose, to_draft
-from speclm.tree import ROOT
+from speclm.spec.tree import ROOT
 
 DEPTH = 6  # levels below the root
 EXPAND = 4  # candidates run through the head per level

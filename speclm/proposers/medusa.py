@@ -18,7 +18,7 @@ import torch
 
 from speclm.proposers.base import Draft, Verified
 from speclm.proposers.head_tree import HeadProposer, Node, choose, to_draft
-from speclm.tree import ROOT
+from speclm.spec.tree import ROOT
 
 BRANCH = 8  # candidates per head considered for a grown tree (ranks past it are rarely accepted)
 MAX_TREE = 48  # the most nodes a grown tree may hold

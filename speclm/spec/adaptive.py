@@ -1,6 +1,6 @@
 """Speculation that adapts to the batch: each round's draft length from measured costs.
 
-On a CPU a target forward over n tokens costs about intercept + slope * n (speclm.costmodel), and
+On a CPU a target forward over n tokens costs about intercept + slope * n (speclm.forward.costs), and
 a batch of B rows that each verify k drafted tokens reads B * (k + 1) of them. With one row the
 intercept (reading the weights) dominates and drafting is nearly free to verify; with many rows
 the slope does, and every drafted token is paid for whether it is accepted or not. So before
@@ -38,7 +38,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from speclm.costmodel import ForwardCosts
+from speclm.forward.costs import ForwardCosts
 
 
 @dataclass

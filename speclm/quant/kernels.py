@@ -1,18 +1,18 @@
-"""speclm's compiled CPU kernels, built once per machine: speclm/csrc/cpu_kernels.cpp on a CPU with
-AVX-512 VNNI, speclm/csrc/cpu_kernels_avx2.cpp on one with AVX2, FMA and F16C only.
+"""speclm's compiled CPU kernels, built once per machine: speclm/quant/csrc/cpu_kernels.cpp on a CPU with
+AVX-512 VNNI, speclm/quant/csrc/cpu_kernels_avx2.cpp on one with AVX2, FMA and F16C only.
 
 torch's int8 kernels read the weights of a decode step slower than this CPU can at more than
 one row (benchmarks/intel/int8-gemm-rows-cpu.txt), which is what speculation needs: a k-token
 verification that costs about one step; and a decode step's few rows make every small aten op
 (an RMSNorm is several) cost more than its arithmetic. On an AVX2-only CPU torch has no fast
-exact int8 kernel at all (speclm.quant). The kernels are built with torch's own extension
+exact int8 kernel at all (speclm.quant.weights). The kernels are built with torch's own extension
 builder (the machine's C++ compiler, ninja) on first use and cached in torch's extension
 folder (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions); a changed source
 rebuilds them. Both builds compute the same integers and the same int4 and RMSNorm bits, with
 the same weight layouts. Where neither runs (another CPU, no compiler, a failed build: said once
 on stderr), speclm runs torch's kernels: the same bits for the int8 GEMM, its own RMSNorm (a
 model's forward is then exact with itself either way; it never mixes the two). int4 weights
-(speclm.quant.Int4Linear, for drafts) have no torch fallback: asking for them there is a
+(speclm.quant.weights.Int4Linear, for drafts) have no torch fallback: asking for them there is a
 usage error.
 
 SPECLM_KERNELS=torch turns the compiled kernels off; SPECLM_KERNELS=avx2 builds the AVX2 ones on

@@ -3,11 +3,11 @@
 transformers' eager forward spends part of every step in Python (module calls, mask and
 cache bookkeeping), which counts on a CPU next to int8 weights: there every aten op costs
 microseconds, more right after a GEMM has streamed its weights through the caches. This
-forward runs the model's own weights (nn.Linear or speclm.quant's int8 kernels, so the model
+forward runs the model's own weights (nn.Linear or speclm.quant.weights's int8 kernels, so the model
 object stays what transformers' `generate` uses too) in one flat loop per layer, on the
 hidden state as (rows, features), with as few ops between the GEMMs as it can.
 
-Attention is per query over exactly the slots before it (see speclm.attention for why),
+Attention is per query over exactly the slots before it (see speclm.forward.attention for why),
 except in a prefill of a model whose projections are not quantized, which is one causal SDPA
 call over the batch (on quantized weights a prefill attends per query too: LeanForward's
 chunk_invariant says why).
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speclm import kernels
-from speclm.attention import attend_each_query, is_prefill
+from speclm.quant.weights import kernels
+from speclm.forward.attention import attend_each_query, is_prefill
 from speclm.defaults import FP32_FEW_ROWS, FP32_PADDED_ROWS, PREFILL_ROW_BLOCK
-from speclm.quant import Int8Slice, QuantLinear
+from speclm.quant.weights import Int8Slice, QuantLinear
 
 Rows = Callable[[torch.Tensor], torch.Tensor]  # (R, in) -> (R, out), row by row
 
@@ -82,7 +82,7 @@ def _projection(module: nn.Module) -> Rows:
 
 
 def _side_by_side(modules: list[nn.Module]) -> Rows:
-    """Projections that read one input, outputs concatenated: one GEMM where speclm.quant fused them."""
+    """Projections that read one input, outputs concatenated: one GEMM where speclm.quant.weights fused them."""
     first = modules[0]
     if isinstance(first, Int8Slice) and first.start == 0 and all(
             isinstance(m, Int8Slice) and m.fused is first.fused for m in modules) and modules[-1].stop == (
@@ -157,7 +157,7 @@ class LeanForward:
     def __init__(self, model):
         cfg = model.config
         inner = model.model
-        self.embed = inner.embed_tokens  # nn.Embedding, or speclm.embedding's compact table (fp32 rows)
+        self.embed = inner.embed_tokens  # nn.Embedding, or speclm.forward.embedding's compact table (fp32 rows)
         dtype, device = inner.norm.weight.dtype, inner.norm.weight.device
         # None where it does not run, and for a model off the CPU: torch's ops instead
         compiled = kernels.compiled() if device.type == "cpu" else None
@@ -169,11 +169,11 @@ class LeanForward:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
-        # Quantized projections (each row quantized alone, speclm.quant) and speclm's per-query
+        # Quantized projections (each row quantized alone, speclm.quant.weights) and speclm's per-query
         # attention make a token's keys and values independent of how its prompt is split into
         # forwards: then every forward, a prefill too, attends per query, and keys and values
         # cached from an earlier prompt are the bits this prompt's own prefill would compute
-        # (speclm.prefix_cache). SDPA's batched prefill would round otherwise.
+        # (speclm.forward.prefix_cache). SDPA's batched prefill would round otherwise.
         projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
         self.chunk_invariant = (
             compiled is not None and dtype == torch.float32 and self.head_dim % 32 == 0
@@ -204,8 +204,8 @@ class LeanForward:
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
         head: (R, E) -> (R, V') in place of the model's output head (a draft's restricted vocabulary);
-        positions (B, M), tree: where some rows hold a tree (speclm.kv.StaticKV.forward), each token's
-        position and the slots each query attends (speclm.attention.Tree), else None.
+        positions (B, M), tree: where some rows hold a tree (speclm.forward.cache.StaticKV.forward), each token's
+        position and the slots each query attends (speclm.forward.attention.Tree), else None.
         hidden_layers, hidden: the dict `hidden` receives, for each layer index asked, the hidden
         states (B, K, E) of the kept rows: layer i's output (the residual stream after it), and for
         -1 the final norm's, what the output head reads. Nothing is kept when none are asked.
@@ -290,7 +290,7 @@ class LeanForward:
 
 
 def _flat_tree(tree: list, starts: list[int], width: int) -> list[int]:
-    """speclm.attention's Tree as decode_attention's `tree` vector (speclm/csrc/common.h): B M + 1
+    """speclm.forward.attention's Tree as decode_attention's `tree` vector (speclm/quant/csrc/common.h): B M + 1
     offsets, then each query's [reach, slots apart...]; a chain row's queries reach their slot."""
     rows = len(starts) * width
     offsets: list[int] = []

@@ -84,7 +84,7 @@ class ForwardCosts:
 def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     """Median seconds of forwards over each size, taken in turns (this machine's speed drifts
     within a minute; in turns a slow spell slows every size alike)."""
-    from speclm.kv import StaticKV
+    from speclm.forward.cache import StaticKV
 
     cfg = getattr(model.config, "text_config", None) or model.config
     length = min(CONTEXT, max(1, (getattr(cfg, "max_position_embeddings", None) or 1 << 20) - max(sizes) - 1))

@@ -4,7 +4,7 @@ Contract:
 - Every method runs through the same round and the same verifier; `none` proposes nothing, so
   each target forward commits exactly one token (plain autoregressive decoding).
 - Greedy output equals plain greedy decoding of the target, token for token. With int8 weights
-  (speclm.quant) the target's forward is batch-invariant, so this holds exactly; in fp32 the
+  (speclm.quant.weights) the target's forward is batch-invariant, so this holds exactly; in fp32 the
   CPU's matmuls round by shape, so a floating-point near-tie can still flip a token.
 - A request's output does not depend on which requests share its batch or when they joined: its
   rows of every forward compute what they would alone (speclm's kernels and per-query
@@ -14,7 +14,7 @@ Contract:
 - A request stops at any EOS id (which is returned; unless it set ignore_eos), at exactly its
   max_new_tokens, or when a stop string appears (the text ends before it; the ids end with the token that completed it).
 - A request may start from the keys and values of the longest prefix its prompt shares with a
-  recent prompt (speclm.prefix_cache), only where those are the bits its own prefill would
+  recent prompt (speclm.forward.prefix_cache), only where those are the bits its own prefill would
   compute.
 
 A step is one of:
@@ -28,7 +28,7 @@ A step is one of:
   values are the same bits however its prompt is split); elsewhere a prompt is read whole;
 - a round for every other request (`_round`): propose -> score -> verify -> commit.
 A round's draft length may be capped per group by a `speculation` policy
-(speclm.adaptive.Adaptive: from the batch's size, the measured forward costs and the rows'
+(speclm.spec.adaptive.Adaptive: from the batch's size, the measured forward costs and the rows'
 acceptance; 0 is plain decoding for that round); greedy output does not depend on it.
 Requests with equal proposer options (GenerationOptions.proposer_key) share one proposer, which
 drafts their rows together; each request's tokens are verified with its own sampling options.
@@ -42,13 +42,13 @@ from dataclasses import dataclass
 import torch
 
 from speclm.errors import UsageError
-from speclm.kv import StaticKV
+from speclm.forward.cache import StaticKV
 from speclm.options import GenerationOptions
 from speclm.proposers import Draft, Proposer, Verified
 from speclm.requests import Request
 from speclm.text import stop_cut
-from speclm.tree import PAD, ROOT, DraftTree
-from speclm.verify import Verdict, verify_tree
+from speclm.spec.tree import PAD, ROOT, DraftTree
+from speclm.spec.verify import Verdict, verify_tree
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Batch:
         """rows: the batch's expected most requests at once (its caches' rows; more are made room
         for by copying); capacity: tokens a request may hold (prompt + max_new_tokens), at least;
         prefill_chunk: prompt tokens a request reads per step at most (None: whole);
-        speculation: a policy capping each round's draft length (speclm.adaptive; None: the
+        speculation: a policy capping each round's draft length (speclm.spec.adaptive; None: the
         methods' own k)."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise UsageError(f"prefill-chunk must be >= 1 token, got {prefill_chunk}")
@@ -395,7 +395,7 @@ def _batch_tree(proposals: list[_Proposal], batch: int) -> DraftTree:
 def _feed(contexts: list[list[int]], have: list[int], tree: DraftTree) -> tuple[list[list[int]], list[list[int]] | None]:
     """What the target reads this round, per row: the committed tokens it has not seen (the last
     of them the tree's root), then every node of the tree (padding nodes too: a row's logits sit
-    at fixed columns). And per token its parent's slot (speclm.kv.StaticKV.forward), or None
+    at fixed columns). And per token its parent's slot (speclm.forward.cache.StaticKV.forward), or None
     where every row is a chain: node n sits at slot len(context) + n."""
     nodes = tree.tokens.tolist()
     parents = tree.parents.tolist()

@@ -447,7 +447,7 @@ inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0
 // token's result must not depend on the other tokens of the forward, nor on other rows).
 // Replaces some forty aten ops per layer (slices, rolls, copies, one SDPA call per query).
 // qkv (B M, (H + 2 H_kv) D); cos, sin (P, D) rotary tables by position (sin sign-folded, as
-// speclm.lean's: x * cos + roll(x, D/2) * sin, the same three roundings); keys, values
+// speclm.forward.lean's: x * cos + roll(x, D/2) * sin, the same three roundings); keys, values
 // (B, H_kv, capacity, D) this layer's cache; starts, counts (B,): slots before this forward and
 // real tokens per row (the rest of a ragged row's M columns are padding: written, not attended
 // from, output zero). tree: empty for chains, else which slots each query attends

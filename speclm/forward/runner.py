@@ -1,8 +1,8 @@
-"""Which forward runs a model over speclm's KV cache (speclm.kv.StaticKV), and how long it took.
+"""Which forward runs a model over speclm's KV cache (speclm.forward.cache.StaticKV), and how long it took.
 
-speclm's lean forward (speclm.lean) for the Llama-architecture decoders it supports; transformers'
+speclm's lean forward (speclm.forward.lean) for the Llama-architecture decoders it supports; transformers'
 own forward for every other architecture, the cache handed in as `past_key_values` and attention
-per query (speclm.attention). The cache decides where each token's keys and values go and which
+per query (speclm.forward.attention). The cache decides where each token's keys and values go and which
 slots it sees (a `Plan`); the runner only runs it.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from speclm import lean
-from speclm.attention import Tree, per_query, use_exact_attention
-from speclm.lean import LeanForward
+from speclm.forward import lean
+from speclm.forward.attention import Tree, per_query, use_exact_attention
+from speclm.forward.lean import LeanForward
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Plan:
     window: int  # slots the forward's queries can reach
     cache_rows: torch.Tensor  # (B,) each row's row of the cache's pool
     positions: torch.Tensor | None  # (B, M) position ids where some row holds a tree, else None (= slots)
-    tree: Tree | None  # each query's visible slots where some row holds a tree (speclm.attention)
+    tree: Tree | None  # each query's visible slots where some row holds a tree (speclm.forward.attention)
     logits_to_keep: int
     cols: torch.Tensor | None  # (B, K) columns of each row's last tokens where rows are ragged, else None
     hidden_all: bool = False  # hidden states of every fed token (B, M, E), not only the kept ones
@@ -71,7 +71,7 @@ class ModelRunner:
         ids, slots, positions, tree, window = plan.ids, plan.slots, plan.positions, plan.tree, plan.window
         starts, counts, logits_to_keep, cols, cache_rows = plan.starts, plan.counts, plan.logits_to_keep, plan.cols, plan.cache_rows
         # query (b, i) sees slots 0..lengths[b] + i, or its tree's slots; padding queries see the
-        # same, harmlessly (a prefill's mask; decode forwards attend per query, speclm.attention)
+        # same, harmlessly (a prefill's mask; decode forwards attend per query, speclm.forward.attention)
         mask = kv._slots[None, None, None, :window] <= slots[:, None, :, None]  # (B, 1, M, W)
         batch = torch.arange(len(starts), device=ids.device)
         for b, row in enumerate(tree or ()):

@@ -4,7 +4,7 @@ Speculative output equals plain output only if the target's forward is batch-inv
 token's logits must not depend on how many other tokens share the forward. The kernel kept
 here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
 activation row quantized to int8 with its own scale, products accumulated in int32 (exact
-integer arithmetic: speclm's compiled kernel (AVX-512 VNNI or AVX2, speclm.kernels) for the few
+integer arithmetic: speclm's compiled kernel (AVX-512 VNNI or AVX2, speclm.quant.kernels) for the few
 rows of a decode step or a verification, and on AVX2 for every row count; oneDNN's int8 GEMM for
 a prefill's many rows where it sums exactly (a CPU with VNNI); `torch._int_mm` where nothing
 compiled runs), then rescaled elementwise. Nothing couples the rows, so the
@@ -26,7 +26,7 @@ import sys
 import torch
 from torch import nn
 
-from speclm import kernels
+from speclm.quant.weights import kernels
 from speclm.defaults import VNNI_MAX_ROWS
 from speclm.errors import UsageError
 from speclm.runtime import QUANTIZE_MODES
@@ -139,13 +139,13 @@ def _onednn_available() -> bool:
 
 
 def _compiled_kernel():
-    """speclm's compiled kernel (speclm.kernels), or None where it does not run."""
+    """speclm's compiled kernel (speclm.quant.kernels), or None where it does not run."""
     return kernels.compiled()
 
 
 # Up to VNNI_MAX_ROWS rows speclm's kernel is faster than oneDNN's; beyond, the GEMM is
 # compute-bound and oneDNN's blocking wins.
-_GROUP = 64  # output columns the kernel packs side by side (speclm/csrc/cpu_kernels.cpp)
+_GROUP = 64  # output columns the kernel packs side by side (speclm/quant/csrc/cpu_kernels.cpp)
 
 
 def _gather_columns(layout: torch.Tensor, ids: torch.Tensor, pad: int) -> torch.Tensor:
@@ -242,7 +242,7 @@ class Int8Linear(QuantLinear):
     and each call takes the fastest here:
     - up to VNNI_MAX_ROWS rows (decode steps, draft steps, verification), and every row count
       where oneDNN is not exact: speclm's compiled kernel (AVX-512 VNNI or AVX2,
-      speclm.kernels), which reads each weight once for all the rows;
+      speclm.quant.kernels), which reads each weight once for all the rows;
     - more rows (prefill): oneDNN's int8 GEMM on the weight packed once
       (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with
       zero point 128, where it sums exactly (`_onednn_available`: not on a CPU without VNNI);
@@ -330,7 +330,7 @@ class Int8Linear(QuantLinear):
 
     def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x (R, in) fp32 -> (R, out) fp32, plus `residual` (R, out) if given: the forward without
-        reshapes (speclm.lean's hot path; the residual is a decoder's h + f(h), added last)."""
+        reshapes (speclm.forward.lean's hot path; the residual is a decoder's h + f(h), added last)."""
         kernel = self.kernel_for(x.shape[0])
         if kernel == "compiled":  # quantizes, multiplies, rescales and adds in one call
             return self.compiled.linear_rows(x, self.vnni_weight, self.colsum, self.wscale, self.bias, residual)

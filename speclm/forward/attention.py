@@ -51,7 +51,7 @@ def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       cache_rows: list[int] | None = None) -> torch.Tensor:
     """q (B, M, H, D); keys, values (P, H_kv, >= W, D) -> (B, M, H, D): row b's query i attends
     alone over slots [0, starts[b] + i] of cache row cache_rows[b] (None: row b, P = B); padding
-    columns (i >= counts[b]) stay zero. tree: where a row holds a tree (speclm.kv.StaticKV.forward's
+    columns (i >= counts[b]) stay zero. tree: where a row holds a tree (speclm.forward.cache.StaticKV.forward's
     parents), query i attends slots [0, reach) and then `apart`: the slots and order of a plain
     step at its position."""
     batch, width, heads, dim = q.shape

@@ -1,5 +1,5 @@
 """A preallocated KV cache for the rows of a batch that advance at different speeds, join and leave:
-where each token's keys and values go and which slots each token sees (speclm.runner runs the
+where each token's keys and values go and which slots each token sees (speclm.forward.runner runs the
 model's forward over it).
 
 Every layer's keys and values live in one tensor (P, H_kv, capacity, D), a pool of P cache rows
@@ -24,9 +24,9 @@ import os
 
 import torch
 
-from speclm.attention import is_prefill
+from speclm.forward.attention import is_prefill
 from speclm.errors import UsageError
-from speclm.runner import ModelRunner, Plan
+from speclm.forward.runner import ModelRunner, Plan
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -80,7 +80,7 @@ class StaticKV:
     def __init__(self, model, batch_size: int, capacity: int, pool: int = 0):
         """batch_size rows now, each up to `capacity` tokens; `pool`: cache rows to allocate for rows
         that join later (at least batch_size). Decode forwards attend per query
-        (speclm.attention), so that a token's logits do not depend on the other tokens of a
+        (speclm.forward.attention), so that a token's logits do not depend on the other tokens of a
         forward. The target needs it; a draft model gets it too, at no measurable cost (its
         forwards are 1-2 tokens), so that a draft identical to the target is accepted in full."""
         self.model = model
@@ -124,7 +124,7 @@ class StaticKV:
     @property
     def chunk_invariant(self) -> bool:
         """A token's keys and values do not depend on how its prompt was split into forwards, so a
-        prefix's may come from another prompt's forward (speclm.prefix_cache)."""
+        prefix's may come from another prompt's forward (speclm.forward.prefix_cache)."""
         return self.runner.chunk_invariant
 
     @torch.inference_mode()
@@ -201,7 +201,7 @@ class StaticKV:
         parents: per row (or None: a chain), for each of its tokens the slot of its parent, or -1
         for the slot before its own. A token then attends the slots of its ancestors, through
         this and earlier forwards, and sits at the position of its depth: a tree's node computes
-        what a plain step after its root path would (speclm.attention.attend_each_query).
+        what a plain step after its root path would (speclm.forward.attention.attend_each_query).
         hidden_layers: layer indices (-1: after the final norm) whose hidden states (B,
         logits_to_keep, E) of the same tokens the forward leaves in `self.hidden`; none asked,
         none kept (self.hidden is then None). On transformers' own forward (other architectures)
@@ -248,7 +248,7 @@ class StaticKV:
         return logits
 
     def _visible(self, b: int, start: int, width: int, parents: list[int] | None) -> list[tuple[int, list[int]]] | None:
-        """Row b's (reach, apart) per column (speclm.attention), its links recorded first; None
+        """Row b's (reach, apart) per column (speclm.forward.attention), its links recorded first; None
         where the row attends as a chain."""
         links = self._links[b]
         for i, p in enumerate(parents if parents is not None else [-1] * width):
