@@ -1,9 +1,9 @@
 """Speculation that adapts to the batch: each round's draft length from measured costs.
 
-On a CPU a target forward over n tokens costs about intercept + slope * n (speclm.forward.costs), and
-a batch of B rows that each verify k drafted tokens reads B * (k + 1) of them. With one row the
-intercept (reading the weights) dominates and drafting is nearly free to verify; with many rows
-the slope does, and every drafted token is paid for whether it is accepted or not. So before
+On a CPU a target forward's cost grows with the tokens it reads (speclm.forward.costs), and a
+batch of B rows that each verify k drafted tokens reads B * (k + 1) of them. With one row reading
+the weights dominates and drafting is nearly free to verify; with many rows every drafted token
+is paid for whether it is accepted or not. So before
 each round `Adaptive.caps` picks the draft length k (0: plain decoding) that maximises the
 tokens the round is expected to commit per second:
 
