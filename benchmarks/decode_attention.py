@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 from speclm.forward.attention import attend_each_query
 
 from timing import median_ms  # benchmarks/timing.py

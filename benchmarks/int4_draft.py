@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import speclm
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 from speclm.bench.dataset import load_prompts
 from speclm.forward.cache import StaticKV
 from speclm.quant.weights import int4_groups, int4_layout, vnni_layout

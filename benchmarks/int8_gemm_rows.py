@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 from speclm.quant.weights import vnni_layout
 
 from timing import median_ms  # benchmarks/timing.py

@@ -187,7 +187,7 @@ def main() -> None:
         return child(args)
     import torch
 
-    from speclm.quant.weights import kernels
+    from speclm.quant import kernels
     from speclm.models import qcache, store
     from speclm.models.loading import resolve_model
     from speclm.runtime import KEPT_FREE_BYTES

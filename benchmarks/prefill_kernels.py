@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 from speclm.runtime import keep_freed_memory, set_threads, usable_cores
 
 LENGTHS = (238, 700, 969)
@@ -61,7 +61,7 @@ def main():
         raise SystemExit("the compiled kernels do not run here")
     timed = Timed(compiled)
     kernels.compiled = lambda: timed  # before the models are built: their layers bind it
-    from speclm.quant.weights import weights as quant
+    from speclm.quant import weights as quant
     from speclm.forward.cache import StaticKV
     from speclm.models.loading import load_model
 

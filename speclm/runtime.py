@@ -22,7 +22,7 @@ def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, 
     an int8 target on those kernels (half a draft step's bytes; what is proposed changes, never
     the output), else to the target's weights.
     """
-    from speclm.quant.weights import kernels
+    from speclm.quant import kernels
 
     if quantize == "auto":
         quantize = "int8" if kernels.compiled() is not None else "none"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from speclm.quant.weights import weights as quant
+from speclm.quant import weights as quant
 from speclm.catalog import CatalogEntry, WheelPart
 from speclm.cli import main
 from speclm.defaults import MAX_K

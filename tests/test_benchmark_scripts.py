@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 from speclm.cli import main
 from tiny import byte_tokenizer, loaded, random_heads, require_compiled_kernels, tiny_model
 

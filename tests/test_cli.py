@@ -219,7 +219,7 @@ def test_threads_default_to_usable_cores(monkeypatch):
 
 
 def test_auto_weights_resolve_to_the_exact_fast_path_where_kernels_run(monkeypatch):
-    from speclm.quant.weights import kernels
+    from speclm.quant import kernels
     from speclm.runtime import weights_for
 
     monkeypatch.setattr(kernels, "compiled", lambda: object())  # speclm's kernels run here

@@ -86,7 +86,7 @@ def test_compiled_decode_attention_matches_torch_ops(tok):
     """speclm's compiled decode attention (rotary, cache write, per-query softmax) computes what
     the lean forward's torch ops compute, at head sizes 32 and 128, GQA included; and a token's
     logits do not depend on how many tokens share its forward."""
-    from speclm.quant.weights import kernels
+    from speclm.quant import kernels
     from speclm.quant.weights import quantize_model
     from tiny import require_compiled_kernels, tiny_model
 
@@ -232,7 +232,7 @@ def test_decode_attention_bits_do_not_depend_on_its_query_tiles():
     """The compiled attention takes a kv head's queries in tiles (so a prefill's scores stay in
     cache); each query's arithmetic is its own, so any tiling gives the same bits, for a prefill's
     many queries, a ragged batch and a tree alike."""
-    from speclm.quant.weights import kernels
+    from speclm.quant import kernels
     from tiny import require_compiled_kernels
 
     require_compiled_kernels()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 EXACTNESS_TESTS = ["tests/test_engine_greedy.py", "tests/test_quant.py", "tests/test_alternatives.py",

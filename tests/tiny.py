@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 from speclm.models.loading import LoadedModel
 
 EOS = "<eos>"

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 from speclm.forward.attention import attend_each_query, is_prefill
 from speclm.defaults import FP32_FEW_ROWS, FP32_PADDED_ROWS, PREFILL_ROW_BLOCK
 from speclm.quant.weights import Int8Slice, QuantLinear

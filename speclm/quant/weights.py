@@ -26,7 +26,7 @@ import sys
 import torch
 from torch import nn
 
-from speclm.quant.weights import kernels
+from speclm.quant import kernels
 from speclm.defaults import VNNI_MAX_ROWS
 from speclm.errors import UsageError
 from speclm.runtime import QUANTIZE_MODES
