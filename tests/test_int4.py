@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import speclm.quant.weights as quant
-from speclm import SpecEngine, UsageError, kernels
+from speclm import SpecEngine, UsageError
+from speclm.quant import kernels
 from speclm.quant.weights import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, quantize_model
 from tiny import loaded, require_compiled_kernels, tiny_model
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import speclm.quant.weights as quant
-from speclm import SpecEngine, kernels
+from speclm import SpecEngine
+from speclm.quant import kernels
 from speclm.quant.weights import Int8Linear, Int8Slice, quantize_model
 from tiny import loaded, require_compiled_kernels, tiny_model
 
