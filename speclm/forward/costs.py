@@ -16,8 +16,9 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
 import torch
 
@@ -43,7 +44,7 @@ class ForwardCosts:
 
     seconds: dict[int, float]  # tokens read -> median seconds measured
 
-    @property
+    @cached_property
     def line(self) -> tuple[float, float]:
         xs, ys = list(self.seconds), list(self.seconds.values())
         if len(xs) == 1:
@@ -79,6 +80,28 @@ class ForwardCosts:
 
     def to_dict(self) -> dict:
         return {str(k): v for k, v in self.seconds.items()}
+
+
+@dataclass
+class StepTimes:
+    """Seconds of a repeated operation (a draft forward) measured while it runs, by its size (tokens
+    or rows fed), each a decayed mean of its measurements."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def record(self, size: int, seconds: float) -> None:
+        old = self.seconds.get(size)
+        self.seconds[size] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def at(self, size: int, costs: Callable[[int], float]) -> float | None:
+        """Seconds at `size`: measured, or the nearest measured size's (the smaller on a tie) scaled
+        as `costs` (the target's forward) scales, the same kernels; None before any measurement."""
+        if size in self.seconds:
+            return self.seconds[size]
+        if not self.seconds:
+            return None
+        near = min(self.seconds, key=lambda n: (abs(n - size), n))
+        return self.seconds[near] * costs(size) / costs(near)
 
 
 def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:

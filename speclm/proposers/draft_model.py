@@ -123,7 +123,7 @@ class DraftModelProposer(Proposer):
         logits = kv.forward([c[h:] for c, h in zip(contexts, have)], 1, head, only=only)[:, -1]  # (B, V or S)
         unseen = max(len(c) - h for c, h in zip(contexts, have))  # normally the target's token, and a last draft
         if not new and unseen == 1:
-            self._times.record(1, time.perf_counter() - t0)
+            self._times.steps.record(1, time.perf_counter() - t0)
         if new:
             self._prefill_seconds += time.perf_counter() - began
         elif unseen > 2:  # reading what was committed while this draft sat out (adaptive speculation): a prefill

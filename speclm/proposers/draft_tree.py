@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from speclm.errors import UsageError
+from speclm.forward.costs import StepTimes
 from speclm.proposers.draft_vocab import on_vocabulary, token_of
 from speclm.sampling import SamplingParams, processed_probs, sample
 from speclm.spec.tree import PAD, ROOT
@@ -114,7 +115,7 @@ class DraftTimes:
     forwards took by tokens fed per row; how often the target accepted a node it tested (its
     parent accepted), by the node's rank among its siblings and the draft's probability of it;
     and the mean acceptance so measured of a node's likeliest child."""
-    seconds: dict[int, float] = field(default_factory=dict)
+    steps: StepTimes = field(default_factory=StepTimes)  # draft forwards by tokens fed per row
     top: float = 0.6
     # (RANKS, BINS) counts, starting as if 2 tries had accepted as often as the draft's probability
     hits: list[list[float]] = field(default_factory=lambda: [[0.2 * b + 0.1 for b in range(BINS)] for _ in range(RANKS)])
@@ -133,20 +134,6 @@ class DraftTimes:
         r, b = self._cell(prob, rank)
         self.tries[r][b] += 1
         self.hits[r][b] += accepted
-
-    def record(self, width: int, seconds: float) -> None:
-        old = self.seconds.get(width)
-        self.seconds[width] = seconds if old is None else 0.8 * old + 0.2 * seconds
-
-    def step(self, width: int, costs: Callable[[int], float]) -> float | None:
-        """Seconds of a draft forward over `width` tokens: measured, or the nearest measured width
-        scaled as the target's forward scales (the same kernels); None before any measurement."""
-        if width in self.seconds:
-            return self.seconds[width]
-        if not self.seconds:
-            return None
-        near = min(self.seconds, key=lambda w: abs(w - width))
-        return self.seconds[near] * costs(width) / costs(near)
 
 
 @dataclass
@@ -196,13 +183,14 @@ def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logi
         grown = [[] for _ in range(batch)]  # per row: this level's new node indices
         for b in range(batch):
             scores = [vocabs.logits(rows[b], logits) for _, logits in frontier[b]]
+            dists = [processed_probs(x, params) for x in scores] if sized else [None] * len(scores)  # (S,) each
             if sized:
                 counts = _sampled_counts(spec, plans[b], [nodes[b][n].prob if n != ROOT else 1.0 for n, _ in frontier[b]],
-                                         [processed_probs(x, params) for x in scores])
+                                         dists)
             for i, (parent, _) in enumerate(frontier[b]):
                 ranks = list(range(counts[i])) if sized else _ranks_wanted(spec, nodes[b], parent)
                 for rank, token, p, q in _children(scores[i], ranks, params, generators[b],
-                                                   vocabs.token_ids(rows[b]), vocab_size):
+                                                   vocabs.token_ids(rows[b]), vocab_size, probs=dists[i]):
                     value = times.acceptance(p, rank) if by_cost else p
                     if rank == 0 and by_cost:
                         times.top = 0.9 * times.top + 0.1 * value
@@ -239,7 +227,7 @@ def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logi
         t0 = time.perf_counter()
         logits = kv.forward(feed, width, head, parents=parents, only=only)  # (B, width, S)
         if times is not None:
-            times.record(width, time.perf_counter() - t0)
+            times.steps.record(width, time.perf_counter() - t0)
         lengths = [length + width for length in lengths]
         forwards += 1
         frontier = [[(n, logits[b, i]) for i, n in enumerate(chosen[b])] for b in range(batch)]
@@ -268,9 +256,10 @@ def _to_expand(spec: TreeSpec, nodes: list[_Node], grown: list[int]) -> list[int
 
 
 def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, generator, ids: torch.Tensor | None,
-              vocab_size: int):
+              vocab_size: int, probs: torch.Tensor | None = None):
     """(rank, token id, draft probability, distribution drawn from (V,) or None) for each wanted rank;
-    logits (S,) over token ids `ids` (None: all V)."""
+    logits (S,) over token ids `ids` (None: all V); probs: their processed distribution where the
+    caller has it already (sampling)."""
     if not ranks:
         return []
     if params.greedy:
@@ -278,7 +267,7 @@ def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, ge
         top = torch.topk(probs, min(max(ranks) + 1, probs.shape[-1]))
         picked = [(r, int(top.indices[r]), float(top.values[r])) for r in ranks if r < len(top.indices)]
         return [(r, token_of(ids, i), p, None) for r, i, p in picked]
-    q = processed_probs(logits, params).cpu()  # (S,)
+    q = (probs if probs is not None else processed_probs(logits, params)).cpu()  # (S,)
     out, wanted = [], set(ranks)
     left = q.clone()
     for r in range(max(ranks) + 1):
@@ -380,7 +369,7 @@ def _expand_by_cost(spec: TreeSpec, nodes: list[_Node], grown: list[int], times:
     if candidates and nodes[candidates[0]].local >= spec.follow:  # as a chain's confidence rule: go on
         best, best_rate = candidates[:1], 0.0
     for w in range(1, len(candidates) + 1):
-        step = times.step(w, spec.costs)
+        step = times.steps.at(w, spec.costs)
         if step is None:  # nothing measured yet: EAGLE-2's rule
             return sorted(n for n in candidates if nodes[n].prob >= spec.min_prob)
         extra = [nodes[n].prob * times.top for n in candidates[:w]]

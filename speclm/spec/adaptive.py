@@ -38,7 +38,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from speclm.forward.costs import ForwardCosts
+from speclm.forward.costs import ForwardCosts, StepTimes
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Adaptive:
         self.costs, self.prior, self.decay, self.probe = costs, prior, decay, probe
         self._rounds = 0
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
-        self._step: dict = {}  # group key -> {rows drafted for: seconds per draft forward (or per proposal, where none)}
+        self._step: dict = {}  # group key -> StepTimes by rows drafted for: a draft forward (or proposal, where none)
         self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
@@ -83,9 +83,7 @@ class Adaptive:
         rate.rounds = d * rate.rounds + 1
         key = request.options.proposer_key()
         step = propose_seconds / max(forwards, 1)  # per draft forward (prompt lookup: per proposal)
-        steps = self._step.setdefault(key, {})
-        old = steps.get(rows)
-        steps[rows] = step if old is None else 0.8 * old + 0.2 * step
+        self._step.setdefault(key, StepTimes()).record(rows, step)
         old = self._nodes.get(key)  # a tree's verified nodes per row, as its proposer sized them
         self._nodes[key] = drafted if old is None else 0.8 * old + 0.2 * drafted
 
@@ -100,15 +98,10 @@ class Adaptive:
         return (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def _step_seconds(self, key, rows: int) -> float:
-        """Seconds of the group's draft forward for `rows` rows: as measured there, else the nearest
-        measured row count's scaled as the target's forward scales (the same kernels); 0 before any."""
+        """Seconds of the group's draft forward for `rows` rows (StepTimes.at); 0 before any."""
         steps = self._step.get(key)
-        if not steps:
-            return 0.0
-        if rows in steps:
-            return steps[rows]
-        near = min(steps, key=lambda n: (abs(n - rows), n))
-        return steps[near] * self.costs(rows) / self.costs(near)
+        seconds = steps.at(rows, self.costs) if steps is not None else None
+        return seconds or 0.0
 
     def _catch_up(self, key, g, own: int, is_tree: bool) -> float:
         """This round's share of the seconds the group's draft model would spend reading the tokens
