@@ -6,6 +6,9 @@ PYTHON ?= python3
 SPECLM_TORCH_SPEC ?= torch==2.13.0
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The tested versions of everything but torch (constraints.txt); empty to resolve the newest.
+CONSTRAINTS ?= constraints.txt
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 # The bench's peers (speclm.bench.peers): llama.cpp and OpenVINO GenAI in speclm's environment, and
 # optimum-intel, which exports models for OpenVINO, in one of its own: it pins an older transformers.
 # Its torchvision (a CUDA build) breaks beside a CPU torch and no export needs it, so it is removed.
@@ -17,16 +20,16 @@ export SPECLM_OPTIMUM_CLI ?= $(abspath $(EXPORT_VENV))/bin/optimum-cli
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(SPECLM_TORCH_SPEC)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet $(PIN) -e '.[dev]'
 	touch $@
 
 peers: $(VENV)/.peers
 
 $(VENV)/.peers: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e '.[peers]'
+	$(BIN)/pip install --quiet $(PIN) -e '.[peers]'
 	$(PYTHON) -m venv $(EXPORT_VENV)
 	$(EXPORT_VENV)/bin/pip install --quiet $(SPECLM_TORCH_SPEC)
 	$(EXPORT_VENV)/bin/pip install --quiet '$(OPTIMUM_SPEC)' $(SPECLM_TORCH_SPEC)

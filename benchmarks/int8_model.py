@@ -54,15 +54,18 @@ def swap(model, cls):
 @torch.inference_mode()
 def step_costs(model, context_ids, ks=(1, 2, 3, 4, 5, 6, 8), reps=5, token_ids=(100, 1000)):
     from transformers import DynamicCache
+
+    from speclm.forward.runner import cache_argument
     cache = DynamicCache(config=model.config)
-    model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    kv = {cache_argument(model): cache}
+    model(input_ids=context_ids, use_cache=True, logits_to_keep=1, **kv)
     out = {}
     for k in ks:
         ts = []
         for _ in range(reps + 1):
             ids = torch.randint(*token_ids, (1, k))  # random draft tokens
             t = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=k)
+            model(input_ids=ids, use_cache=True, logits_to_keep=k, **kv)
             ts.append(time.perf_counter() - t)
             cache.crop(-k)
         out[k] = statistics.median(ts[1:]) * 1e3

@@ -1,13 +1,14 @@
 """Which forward runs a model over speclm's KV cache (speclm.forward.cache.StaticKV), and how long it took.
 
 speclm's lean forward (speclm.forward.lean) for the Llama-architecture decoders it supports; transformers'
-own forward for every other architecture, the cache handed in as `past_key_values` and attention
+own forward for every other architecture, the cache handed in as its cache argument and attention
 per query (speclm.forward.attention). The cache decides where each token's keys and values go and which
 slots it sees (a `Plan`); the runner only runs it.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class ModelRunner:
         if self.lean is None:
             use_exact_attention(model)
         self._writer = _SlotWriter()
+        self._cache_arg = cache_argument(model)
         self.forward_seconds = 0.0  # time spent inside model forwards, for overhead accounting
         self.hidden: dict[int, torch.Tensor] | None = None  # the last forward's hidden states, where asked
 
@@ -67,7 +69,7 @@ class ModelRunner:
         return logits
 
     def _transformers_forward(self, kv, plan: Plan, hidden_layers: tuple[int, ...]) -> torch.Tensor:
-        """The model's own forward, the cache handed in as `past_key_values` (via _SlotWriter)."""
+        """The model's own forward, the cache handed in as its cache argument (a _SlotWriter)."""
         ids, slots, positions, tree, window = plan.ids, plan.slots, plan.positions, plan.tree, plan.window
         starts, counts, logits_to_keep, cols, cache_rows = plan.starts, plan.counts, plan.logits_to_keep, plan.cols, plan.cache_rows
         # query (b, i) sees slots 0..lengths[b] + i, or its tree's slots; padding queries see the
@@ -90,10 +92,10 @@ class ModelRunner:
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=slots if positions is None else positions,
-                past_key_values=self._writer,
                 use_cache=True,
                 logits_to_keep=keep,
                 output_hidden_states=bool(hidden_layers),
+                **{self._cache_arg: self._writer},
             )
         logits = out.logits  # (B, keep or U, V)
         if gather is not None:
@@ -109,14 +111,21 @@ class ModelRunner:
         return logits.float()
 
 
+def cache_argument(model) -> str:
+    """The name a transformers model's forward takes its KV cache by: `cache` from transformers 5.24,
+    `past_key_values` before (5.24 still maps the old name, with a warning per call)."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class _SlotWriter:
-    """What the model sees as `past_key_values`: `update` writes this forward's keys and values at
+    """What the model sees as its KV cache: `update` writes this forward's keys and values at
     the slots the cache chose and returns every layer's visible window."""
 
     kv = rows = slots = None  # the cache, (B, 1) cache rows and (B, M) slots of the forward running
     window, whole_pool = 0, True
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None):
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         kv = self.kv  # key, value (B, H_kv, M, D)
         keys, values = kv.keys[layer_idx], kv.values[layer_idx]
         if keys.dtype != key.dtype:  # first write decides the dtype (fp32, or bf16/fp16 models)
