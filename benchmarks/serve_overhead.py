@@ -2,6 +2,8 @@
 completions over loopback HTTP) and through `SpecEngine.generate` in this process, in turns per
 prompt, with plain decoding and with the method's fixed k. Tokens/s is total generated tokens
 over total time, each side's time from its request to its last token; outputs are compared.
+A third side splits the difference: a Batch sized as the server's (its --max-batch rows and
+--prefill-chunk) stepped on this thread, no HTTP and no engine thread.
 
 The server is started by this script (`speclm serve --port 0`, the same weights as here), so both
 sides hold the same models; they never run at the same time.
@@ -27,6 +29,7 @@ from speclm.bench.machine import cpu_name
 from speclm.engine import SpecEngine
 from speclm.models.loading import load_model
 from speclm.runtime import set_threads
+from speclm.serve.options import MAX_BATCH, PREFILL_CHUNK
 
 
 class Server:
@@ -59,6 +62,15 @@ class Server:
         self.proc.wait(60)
 
 
+def server_sized(engine: SpecEngine, text: str, method: str, max_new_tokens: int) -> list[int]:
+    """One request through a Batch with the server's rows and prefill chunk, on this thread."""
+    batch = engine.batch(rows=MAX_BATCH, prefill_chunk=PREFILL_CHUNK)
+    request = batch.join(engine.request(text, method=method, max_new_tokens=max_new_tokens, chat=True))
+    while batch.active:
+        batch.step()
+    return list(request.generated)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--target", required=True)
@@ -80,10 +92,11 @@ def main() -> None:
         prompts = load_prompts("spec-bench", None, args.per_category)[: 2 if args.smoke else None]
         print(f"# speclm serve against SpecEngine.generate in this process, concurrency 1, {len(prompts)} Spec-Bench "
               f"prompts, chat, {args.max_new_tokens} new tokens, int8 target, {weights[3]} draft, {cpu_name()}")
-        print("| method | tokens | generate tok/s | serve tok/s | serve / generate | identical outputs |")
-        print("|---|---|---|---|---|---|")
+        print("| method | tokens | generate tok/s | server-sized batch tok/s | serve tok/s | batch / generate | "
+              "serve / generate | identical outputs |")
+        print("|---|---|---|---|---|---|---|---|")
         for method in ("none", args.method):
-            totals = {"generate": [0, 0.0], "serve": [0, 0.0]}
+            totals = {"generate": [0, 0.0], "batch": [0, 0.0], "serve": [0, 0.0]}
             same = 0
             for prompt in prompts:
                 text = prompt.text
@@ -91,12 +104,17 @@ def main() -> None:
                 ref = engine.generate(text, method=method, max_new_tokens=args.max_new_tokens, chat=True)
                 totals["generate"][0] += len(ref.token_ids)
                 totals["generate"][1] += time.perf_counter() - start
+                start = time.perf_counter()
+                alike = server_sized(engine, text, method, args.max_new_tokens)
+                totals["batch"][0] += len(alike)
+                totals["batch"][1] += time.perf_counter() - start
                 got, tokens, seconds = server.chat(text, args.max_new_tokens, {"method": method})
                 totals["serve"][0] += tokens
                 totals["serve"][1] += seconds
-                same += got == ref.text
+                same += got == ref.text and alike == ref.token_ids
             rate = {side: n / s for side, (n, s) in totals.items()}
-            print(f"| {method} | {totals['serve'][0]} | {rate['generate']:.2f} | {rate['serve']:.2f} | "
+            print(f"| {method} | {totals['serve'][0]} | {rate['generate']:.2f} | {rate['batch']:.2f} | "
+                  f"{rate['serve']:.2f} | {rate['batch'] / rate['generate']:.3f} | "
                   f"{rate['serve'] / rate['generate']:.3f} | {same}/{len(prompts)} |", flush=True)
     finally:
         server.stop()

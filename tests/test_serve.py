@@ -186,14 +186,23 @@ def test_32_concurrent_streams_equal_their_single_runs(server, engine):
     assert server.metric("speclm:num_requests_running") == 0
 
 
-def test_disconnect_mid_stream_frees_its_rows(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_mid_stream_frees_its_rows(server, stream):
+    """A client that goes away mid-answer (a stream it closes, or a plain request it stops waiting
+    for) cancels its request."""
     before = server.metric("speclm:request_success_total", 'finished_reason="cancelled"')
+    body = {"prompt": PROMPTS[4], "max_tokens": 3000, "temperature": 0, "stream": stream, "speculation": "off",
+            "ignore_eos": True}
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                         json={"prompt": PROMPTS[4], "max_tokens": 3000, "temperature": 0, "stream": True,
-                               "speculation": "off", "ignore_eos": True}) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
+        if stream:
+            with http.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                             json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):  # 3000 tokens take far longer than this
+                http.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                          timeout=httpx.Timeout(30, read=1.0))
     # the stream is closed: the request leaves the batch at the next step
     deadline = time.monotonic() + 30
     while server.metric("speclm:request_success_total", 'finished_reason="cancelled"') == before:
@@ -322,14 +331,14 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(engine):
 
     async def run():
         failed = scheduler.submit(engine.request(PROMPTS[0], method="none", max_new_tokens=8))
-        event = await asyncio.wait_for(failed.events.get(), 60)
-        assert event[0] == "error" and "planted failure" in event[1]
+        events = await asyncio.wait_for(failed.take(), 60)
+        assert events[0][0] == "error" and "planted failure" in events[0][1]
         ok = scheduler.submit(engine.request(PROMPTS[0], method="pld", max_new_tokens=8))
-        text = []
-        while (event := await asyncio.wait_for(ok.events.get(), 60))[0] == "text":
-            text.append(event[1])
-        assert event[0] == "done"
-        return "".join(text)
+        events = []
+        while not events or events[-1][0] == "text":
+            events += await asyncio.wait_for(ok.take(), 60)
+        assert events[-1][0] == "done" and all(e[0] == "text" for e in events[:-1])
+        return "".join(e[1] for e in events[:-1])
 
     try:
         assert asyncio.run(run()) == alone(engine, PROMPTS[0], method="none", max_new_tokens=8).text

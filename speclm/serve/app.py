@@ -143,36 +143,44 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
         if body.stream:
             return StreamingResponse(_stream(ticket, shape, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text = []
-        while True:
-            event = await _next_event(ticket, request)
-            if event is None:  # the client went away
-                scheduler.cancel(ticket)
-                return Response(status_code=499)
-            if event[0] == "text":
-                text.append(event[1])
-            elif event[0] == "error":
-                raise ApiError(500, event[1], type="server_error")
-            else:
-                return JSONResponse(shape.whole("".join(text), ticket))
+        watch = asyncio.ensure_future(_watch_disconnect(request, ticket))
+        try:
+            text = []
+            while True:
+                events = await ticket.take()
+                if not events:  # the client went away
+                    scheduler.cancel(ticket)
+                    return Response(status_code=499)
+                for event in events:
+                    if event[0] == "text":
+                        text.append(event[1])
+                    elif event[0] == "error":
+                        raise ApiError(500, event[1], type="server_error")
+                    else:
+                        return JSONResponse(shape.whole("".join(text), ticket))
+        finally:
+            watch.cancel()
 
     async def _stream(ticket: Ticket, shape: "_Shape", include_usage: bool):
+        # a step's events go out as one write: one wake-up of the loop and of the client per step
         try:
             yield _sse(shape.chunk({"role": "assistant", "content": ""} if shape.chat else {"text": ""}))
             while True:
-                event = await ticket.events.get()
-                if event[0] == "text":
-                    yield _sse(shape.chunk({"content": event[1]} if shape.chat else {"text": event[1]},
-                                           draft_accepted=event[2]))
-                elif event[0] == "error":
-                    yield _sse(ApiError(500, event[1], type="server_error").body())
-                    return
-                else:
-                    yield _sse(shape.last(ticket))
-                    if include_usage:
-                        yield _sse(shape.usage_chunk(ticket))
-                    yield "data: [DONE]\n\n"
-                    return
+                out = []
+                for event in await ticket.take():
+                    if event[0] == "text":
+                        out.append(_sse(shape.chunk({"content": event[1]} if shape.chat else {"text": event[1]},
+                                                    draft_accepted=event[2])))
+                    elif event[0] == "error":
+                        yield "".join(out) + _sse(ApiError(500, event[1], type="server_error").body())
+                        return
+                    else:
+                        out.append(_sse(shape.last(ticket)))
+                        if include_usage:
+                            out.append(_sse(shape.usage_chunk(ticket)))
+                        yield "".join(out) + "data: [DONE]\n\n"
+                        return
+                yield "".join(out)
         finally:  # the client disconnected (or the stream ended): a running request leaves the batch
             scheduler.cancel(ticket)
 
@@ -246,14 +254,12 @@ async def _json(request: Request, limit: int):
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
 
 
-async def _next_event(ticket: Ticket, request: Request):
-    """The ticket's next event, or None once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(ticket.events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                return None
+async def _watch_disconnect(request: Request, ticket: Ticket) -> None:
+    """Wait (the body read) for the client to go away, and wake the ticket's handler when it does."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    ticket.gone = True
+    ticket.wake()
 
 
 def _sse(obj: dict) -> str:

@@ -26,20 +26,50 @@ from speclm.text import IncrementalText
 
 @dataclass(eq=False)
 class Ticket:
-    """One request as its handler sees it: events on its own loop's queue."""
+    """One request as its handler sees it. The engine thread queues a step's events together and
+    wakes the handler's loop once for them (`flush`); the handler takes all that is there (`take`).
+    Events: ("text", str, drafted: bool) ..., then ("done", None) or ("error", message)."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue  # ("text", str, drafted: bool) ..., then ("done", None) or ("error", message)
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    gone: bool = False  # the client disconnected (set on the loop)
+    _events: deque = field(default_factory=deque)  # appended on the engine thread, popped on the loop
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _unflushed: bool = False
     _text: IncrementalText | None = None
     _count: int = 0  # tokens already handed on
     _seen: tuple[int, int, list] = (0, 0, [])  # drafted, accepted, accepted per position: already counted
 
     def put(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """Queue an event (engine thread); the handler sees it at the next `flush`."""
+        self._events.append(event)
+        self._unflushed = True
+
+    def flush(self) -> None:
+        """Wake the handler's loop for what `put` queued: one wake-up per step, whatever it held."""
+        if self._unflushed:
+            self._unflushed = False
+            self.loop.call_soon_threadsafe(self._ready.set)
+
+    def wake(self) -> None:
+        """Wake the handler without an event (on the loop: the client went away)."""
+        self._ready.set()
+
+    async def take(self) -> list[tuple]:
+        """Every event queued so far, waiting for one if there is none (or [] once `gone`)."""
+        while True:
+            self._ready.clear()  # cleared before looking: a later put's flush sets it again
+            if self._events:
+                events = []
+                while self._events:
+                    events.append(self._events.popleft())
+                return events
+            if self.gone:
+                return []
+            await self._ready.wait()
 
 
 class Scheduler:
@@ -73,7 +103,7 @@ class Scheduler:
 
     def submit(self, request: Request) -> Ticket:
         """Queue a request; 429 when the queue is full, 503 while shutting down."""
-        ticket = Ticket(request, asyncio.get_running_loop(), asyncio.Queue())
+        ticket = Ticket(request, asyncio.get_running_loop())
         with self._cv:
             if self.draining or self._stopping:
                 raise ApiError(503, "the server is shutting down", type="service_unavailable")
@@ -130,6 +160,7 @@ class Scheduler:
                             if t in self._waiting:
                                 self._waiting.remove(t)
                     self._finish(t)
+                    t.flush()
             for t in joining:
                 if t.request.done:  # cancelled while waiting
                     continue
@@ -149,6 +180,7 @@ class Scheduler:
                 for t in list(self._tickets.values()):
                     t.request.finish_reason = "error"
                     t.put(("error", f"the engine failed: {self.last_failure}"))
+                    t.flush()
                     self.metrics.request_success.labels("error").inc()
                 self._tickets.clear()
                 batch = self.batch = self._new_batch()  # fresh caches; nothing of the failed step is kept
@@ -160,11 +192,13 @@ class Scheduler:
                 t = self._tickets.get(id(r))
                 if t is not None:
                     self._emit(t, now)
+                    t.flush()
             self._speculation_gauges()
             self._gauges()
         for t in leaving:
             t.request.finish_reason = "cancelled"
             t.put(("error", "the server shut down before the request finished"))
+            t.flush()
         self._tickets.clear()
         self._gauges()
 
