@@ -1,9 +1,10 @@
 """The server's own cost at concurrency 1: the same requests through `speclm serve` (streamed chat
 completions over loopback HTTP) and through `SpecEngine.generate` in this process, in turns per
-prompt, with plain decoding and with the method's fixed k. Tokens/s is total generated tokens
+prompt (each side going first in turn), with plain decoding and with the method's fixed k. Tokens/s is total generated tokens
 over total time, each side's time from its request to its last token; outputs are compared.
 A third side splits the difference: a Batch sized as the server's (its --max-batch rows and
---prefill-chunk) stepped on this thread, no HTTP and no engine thread.
+--prefill-chunk, kept from one request to the next as the server keeps it) stepped on this
+thread, no HTTP and no engine thread.
 
 The server is started by this script (`speclm serve --port 0`, the same weights as here), so both
 sides hold the same models; they never run at the same time.
@@ -43,11 +44,10 @@ class Server:
                 return
         raise SystemExit("the server did not start")
 
-    def chat(self, prompt: str, max_tokens: int, speculation) -> tuple[str, int, float]:
+    def chat(self, prompt: str, max_tokens: int, speculation) -> tuple[str, int]:
         body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation}
         text, tokens = [], 0
-        start = time.perf_counter()
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=600) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -55,16 +55,18 @@ class Server:
                 chunk = json.loads(line[6:])
                 tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
                 text += [c["delta"].get("content") or "" for c in chunk["choices"]]
-        return "".join(text), tokens, time.perf_counter() - start
+        return "".join(text), tokens
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
 
 
-def server_sized(engine: SpecEngine, text: str, method: str, max_new_tokens: int) -> list[int]:
-    """One request through a Batch with the server's rows and prefill chunk, on this thread."""
-    batch = engine.batch(rows=MAX_BATCH, prefill_chunk=PREFILL_CHUNK)
+SIDES = ["generate", "batch", "serve"]
+
+
+def server_sized(batch, engine: SpecEngine, text: str, method: str, max_new_tokens: int) -> list[int]:
+    """One request through `batch` (the server's sizes), on this thread."""
     request = batch.join(engine.request(text, method=method, max_new_tokens=max_new_tokens, chat=True))
     while batch.active:
         batch.step()
@@ -95,23 +97,26 @@ def main() -> None:
         print("| method | tokens | generate tok/s | server-sized batch tok/s | serve tok/s | batch / generate | "
               "serve / generate | identical outputs |")
         print("|---|---|---|---|---|---|---|---|")
+        batch = engine.batch(rows=MAX_BATCH, prefill_chunk=PREFILL_CHUNK)
         for method in ("none", args.method):
             totals = {"generate": [0, 0.0], "batch": [0, 0.0], "serve": [0, 0.0]}
             same = 0
-            for prompt in prompts:
-                text = prompt.text
-                start = time.perf_counter()
-                ref = engine.generate(text, method=method, max_new_tokens=args.max_new_tokens, chat=True)
-                totals["generate"][0] += len(ref.token_ids)
-                totals["generate"][1] += time.perf_counter() - start
-                start = time.perf_counter()
-                alike = server_sized(engine, text, method, args.max_new_tokens)
-                totals["batch"][0] += len(alike)
-                totals["batch"][1] += time.perf_counter() - start
-                got, tokens, seconds = server.chat(text, args.max_new_tokens, {"method": method})
-                totals["serve"][0] += tokens
-                totals["serve"][1] += seconds
-                same += got == ref.text and alike == ref.token_ids
+            for i, prompt in enumerate(prompts):
+                text, out = prompt.text, {}
+                # the sides take turns going first, so that a drift in memory bandwidth favours none
+                for side in SIDES[i % 3:] + SIDES[: i % 3]:
+                    start = time.perf_counter()
+                    if side == "generate":
+                        ref = engine.generate(text, method=method, max_new_tokens=args.max_new_tokens, chat=True)
+                        out[side], tokens = ref.text, len(ref.token_ids)
+                    elif side == "batch":
+                        ids = server_sized(batch, engine, text, method, args.max_new_tokens)
+                        out[side], tokens = engine.target.tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+                    else:
+                        out[side], tokens = server.chat(text, args.max_new_tokens, {"method": method})
+                    totals[side][0] += tokens
+                    totals[side][1] += time.perf_counter() - start
+                same += out["generate"] == out["batch"] == out["serve"]
             rate = {side: n / s for side, (n, s) in totals.items()}
             print(f"| {method} | {totals['serve'][0]} | {rate['generate']:.2f} | {rate['batch']:.2f} | "
                   f"{rate['serve']:.2f} | {rate['batch'] / rate['generate']:.3f} | "

@@ -29,19 +29,29 @@ def final_text(tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> str:
 class IncrementalText:
     """Text deltas from a growing list of token ids.
 
-    Decodes the whole generated sequence each time (tokenizers merge bytes across tokens,
-    so a character may need several tokens) and holds back a trailing replacement character
-    (an incomplete UTF-8 sequence) and any tail that could still become a stop string.
+    Each call decodes a window, not the whole sequence: the tokens read since the last call,
+    after those of the call before (tokenizers merge bytes across tokens, and some drop a space
+    at the start of a decode, so only what the window adds past its first tokens counts). A
+    trailing replacement character (an incomplete UTF-8 sequence) waits for its next bytes, and
+    a tail that could still become a stop string is held back. The last call decodes the whole
+    sequence, so the deltas always join to the final text.
     """
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
         self.tokenizer, self.stops = tokenizer, tuple(s for s in stops if s)
         self.emitted = 0  # characters already returned
+        self._settled = ""  # the text of token_ids[:_read]
+        self._prefix = self._read = 0  # the window: token_ids[_prefix:], its first _read - _prefix tokens settled
 
     def delta(self, token_ids: list[int], finished: bool) -> str:
-        text = final_text(self.tokenizer, token_ids, self.stops)
-        end = len(text)
-        if not finished:
+        if finished:
+            text = final_text(self.tokenizer, token_ids, self.stops)
+            end = len(text)
+        else:
+            text = self._text(token_ids)
+            cut = find_stop(text, self.stops)
+            text = text[:cut] if cut >= 0 else text
+            end = len(text)
             while end > self.emitted and text[end - 1] == "\ufffd":
                 end -= 1
             end -= self._possible_stop_prefix(text[:end])
@@ -50,6 +60,19 @@ class IncrementalText:
         out = text[self.emitted : end]
         self.emitted = end
         return out
+
+    def _text(self, token_ids: list[int]) -> str:
+        decode = self.tokenizer.decode
+        settled = decode(token_ids[self._prefix : self._read], skip_special_tokens=True)
+        window = decode(token_ids[self._prefix :], skip_special_tokens=True)
+        if not window.startswith(settled):  # not a concatenation at this split: the whole text
+            return decode(token_ids, skip_special_tokens=True)
+        new = window[len(settled) :]
+        if new.endswith("\ufffd"):  # a character still incomplete: the window grows until it is whole
+            return self._settled + new
+        self._settled += new
+        self._prefix, self._read = self._read, len(token_ids)
+        return self._settled
 
     def _possible_stop_prefix(self, text: str) -> int:
         longest = 0

@@ -597,15 +597,18 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   return out;
 }
 
+// The kernels run without the GIL (they touch no Python object): a server's event loop thread
+// answers its clients while the engine thread computes, instead of waiting for a layer to end.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_rows", &linear_rows, "int8 W8A8 linear over a few rows (AVX-512 VNNI)", py::arg("x"),
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("linear_rows", &linear_rows, nogil, "int8 W8A8 linear over a few rows (AVX-512 VNNI)", py::arg("x"),
         py::arg("packed"), py::arg("colsum"), py::arg("wscale"), py::arg("bias"), py::arg("residual") = py::none());
-  m.def("linear_rows_w4", &linear_rows_w4, "int4-weight (W4A8, grouped scales) linear over rows (AVX-512 VNNI)",
+  m.def("linear_rows_w4", &linear_rows_w4, nogil, "int4-weight (W4A8, grouped scales) linear over rows (AVX-512 VNNI)",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("bias"),
         py::arg("residual") = py::none());
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over rows of gate | up, fp32");
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32", py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("decode_attention", &decode_attention, "rotary, cache write and per-query attention of one decode forward",
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up over rows of gate | up, fp32");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm over rows, fp32", py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("decode_attention", &decode_attention, nogil, "rotary, cache write and per-query attention of one decode forward",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
         py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE,
