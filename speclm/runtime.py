@@ -7,6 +7,7 @@ import functools
 import os
 
 from speclm.errors import UsageError
+from speclm.memory import resident
 
 QUANTIZE_MODES = ("none", "int8", "int4")  # weights: as published, or speclm.quant.weights's int8 / int4
 QUANTIZE_CHOICES = ("auto",) + QUANTIZE_MODES  # the CLI's --quantize: auto resolves by `weights_for`
@@ -133,12 +134,27 @@ def freed_bytes() -> int | None:
     return int(libc.mallinfo2().fordblks)
 
 
+_resident_after_trim = 0  # anonymous resident bytes right after the last bound_freed_memory trim
+
+
 def bound_freed_memory() -> None:
-    """After a request: if malloc holds more than KEPT_FREE_BYTES free, hand it back (all but the
-    heap's top pad; a walk over the free lists and one madvise per free run of pages)."""
+    """After a request: if malloc holds more than KEPT_FREE_BYTES free and the process's anonymous
+    resident memory grew by more than KEPT_FREE_BYTES since the last trim, hand the free memory
+    back (all but the heap's top pad; a walk over the free lists and one madvise per free run of
+    pages). Free bytes alone cannot decide: a trim returns the pages of free blocks but leaves
+    the blocks on malloc's free lists, so their total stays above the bound, every request would
+    trim, and the next one would fault its pages back in (with the 1.5B/0.5B Qwen pair, about
+    16 thousand page faults per request per thread). Requests that reuse the same freed memory
+    leave resident memory flat and are not trimmed."""
+    global _resident_after_trim
     free = freed_bytes()
-    if free is not None and free > KEPT_FREE_BYTES:
+    if free is None or free <= KEPT_FREE_BYTES:
+        return
+    now = resident()
+    if now is None or now.anonymous > _resident_after_trim + KEPT_FREE_BYTES:
         release_freed_memory()
+        after = resident()
+        _resident_after_trim = after.anonymous if after is not None else 0
 
 
 def release_freed_memory() -> None:

@@ -60,3 +60,25 @@ def test_the_engine_bounds_freed_memory_after_each_request(target, monkeypatch):
     assert len(calls) == 2
     list(eng.stream("ab", max_new_tokens=3))
     assert len(calls) == 3
+
+
+def test_freed_memory_is_trimmed_when_it_grows_not_after_every_request(monkeypatch):
+    """A trim leaves its blocks on malloc's free lists: requests that free the same memory again,
+    resident memory flat, must not trim again (each trim costs the next request its page
+    faults); resident growth past the bound does."""
+    from types import SimpleNamespace
+
+    import speclm.runtime as rt
+
+    mb = 1 << 20
+    free = iter([300, 310, 305, 900])  # MB free after requests 1-4
+    # MB resident: before and after request 1's trim; after requests 2 and 3 (flat); before and after 4's trim
+    anon = iter([2000, 1800, 1810, 1805, 2500, 1900])
+    trims = []
+    monkeypatch.setattr(rt, "freed_bytes", lambda: next(free) * mb)
+    monkeypatch.setattr(rt, "resident", lambda: SimpleNamespace(anonymous=next(anon) * mb))
+    monkeypatch.setattr(rt, "release_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr(rt, "_resident_after_trim", 0)
+    for _ in range(4):
+        rt.bound_freed_memory()
+    assert len(trims) == 2 and rt._resident_after_trim == 1900 * mb
