@@ -11,11 +11,23 @@ def find_stop(text: str, stops: tuple[str, ...]) -> int:
 
 def stop_cut(tokenizer, token_ids: list[int], first_new: int, stops: tuple[str, ...]) -> int | None:
     """If a stop string appears in the decoded text, the number of tokens up to and including
-    the one that completes it (tokens from first_new on are new this step); else None."""
-    if not stops or find_stop(tokenizer.decode(token_ids, skip_special_tokens=True), stops) < 0:
+    the one that completes it (tokens from first_new on are new this step); else None.
+
+    Only the new tokens and those before them that a stop string could still span are decoded
+    (a character is at most 4 byte tokens), so a step costs its own tokens, not the whole answer.
+    The text before first_new held no stop string (the request would have stopped)."""
+    stops = tuple(s for s in stops if s)
+    if not stops:
+        return None
+    start = max(0, first_new - 4 * max(map(len, stops)) - 4)
+
+    def has_stop(end: int) -> bool:
+        return find_stop(tokenizer.decode(token_ids[start:end], skip_special_tokens=True), stops) >= 0
+
+    if not has_stop(len(token_ids)):
         return None
     for end in range(max(first_new, 1), len(token_ids) + 1):
-        if find_stop(tokenizer.decode(token_ids[:end], skip_special_tokens=True), stops) >= 0:
+        if has_stop(end):
             return end
     return len(token_ids)
 

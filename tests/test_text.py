@@ -73,3 +73,40 @@ def test_stop_strings_cut_and_hold_back_with_windows(stops):
     text = "".join(inc.delta(ids[: i + 1], finished=False) for i in range(len(ids)))
     whole = tok.decode(ids, skip_special_tokens=True)
     assert text == whole[: min(whole.find(s) for s in stops if s in whole)]
+
+
+def whole_text_stop_cut(tok, ids: list[int], first_new: int, stops: tuple[str, ...]) -> int | None:
+    """The reference: decode everything at every length."""
+    def has(end):
+        return any(s in tok.decode(ids[:end], skip_special_tokens=True) for s in stops if s)
+    if not has(len(ids)):
+        return None
+    return next(end for end in range(max(first_new, 1), len(ids) + 1) if has(end))
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(sorted(TOKENIZERS)), seed=st.integers(0, 2**32 - 1),
+       length=st.integers(1, 50), steps=st.lists(st.integers(1, 6), min_size=1, max_size=30))
+def test_stop_cut_reads_a_window_and_cuts_where_the_whole_text_does(kind, seed, length, steps):
+    """Tokens committed a few per step, as a batch commits them: the windowed stop_cut stops at
+    the same token as decoding the whole answer at every step would."""
+    from speclm.text import stop_cut
+
+    tok = TOKENIZERS[kind]
+    rng = random.Random(seed)
+    if kind == "bytes":
+        ids = tok("".join(rng.choice(WORDS) for _ in range(length))).input_ids
+    else:
+        ids = [rng.randrange(len(tok) - 1) for _ in range(length)]
+    whole = tok.decode(ids, skip_special_tokens=True)
+    a = rng.randrange(len(whole) + 1)
+    stops = (whole[a : a + rng.randint(1, 6)] or "x", "never-there")  # often present, sometimes not
+    done, got, want = 0, None, None
+    for n in steps + [len(ids)]:
+        end = min(len(ids), done + n)
+        got = stop_cut(tok, ids[:end], done, stops)
+        want = whole_text_stop_cut(tok, ids[:end], done, stops)
+        assert got == want
+        if got is not None or end == len(ids):
+            break
+        done = end
