@@ -2,7 +2,8 @@
 
 A tree's node budget trades the tokens it may gain against the time its verification takes;
 on a CPU that time grows with every node (each is one more row through every weight matrix),
-by how much depends on the machine and the kernels. The costs are measured once per model,
+by how much depends on the machine and the kernels (the output projection included: every
+token's logits are kept, as in a verification). The costs are measured once per model,
 weights and thread count, over a cached 256-token context, and kept in
 `$SPECLM_HOME/costs/<key>.json`, so the trees a model grows do not depend on a timing taken
 during the request (and a sampled request with a seed stays reproducible on this machine).
@@ -28,6 +29,10 @@ from speclm.models.store import model_home
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tokens per forward, measured
 CONTEXT = 256  # cached tokens each measured forward attends
 REPEATS = 5
+# What a measured forward returns, in the cache's file names: a table measured otherwise is
+# measured again. Every token's logits: a verification scores each drafted token, and the output
+# projection over them is a large part of its cost (151936 x 1536 for Qwen2.5 1.5B, per token).
+FORM = "all-logits"
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,7 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     for _ in range(repeats + 1):  # the first pass warms each shape up and is dropped
         for n in sizes:
             start = time.perf_counter()
-            kv.forward([context[:n]], 1)
+            kv.forward([context[:n]], n)  # logits of every token read, as verification keeps them
             times[n].append(time.perf_counter() - start)
             kv.truncate([length])
     return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()})
@@ -129,7 +134,8 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
 def verification_costs(model, key: str) -> ForwardCosts:
     """This model's ForwardCosts, measured on first use and read from the cache after. key names
     the model and its weights (the thread count and the CPU are added here)."""
-    name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{key}-{torch.get_num_threads()}t-{cpu_name()}")
+    tag = f"{key}-{torch.get_num_threads()}t-{cpu_name()}-{FORM}"
+    name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tag)
     path = model_home() / "costs" / f"{name[:200]}.json"
     try:
         data = json.loads(path.read_text())
