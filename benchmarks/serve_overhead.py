@@ -65,12 +65,12 @@ class Server:
 SIDES = ["generate", "batch", "serve"]
 
 
-def server_sized(batch, engine: SpecEngine, text: str, method: str, max_new_tokens: int) -> list[int]:
-    """One request through `batch` (the server's sizes), on this thread."""
+def server_sized(batch, engine: SpecEngine, text: str, method: str, max_new_tokens: int):
+    """One request through `batch` (the server's sizes), on this thread: its Completion."""
     request = batch.join(engine.request(text, method=method, max_new_tokens=max_new_tokens, chat=True))
     while batch.active:
         batch.step()
-    return list(request.generated)
+    return engine.completion(request)
 
 
 def main() -> None:
@@ -110,8 +110,8 @@ def main() -> None:
                         ref = engine.generate(text, method=method, max_new_tokens=args.max_new_tokens, chat=True)
                         out[side], tokens = ref.text, len(ref.token_ids)
                     elif side == "batch":
-                        ids = server_sized(batch, engine, text, method, args.max_new_tokens)
-                        out[side], tokens = engine.target.tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+                        done = server_sized(batch, engine, text, method, args.max_new_tokens)
+                        out[side], tokens = done.text, len(done.token_ids)
                     else:
                         out[side], tokens = server.chat(text, args.max_new_tokens, {"method": method})
                     totals[side][0] += tokens

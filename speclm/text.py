@@ -32,10 +32,14 @@ def stop_cut(tokenizer, token_ids: list[int], first_new: int, stops: tuple[str, 
     return len(token_ids)
 
 
-def final_text(tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> str:
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    """text up to the earliest stop string, or all of it."""
     cut = find_stop(text, stops)
     return text[:cut] if cut >= 0 else text
+
+
+def final_text(tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> str:
+    return cut_at_stop(tokenizer.decode(token_ids, skip_special_tokens=True), stops)
 
 
 class IncrementalText:
@@ -56,14 +60,10 @@ class IncrementalText:
         self._prefix = self._read = 0  # the window: token_ids[_prefix:], its first _read - _prefix tokens settled
 
     def delta(self, token_ids: list[int], finished: bool) -> str:
-        if finished:
-            text = final_text(self.tokenizer, token_ids, self.stops)
-            end = len(text)
-        else:
-            text = self._text(token_ids)
-            cut = find_stop(text, self.stops)
-            text = text[:cut] if cut >= 0 else text
-            end = len(text)
+        whole = self.tokenizer.decode(token_ids, skip_special_tokens=True) if finished else self._text(token_ids)
+        text = cut_at_stop(whole, self.stops)
+        end = len(text)
+        if not finished:
             while end > self.emitted and text[end - 1] == "\ufffd":
                 end -= 1
             end -= self._possible_stop_prefix(text[:end])
