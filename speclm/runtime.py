@@ -143,8 +143,7 @@ def bound_freed_memory() -> None:
     back (all but the heap's top pad; a walk over the free lists and one madvise per free run of
     pages). Free bytes alone cannot decide: a trim returns the pages of free blocks but leaves
     the blocks on malloc's free lists, so their total stays above the bound, every request would
-    trim, and the next one would fault its pages back in (with the 1.5B/0.5B Qwen pair, about
-    16 thousand page faults per request per thread). Requests that reuse the same freed memory
+    trim, and the next one would fault its pages back in. Requests that reuse the same freed memory
     leave resident memory flat and are not trimmed."""
     global _resident_after_trim
     free = freed_bytes()

@@ -30,8 +30,8 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tokens per forward, measured
 CONTEXT = 256  # cached tokens each measured forward attends
 REPEATS = 5
 # What a measured forward returns, in the cache's file names: a table measured otherwise is
-# measured again. Every token's logits: a verification scores each drafted token, and the output
-# projection over them is a large part of its cost (151936 x 1536 for Qwen2.5 1.5B, per token).
+# measured again. Every token's logits: a verification scores each drafted token, so the output
+# projection (151936 x 1536 for Qwen2.5 1.5B) runs for each of them.
 FORM = "all-logits"
 
 
