@@ -359,6 +359,48 @@ def test_adaptive_policy_prices_what_a_draft_has_not_read():
     assert request.tokens_left == 3 and policy.caps(batch)[key] == 0
 
 
+def test_adaptive_policy_prices_rounds_as_they_measure():
+    """The cost table is one row's: where a batch's drafting rounds take longer than priced and its
+    plain rounds less, the measured ratios turn drafting off; a probe round is not timed; sizes not
+    yet measured take the nearest measured size's ratio, and 1 before any of their kind."""
+    from speclm.spec.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
+    from speclm.options import GenerationOptions
+
+    options = GenerationOptions(method="pld")
+    key = options.proposer_key()
+    policy = Adaptive(ForwardCosts({1: 0.05, 4: 0.05, 8: 0.065, 16: 0.1, 32: 0.2}), probe=1000)
+    four, rows4 = _policy_batch(4, options)
+    for r in rows4:
+        for _ in range(20):
+            policy.observe(r, 1, 1, 0.0, 0, rows=4)  # accepts most of what it drafts
+    k = policy.caps(four)[key]
+    assert k > 0  # priced by the table, drafting pays
+    assert policy.ratio(4, True) == 1.0
+    for _ in range(30):  # drafting rounds take twice their price, plain ones 0.9x
+        k = policy.caps(four)[key]
+        rows, drafting, priced = policy._predicted
+        assert (rows, drafting) == (4, k > 0)
+        policy.timed(priced * (2.0 if drafting else 0.9))
+    assert policy.caps(four)[key] == 0
+    assert policy.ratio(4, True) == pytest.approx(2.0, rel=0.05)
+    assert policy.ratio(4, False) == pytest.approx(0.9, rel=0.05)
+    assert policy.ratio(8, True) == policy.ratio(4, True)  # nearest measured size
+    fresh = Adaptive(ForwardCosts({1: 0.05, 8: 0.065}))
+    fresh._predicted = (2, True, 0.1)
+    fresh.timed(0.15)
+    assert fresh.ratio(5, True) == pytest.approx(1.5) and fresh.ratio(2, False) == 1.0  # no plain round yet
+    assert fresh._predicted is None
+    fresh.timed(10.0)  # no round priced since: nothing kept
+    assert fresh.ratio(2, True) == pytest.approx(1.5)
+    probing = Adaptive(ForwardCosts({1: 0.05, 8: 0.065}), probe=1)
+    eight, rows8 = _policy_batch(8, options)
+    for r in rows8:
+        for _ in range(20):
+            probing.observe(r, 6, 0, 0.0, 0)
+    assert probing.caps(eight)[key] == 1 and probing._predicted is None  # a probe, not the round priced
+
+
 def test_a_draft_reading_tokens_it_missed_counts_them_as_its_prefill(int8_pair):
     """After rounds without drafting (adaptive speculation), the draft reads the tokens it missed:
     that time is its prefill, not its draft step."""

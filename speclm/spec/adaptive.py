@@ -27,6 +27,15 @@ round a share of reading them (the target's cost of a forward over those tokens,
 draft's measured cost against the target's), the share being one over the rounds the request has
 left, over which the reading pays off.
 
+The forward cost table is measured on one row; a round's forward reads B rows of 1 + k tokens
+(each row attending its own context) and the round adds bookkeeping to its forwards, so the
+table alone can price a drafting round too low and a plain one too high (on the 2-core AVX-512
+EPYC the policy drafted at 4 rows and served 0.88x the tokens/s of not drafting:
+benchmarks/epyc/serve-int8-qwen1.5b-12). Each round's measured seconds (the draft's
+reading of unread tokens left out) are therefore kept against its predicted seconds, as a decayed
+ratio per batch size and per drafting or not (`timed`), and every candidate's price is scaled by
+its ratio (`ratio`).
+
 A request that sets k keeps it. Greedy output does not depend on the draft, so it is unchanged.
 A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on
 nothing but its own seed, so it is reproducible in any batch; an unseeded one adapts (its output
@@ -58,6 +67,8 @@ class Adaptive:
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
         self._step: dict = {}  # group key -> StepTimes by rows drafted for: a draft forward (or proposal, where none)
         self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
+        self._ratios: dict[tuple[int, bool], float] = {}  # (rows, drafting) -> decayed measured / predicted seconds
+        self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, seconds) as priced
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
     def acceptance(self, request) -> float:
@@ -86,6 +97,27 @@ class Adaptive:
         self._step.setdefault(key, StepTimes()).record(rows, step)
         old = self._nodes.get(key)  # a tree's verified nodes per row, as its proposer sized them
         self._nodes[key] = drafted if old is None else 0.8 * old + 0.2 * drafted
+
+    def ratio(self, rows: int, drafting: bool) -> float:
+        """Measured over predicted seconds of rounds of `rows` rows that drafted (or not): at that
+        size, else at the nearest size measured (the smaller on a tie); 1 where no round of that
+        kind ran yet, so that a kind priced dearer by its rounds is tried against the table's price
+        of the other and measured too."""
+        seen = {n: r for (n, on), r in self._ratios.items() if on == drafting}
+        if not seen:
+            return 1.0
+        return seen[rows] if rows in seen else seen[min(seen, key=lambda n: (abs(n - rows), n))]
+
+    def timed(self, seconds: float) -> None:
+        """The round `caps` last priced took `seconds` (its draft model's reading of tokens it had
+        not read left out, which is priced apart): kept as a ratio to the price."""
+        if self._predicted is None:
+            return
+        rows, drafting, predicted = self._predicted
+        self._predicted = None
+        ratio = min(max(seconds / max(predicted, 1e-9), 0.25), 4.0)  # one stall (a page fault storm) moves it little
+        old = self._ratios.get((rows, drafting))
+        self._ratios[(rows, drafting)] = ratio if old is None else 0.8 * old + 0.2 * ratio
 
     def _expected(self, request, k: int, tree: bool) -> float:
         """Tokens a round commits for `request` with draft length k (the target's own token included)."""
@@ -126,6 +158,7 @@ class Adaptive:
     def caps(self, batch) -> dict:
         """Per group key (GenerationOptions.proposer_key): its draft length cap this round (0: none;
         None: a tree kept whole)."""
+        self._predicted = None
         groups = [(key, g) for key, g in batch.groups.items() if g.requests and g.proposer is not None]
         rows = len(batch.requests)
         # groups whose k this policy leaves alone: a k set by the request, or a seeded sampled request
@@ -144,24 +177,28 @@ class Adaptive:
                 width0 = max(width0, self._tree_width(key, g) if key in trees else g.proposer.k)
         longest = max((g.proposer.k for key, g in free if key not in trees), default=0)
         choices = [(k, on) for k in range(longest + 1) for on in ((False, True) if any(key in trees for key, _ in free) else (False,))]
-        best, best_rate = (0, False), -1.0
+        best, best_rate, priced = (0, False), -1.0, None
         for k, tree_on in choices:
-            tokens, drafting, width = tokens0, 0.0, width0
+            tokens, drafting, catch_up, width = tokens0, 0.0, 0.0, width0
             for key, g in free:
                 is_tree = key in trees
                 own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
                 tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
                 if own:
-                    drafting += self._step_seconds(key, len(g.requests)) * own + self._catch_up(key, g, own, is_tree)
+                    drafting += self._step_seconds(key, len(g.requests)) * own
+                    catch_up += self._catch_up(key, g, own, is_tree)
                     width = max(width, self._tree_width(key, g) if is_tree else own)
-            rate = tokens / (self.costs(rows * (1 + width)) + drafting)
+            seconds = self.costs(rows * (1 + width)) + drafting
+            rate = tokens / (seconds * self.ratio(rows, width > 0) + catch_up)
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate = (k, tree_on), rate
+                best, best_rate, priced = (k, tree_on), rate, (rows, width > 0, seconds)
         k, tree_on = best
+        self._predicted = priced
         self.last = {key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k) for key, g in free}
         self._rounds += 1
         if self._rounds % self.probe == 0:  # a probe: drafting off learns nothing about acceptance
             for key, g in free:
                 if self.last[key] == 0 and getattr(g.proposer, "kv", None) is None:  # no draft model to catch up
                     self.last[key] = 1
+                    self._predicted = None  # not the round priced
         return self.last

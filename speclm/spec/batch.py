@@ -254,7 +254,7 @@ class Batch:
     # ---------------------------------------------------------------- a round
     def _round(self) -> list[Request]:
         requests, kv = self.requests, self.kv
-        target_seen = kv.forward_seconds
+        target_seen, t0 = kv.forward_seconds, time.perf_counter()
         row_of = {id(r): b for b, r in enumerate(requests)}
         caps = self.speculation.caps(self) if self.speculation is not None else {}
         proposals = [self._propose(g, [row_of[id(r)] for r in g.requests], caps.get(key))  # 1. propose
@@ -290,6 +290,8 @@ class Batch:
                 self._commit(r, verdict.committed(i))
                 r.stats.new_tokens = len(r.generated)
                 r.stats.wall_seconds = time.perf_counter() - r.joined_at
+        if self.speculation is not None:  # the round's time against its price (a draft's catch-up is priced apart)
+            self.speculation.timed(time.perf_counter() - t0 - sum(p.prefill_seconds for p in proposals))
         self._leave()
         return requests
 
