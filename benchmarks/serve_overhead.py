@@ -1,5 +1,5 @@
-"""The server's own cost at concurrency 1: the same requests through `speclm serve` (streamed chat
-completions over loopback HTTP) and through `SpecEngine.generate` in this process, in turns per
+"""The server's own cost at concurrency 1: the same requests through `speclm serve` (chat
+completions over loopback HTTP, streamed and as one reply) and through `SpecEngine.generate` in this process, in turns per
 prompt (each side going first in turn), with plain decoding and with the method's fixed k. Tokens/s is total generated tokens
 over total time, each side's time from its request to its last token; outputs are compared.
 A third side splits the difference: a Batch sized as the server's (its --max-batch rows and
@@ -44,9 +44,13 @@ class Server:
                 return
         raise SystemExit("the server did not start")
 
-    def chat(self, prompt: str, max_tokens: int, speculation) -> tuple[str, int]:
+    def chat(self, prompt: str, max_tokens: int, speculation, stream: bool = True) -> tuple[str, int]:
         body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation}
+                "stream": stream, "speculation": speculation}
+        if not stream:
+            reply = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600).json()
+            return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
+        body["stream_options"] = {"include_usage": True}
         text, tokens = [], 0
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=600) as response:
             for line in response.iter_lines():
@@ -62,7 +66,7 @@ class Server:
         self.proc.wait(60)
 
 
-SIDES = ["generate", "batch", "serve"]
+SIDES = ["generate", "batch", "serve", "serve-whole"]  # serve: streamed; serve-whole: one JSON reply
 
 
 def server_sized(batch, engine: SpecEngine, text: str, method: str, max_new_tokens: int):
@@ -94,17 +98,18 @@ def main() -> None:
         prompts = load_prompts("spec-bench", None, args.per_category)[: 2 if args.smoke else None]
         print(f"# speclm serve against SpecEngine.generate in this process, concurrency 1, {len(prompts)} Spec-Bench "
               f"prompts, chat, {args.max_new_tokens} new tokens, int8 target, {weights[3]} draft, {cpu_name()}")
-        print("| method | tokens | generate tok/s | server-sized batch tok/s | serve tok/s | batch / generate | "
-              "serve / generate | identical outputs |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| method | tokens | generate tok/s | server-sized batch tok/s | serve tok/s, streamed | serve tok/s, "
+              "one reply | batch / generate | serve / generate, streamed | serve / generate, one reply | "
+              "identical outputs |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         batch = engine.batch(rows=MAX_BATCH, prefill_chunk=PREFILL_CHUNK)
         for method in ("none", args.method):
-            totals = {"generate": [0, 0.0], "batch": [0, 0.0], "serve": [0, 0.0]}
+            totals = {side: [0, 0.0] for side in SIDES}
             same = 0
             for i, prompt in enumerate(prompts):
                 text, out = prompt.text, {}
                 # the sides take turns going first, so that a drift in memory bandwidth favours none
-                for side in SIDES[i % 3:] + SIDES[: i % 3]:
+                for side in SIDES[i % len(SIDES):] + SIDES[: i % len(SIDES)]:
                     start = time.perf_counter()
                     if side == "generate":
                         ref = engine.generate(text, method=method, max_new_tokens=args.max_new_tokens, chat=True)
@@ -113,14 +118,16 @@ def main() -> None:
                         done = server_sized(batch, engine, text, method, args.max_new_tokens)
                         out[side], tokens = done.text, len(done.token_ids)
                     else:
-                        out[side], tokens = server.chat(text, args.max_new_tokens, {"method": method})
+                        out[side], tokens = server.chat(text, args.max_new_tokens, {"method": method},
+                                                        stream=side == "serve")
                     totals[side][0] += tokens
                     totals[side][1] += time.perf_counter() - start
-                same += out["generate"] == out["batch"] == out["serve"]
+                same += all(out[side] == out["generate"] for side in SIDES)
             rate = {side: n / s for side, (n, s) in totals.items()}
             print(f"| {method} | {totals['serve'][0]} | {rate['generate']:.2f} | {rate['batch']:.2f} | "
-                  f"{rate['serve']:.2f} | {rate['batch'] / rate['generate']:.3f} | "
-                  f"{rate['serve'] / rate['generate']:.3f} | {same}/{len(prompts)} |", flush=True)
+                  f"{rate['serve']:.2f} | {rate['serve-whole']:.2f} | {rate['batch'] / rate['generate']:.3f} | "
+                  f"{rate['serve'] / rate['generate']:.3f} | {rate['serve-whole'] / rate['generate']:.3f} | "
+                  f"{same}/{len(prompts)} |", flush=True)
     finally:
         server.stop()
 
