@@ -73,8 +73,9 @@ SCRIPTS = {
                         ["| model | prompt tokens | SDPA prefill s | per-query prefill s | per-query / SDPA "
                          "| first 24 from the cache s | saved by the cache |", "int4 | 90 | "], True),
     "serve_overhead.py": (["--target", "{target}", "--draft", "{draft}"],
-                          ["| method | tokens | generate tok/s | server-sized batch tok/s | serve tok/s | batch / generate | "
-                           "serve / generate | identical outputs |",
+                          ["| method | tokens | generate tok/s | server-sized batch tok/s | serve tok/s, streamed | serve "
+                           "tok/s, one reply | batch / generate | serve / generate, streamed | serve / generate, one reply | "
+                           "identical outputs |",
                            re.compile(r"\| none \| \d+ \| .* \| 2/2 \|"), re.compile(r"\| draft\+pld \| .* \| 2/2 \|")],
                           False),
     "typical_quality.py": (["--target", "{target}", "--heads", "{medusa}", "--methods", "medusa"],
