@@ -85,7 +85,8 @@ WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 
 # --tree's default for `draft` and `draft+pld`: "chain" or "auto" (speclm.proposers.draft_tree). Chain:
 # auto trees measured no faster than chains: 0.97x on the AVX2 machine (benchmarks/avx2/trees-int8-qwen1.5b-60),
-# 0.99x on the Intel Xeon (benchmarks/intel/trees-int8-qwen1.5b-30)
+# 0.99x on the Intel Xeon (benchmarks/intel/trees-int8-qwen1.5b-30), 0.92x-0.96x on the AVX-512 EPYC
+# (benchmarks/epyc/trees-int8-qwen1.5b-12-b7a5034)
 TREE = "chain"
 
 # fp32 CPU weights: rows -> the rows a linear layer's GEMM runs over, zero rows added (speclm.forward.lean). MKL's
