@@ -1,7 +1,8 @@
 """The server's own cost at concurrency 1: the same requests through `speclm serve` (chat
-completions over loopback HTTP, streamed and as one reply) and through `SpecEngine.generate` in this process, in turns per
-prompt (each side going first in turn), with plain decoding and with the method's fixed k. Tokens/s is total generated tokens
-over total time, each side's time from its request to its last token; outputs are compared.
+completions over loopback HTTP, streamed and as one reply) and through `SpecEngine.generate` in
+this process, in turns per prompt (each side going first in turn), with plain decoding and with
+the method's fixed k. Tokens/s is total generated tokens over total time, each side's time from
+its request to its last token; outputs are compared.
 A third side splits the difference: a Batch sized as the server's (its --max-batch rows and
 --prefill-chunk, kept from one request to the next as the server keeps it) stepped on this
 thread, no HTTP and no engine thread.

@@ -67,7 +67,7 @@ class Adaptive:
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
         self._step: dict = {}  # group key -> StepTimes by rows drafted for: a draft forward (or proposal, where none)
         self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
-        self._ratios: dict[tuple[int, bool], float] = {}  # (rows, drafting) -> decayed measured / predicted seconds
+        self._ratios = {False: StepTimes(), True: StepTimes()}  # drafting or not -> measured / predicted seconds, by rows
         self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, seconds) as priced
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
@@ -103,10 +103,7 @@ class Adaptive:
         size, else at the nearest size measured (the smaller on a tie); 1 where no round of that
         kind ran yet, so that a kind priced dearer by its rounds is tried against the table's price
         of the other and measured too."""
-        seen = {n: r for (n, on), r in self._ratios.items() if on == drafting}
-        if not seen:
-            return 1.0
-        return seen[rows] if rows in seen else seen[min(seen, key=lambda n: (abs(n - rows), n))]
+        return self._ratios[drafting].at(rows, lambda n: 1.0) or 1.0  # a ratio does not scale with rows
 
     def timed(self, seconds: float) -> None:
         """The round `caps` last priced took `seconds` (its draft model's reading of tokens it had
@@ -116,8 +113,7 @@ class Adaptive:
         rows, drafting, predicted = self._predicted
         self._predicted = None
         ratio = min(max(seconds / max(predicted, 1e-9), 0.25), 4.0)  # one stall (a page fault storm) moves it little
-        old = self._ratios.get((rows, drafting))
-        self._ratios[(rows, drafting)] = ratio if old is None else 0.8 * old + 0.2 * ratio
+        self._ratios[drafting].record(rows, ratio)
 
     def _expected(self, request, k: int, tree: bool) -> float:
         """Tokens a round commits for `request` with draft length k (the target's own token included)."""
