@@ -27,15 +27,15 @@ from speclm.runtime import set_threads
 RANKS = 8
 
 
-def rank_rates(engine: SpecEngine, heads_file: str, data: str, fraction: float, limit: int) -> tuple[torch.Tensor, int]:
-    """(K, RANKS): the share of validation positions where head i's rank-r token is the token
-    i + 1 ahead; and the positions counted."""
+def rank_rates(engine: SpecEngine, heads_file: str, data: list[str], fraction: float, limit: int) -> tuple[torch.Tensor, int]:
+    """(K, RANKS): the share of validation positions of the data folders (each's in turn) where
+    head i's rank-r token is the token i + 1 ahead; and the positions counted."""
     heads = engine.heads("medusa", heads_file)
     module = heads.module
     depth = len(module.blocks)
     hits = torch.zeros(depth, RANKS)
     counted = 0
-    for shard in read_shards(data):
+    for shard in (s for folder in data for s in read_shards(folder)):
         starts = shard["starts"].tolist()
         for s, (a, b) in enumerate(zip(starts, starts[1:])):
             if not is_validation(shard["prompt_ids"][s], fraction):
@@ -87,7 +87,7 @@ def best_tree(rates: torch.Tensor, costs, most: int = 48) -> list[list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", required=True, action="append", help="a data folder (more than once: several)")
     ap.add_argument("--heads", required=True)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--valid-fraction", type=float, default=0.05)
@@ -100,7 +100,7 @@ def main() -> None:
     fraction = 0.5 if args.smoke else args.valid_fraction
     rates, counted = rank_rates(engine, args.heads, args.data, fraction, args.positions)
     tree = best_tree(rates, engine.forward_costs())
-    print(f"# Medusa static tree from {counted} validation positions of {args.data}; heads {args.heads}")
+    print(f"# Medusa static tree from {counted} validation positions of {' + '.join(args.data)}; heads {args.heads}")
     print()
     print("| head | " + " | ".join(f"rank {k}" for k in range(RANKS)) + " |")
     print("|---" * (RANKS + 1) + "|")

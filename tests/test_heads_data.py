@@ -216,3 +216,80 @@ def test_cli(tmp_path, folders):
     assert manifest["target"] == folders["target"] and manifest["quantize"] == "int8"
     assert manifest["prompts"] == 2 and [s["sequences"] for s in manifest["shards"]] == [2]
     assert all(sources.is_permissive(json.loads(line)["licence"]) for line in (out / "prompts.jsonl").open())
+
+
+# ---------------------------------------------------------------- requests the target writes
+def test_assistant_lists_parse_into_prompts():
+    from speclm.heads import assistant
+
+    answer = ("Here you go:\n1. What is the tallest mountain in Africa?\n2) **How do bees make honey?**\n"
+              "- Why do leaves change colour in autumn?\n3. Short\n* \"Which planet has the most moons?\"\n"
+              "Not a list item, though long enough to look like a request.\n")
+    assert assistant.parse_list(answer) == [
+        "What is the tallest mountain in Africa?", "How do bees make honey?",
+        "Why do leaves change colour in autumn?", "Which planet has the most moons?"]
+    qa = assistant.to_prompts("qa", "geography", answer)
+    assert [p.kind for p in qa] == ["qa"] * 4 and qa[0].text == "What is the tallest mountain in Africa?"
+    assert qa[0].source == "speclm-assistant:qa:geography" and qa[0].licence == "Apache-2.0"
+    de = assistant.to_prompts("translation", "weather", "1. Morgen wird es in Berlin regnen und kalt sein.")
+    assert [(p.kind, p.text) for p in de] == [("translation", "Translate German to English: Morgen wird es in Berlin regnen und kalt sein.")]
+    assert [p.kind for p in assistant.to_prompts("writing", "music", answer)] == ["conversation"] * 4
+    seeds = assistant.seed_requests(0)
+    assert len(seeds) == len(assistant.STYLES) * len(assistant.DOMAINS) == len({s for _, _, s in seeds})
+    assert seeds == assistant.seed_requests(0) != assistant.seed_requests(1)
+
+
+def _fake_answers(calls):
+    def answer(texts):
+        calls.append(len(texts))
+        return [f"1. Please explain request number {abs(hash(t)) % 10**6} in detail.\n"
+                f"2. What is the story behind item {len(t)} of this list?" for t in texts]
+    return answer
+
+
+def test_assistant_stream_keeps_answers_and_resumes(tmp_path):
+    from itertools import islice
+
+    from speclm.heads import assistant
+
+    calls = []
+    first = list(islice(assistant.stream(_fake_answers(calls), tmp_path, batch_size=4), 10))
+    assert calls == [4, 4] and len(first) == 10  # two prompts per seed request: three batches' worth asked, two answered
+    again = []
+    assert list(islice(assistant.stream(_fake_answers(again), tmp_path, batch_size=4), 10)) == first
+    assert again == []  # kept answers are not decoded again
+    lines = (tmp_path / assistant.FILE).read_text().splitlines()
+    (tmp_path / assistant.FILE).write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # a write cut short
+    assert list(islice(assistant.stream(_fake_answers(again), tmp_path, batch_size=4), 10)) == first
+    assert again == [3]  # the cut line and those after it, of the second batch
+
+
+def test_build_from_requests_the_target_writes(tmp_path, eos_target, tok, monkeypatch):
+    """source="assistant": prompts parsed from the target's answers to the seed requests, each
+    stored with its greedy response; a planted evaluation turn among them is left out; a folder's
+    source is part of its identity; the answerer decodes greedily with the target."""
+    from speclm.heads import assistant
+
+    turn = planted().text
+    monkeypatch.setattr(data, "_answerer", lambda target, batch, progress: lambda texts: [
+        f"1. {turn}\n2. Describe a sunny day at the beach in three sentences.\n3. {t[:60]}" for t in texts])
+    manifest = data.build(eos_target, tmp_path / "a", prompts=4, max_new_tokens=NEW, max_prompt_tokens=200,
+                          batch_size=3, shard_size=2, progress=False, source="assistant")
+    assert manifest["source"] == "assistant" and manifest["excluded_eval_overlap"] >= 1
+    assert [s["source"] for s in manifest["sources"]] == [assistant.SOURCE]
+    rows = [json.loads(line) for line in (tmp_path / "a" / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(turn not in r["text"] for r in rows)
+    assert all(r["source"].startswith(assistant.SOURCE + ":") for r in rows)
+    engine = SpecEngine(eos_target)
+    for (tokens, _, n), row in zip(data.iter_sequences(tmp_path / "a"), rows):
+        assert tokens[:n].tolist() == chat_ids(tok, row["text"])
+        assert tokens[n:].tolist() == engine.generate(tokens[:n].tolist(), max_new_tokens=NEW).token_ids
+    with pytest.raises(UsageError, match="source=assistant.*source=library"):
+        build(eos_target, tmp_path / "a", prompts=2)
+    with pytest.raises(UsageError, match="source must be"):
+        build(eos_target, tmp_path / "b", source="web")
+    monkeypatch.undo()
+    ids = chat_ids(tok, "Say hi.")
+    answer = data._answerer(eos_target, 2, False)(["Say hi."])
+    expected = engine.generate(ids, max_new_tokens=min(assistant.MAX_NEW_TOKENS, eos_target.max_context - len(ids) - 1)).token_ids
+    assert answer == [tok.decode(expected, skip_special_tokens=True)]

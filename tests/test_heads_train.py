@@ -273,3 +273,43 @@ def test_command_line(sequences, folders, tmp_path, capsys):
     assert summary["steps"] == 2 and summary["vocab"] <= 32
     manifest = json.loads((tmp_path / "out" / "heads.json").read_text())
     assert manifest["command"][0] == "speclm"
+
+
+def test_several_folders_train_as_one(sequences, target, tmp_path, data_dir):
+    """Two folders (the data split at a shard boundary) index the same windows and splits as one
+    folder with all of it, under a hash of both; folders of different targets are refused."""
+    first = write_data(tmp_path / "a", sequences[:8], 64, target.vocab_size)
+    second = write_data(tmp_path / "b", sequences[8:], 64, target.vocab_size)
+    whole, both = Shards(data_dir, CHUNK, VALID), Shards([first, second], CHUNK, VALID)
+    assert both.train_windows == whole.train_windows and both.valid_windows == whole.valid_windows
+    assert both.sequences(True) == whole.sequences(True)
+    assert both.data_sha256 not in (Shards(first, CHUNK, VALID).data_sha256, Shards(second, CHUNK, VALID).data_sha256)
+    batch = both.collate(both.train_windows[3])
+    assert torch.equal(batch["features"], whole.collate(whole.train_windows[3])["features"])
+    other = write_data(tmp_path / "c", sequences[8:], 64, target.vocab_size, target="another")
+    with pytest.raises(UsageError, match="different targets"):
+        Shards([first, other], CHUNK, VALID)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_init_starts_from_a_heads_file(kind, data_dir, target, tmp_path):
+    """--init: a run with learning rate 0 exports the weights it started from; the plan records the
+    file, so resuming with another start is refused; heads of another shape are refused."""
+    from speclm.heads.store import load
+
+    train(data_dir, tmp_path / "first", kind, target, steps=4, lr=1e-2, **_args())
+    start = tmp_path / "first" / "heads.safetensors"
+    train(data_dir, tmp_path / "second", kind, target, steps=2, lr=0.0, init=start, **_args())
+    a, _, _ = load(start)
+    b, _, _ = load(tmp_path / "second" / "heads.safetensors")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+    fresh, _, _ = load(train(data_dir, tmp_path / "fresh", kind, target, steps=2, lr=0.0, **_args())["heads"])
+    assert any(not torch.equal(x, y) for x, y in zip(a.state_dict().values(), fresh.state_dict().values()))
+    state = json.loads((tmp_path / "second" / "checkpoint" / "state.json").read_text())
+    assert state["plan"]["init"] == hashlib.sha256(start.read_bytes()).hexdigest()
+    with pytest.raises(UsageError, match=r"other arguments \(init "):
+        train(data_dir, tmp_path / "second", kind, target, steps=2, lr=0.0, **_args())
+    shape = {"heads": 2} if kind == "medusa" else {"intermediate": 32}
+    with pytest.raises(UsageError, match="another shape"):
+        train(data_dir, tmp_path / "third", kind, target, steps=1, init=start, **_args(**shape))

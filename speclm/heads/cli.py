@@ -26,6 +26,10 @@ def add_data_parser(sub) -> argparse.ArgumentParser:
                    help="longer prompts (in the chat template) are skipped (default %(default)s)")
     d.add_argument("--batch-size", type=int, default=16, help="prompts decoding at once (default %(default)s)")
     d.add_argument("--shard-size", type=int, default=64, help="sequences per shard file (default %(default)s)")
+    d.add_argument("--source", choices=("library", "assistant"), default="library",
+                   help="library: prompts made from this machine's permissively licensed text; assistant: "
+                        "general-domain requests the target writes itself from speclm's seed requests "
+                        "(speclm.heads.assistant) (default %(default)s)")
     d.add_argument("--seed", type=int, default=0, help="which prompts, in which order (default %(default)s)")
     d.add_argument("--minutes", type=float, default=None,
                    help="stop after the shard in progress once this many minutes have passed (run again to continue)")
@@ -43,7 +47,7 @@ def run_data(args) -> int:
     set_threads(args.threads)
     manifest = build(args.target, args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                     shard_size=args.shard_size, seed=args.seed, progress=sys.stderr.isatty(), minutes=args.minutes)
+                     shard_size=args.shard_size, seed=args.seed, source=args.source, progress=sys.stderr.isatty(), minutes=args.minutes)
     stored = sum(s["sequences"] for s in manifest["shards"])
     tokens = sum(s["tokens"] for s in manifest["shards"])
     print(f"{args.out}: {stored} of {manifest['prompts']} sequences ({tokens} tokens) in {len(manifest['shards'])} "
@@ -56,10 +60,14 @@ def run_data(args) -> int:
 def add_train_parser(sub) -> argparse.ArgumentParser:
     """`speclm heads train` on an argparse subparsers object."""
     p = sub.add_parser("train", help="train Medusa or EAGLE heads on a data folder of the target's features")
-    p.add_argument("--data", required=True, help="the data folder (speclm heads data)")
+    p.add_argument("--data", required=True, action="append",
+                   help="a data folder (speclm heads data); give it several times to train on several folders together")
     p.add_argument("--kind", required=True, choices=KINDS, help="medusa: K residual heads; eagle: one decoder layer")
     p.add_argument("--out", required=True, help="the run folder: checkpoint, metrics, plots, heads.safetensors")
     p.add_argument("--target", default=None, help="the target model (default: the one named in the data's manifest)")
+    p.add_argument("--init", default=None,
+                   help="a heads file (.safetensors) of the same kind and shape to start from, such as an earlier "
+                        "run's heads.safetensors (default: a fresh initialisation)")
     p.add_argument("--vocab", type=int, default=16384, help="the heads' vocabulary: the most frequent response tokens (default %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="medusa: heads, the deepest draft (default %(default)s)")
     p.add_argument("--intermediate", type=int, default=2048, help="eagle: its MLP's width (default %(default)s)")

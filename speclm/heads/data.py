@@ -51,6 +51,7 @@ import torch
 from speclm.bench.report import atomic_write
 from speclm.errors import UsageError
 from speclm.models.store import file_sha256
+from speclm.heads import assistant
 from speclm.heads.sources import Prompt, stream
 from speclm.forward.cache import StaticKV
 from speclm.text import chat_ids
@@ -61,7 +62,8 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 NGRAM = 8  # a prompt sharing a word n-gram this long with an evaluation turn is left out
 NEAR_DUPLICATE = 0.5  # ... and one whose word trigrams overlap a turn's this much (Jaccard)
 # the manifest's fields a resumed build must agree on
-IDENTITY = ("format", "target", "quantize", "layer", "max_new_tokens", "max_prompt_tokens", "seed", "shard_size")
+IDENTITY = ("format", "target", "quantize", "layer", "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "source")
+SOURCES = ("library", "assistant")  # speclm.heads.sources; speclm.heads.assistant (requests the target writes)
 
 
 # ---------------------------------------------------------------- evaluation overlap
@@ -294,10 +296,11 @@ def _existing(out: Path, identity: dict) -> dict | None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a folder")
     if not (out / "manifest.json").is_file():
-        if out.is_dir() and any(not p.name.endswith(".tmp") for p in out.iterdir()):
+        if out.is_dir() and any(not p.name.endswith(".tmp") and p.name != assistant.FILE for p in out.iterdir()):
             raise UsageError(f"--out {out} is a folder that holds other files, not head training data; choose a new one")
         return None
     old = load_manifest(out)
+    old.setdefault("source", "library")  # folders built before there was a choice
     differ = [k for k in IDENTITY if old.get(k) != identity[k]]
     if differ:
         was = ", ".join(f"{k}={old.get(k)}" for k in differ)
@@ -366,9 +369,31 @@ def _kept(out: Path, old: dict | None, plan: list[tuple[Prompt, list[int]]], sha
     return kept
 
 
+def _answerer(target, batch_size: int, progress: bool):
+    """texts -> the target's greedy answers (chat template, assistant.MAX_NEW_TOKENS at most, within
+    its context), for the seed requests of speclm.heads.assistant."""
+    from tqdm.auto import tqdm
+
+    tokenizer = target.tokenizer
+
+    def answer(texts: list[str]) -> list[str]:
+        ids = [chat_ids(tokenizer, t) for t in texts]
+        new = assistant.MAX_NEW_TOKENS
+        if target.max_context:  # within the target's context
+            new = min(new, target.max_context - max(map(len, ids)) - 1)
+        out = [""] * len(texts)
+        with tqdm(total=len(texts), desc="seed requests", unit="request", disable=not progress) as bar:
+            for i, response, _ in distill(target, ids, max_new_tokens=new, batch_size=batch_size):
+                out[i] = tokenizer.decode(response, skip_special_tokens=True)
+                bar.update(1)
+        return out
+
+    return answer
+
+
 def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
           batch_size: int = 16, shard_size: int = 64, seed: int = 0, progress: bool = True,
-          minutes: float | None = None, candidates: Iterable[Prompt] | None = None) -> dict:
+          minutes: float | None = None, candidates: Iterable[Prompt] | None = None, source: str = "library") -> dict:
     """Build (or continue) the training data in out_dir (the module's docstring says what it holds);
     returns the manifest.
 
@@ -376,7 +401,8 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
     LoadedModel. prompts: the most prompts to use (None: every one the sources give, up to
     sources.MAX_POOL); a folder that already holds more keeps them. minutes: stop after the
     shard that is being made when this much time has passed (the same call again continues).
-    candidates: the prompts to choose from, in order (default: sources.stream(seed)).
+    candidates: the prompts to choose from, in order (default: by `source`: "library",
+    sources.stream(seed); "assistant", the requests the target writes, speclm.heads.assistant).
     """
     from tqdm.auto import tqdm
 
@@ -389,11 +415,13 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
         raise UsageError(f"minutes must be >= 0, got {minutes}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise UsageError(f"seed must be an integer, got {seed!r}")
+    if source not in SOURCES:
+        raise UsageError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     loaded = isinstance(target, LoadedModel)
     name, quantize = (target.name, target.quantize) if loaded else (str(target), "int8")
     out = Path(out_dir)
     identity = {"format": FORMAT, "target": name, "quantize": quantize, "layer": LAYER, "max_new_tokens": max_new_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "seed": seed, "shard_size": shard_size}
+                "max_prompt_tokens": max_prompt_tokens, "seed": seed, "shard_size": shard_size, "source": source}
     old = _existing(out, identity)  # before loading: a mismatch fails at once
     if not loaded:
         target = load_model(name, quantize="int8", progress=progress)
@@ -408,6 +436,9 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
     want = prompts
     if old is not None and want is not None:  # a smaller --prompts keeps what is there
         want = max(want, sum(int(s.get("sequences", 0)) for s in old["shards"]))
+    if candidates is None and source == "assistant":
+        out.mkdir(parents=True, exist_ok=True)
+        candidates = assistant.stream(_answerer(target, batch_size, progress), out, seed, batch_size)
     plan, excluded, long = _plan(target.tokenizer, stream(seed) if candidates is None else candidates, want,
                                  max_prompt_tokens, progress)
     if not plan:
@@ -419,7 +450,7 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
                 "excluded_eval_overlap": excluded, "skipped_long_prompts": long, "sources": _sources(plan),
                 "shards": shards, "data_sha256": _datafile_sha256(shards)}
     manifest = {k: manifest[k] for k in ("format", "target", "quantize", "layer", "hidden_size", "vocab_size",
-                                         "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "prompts",
+                                         "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "source", "prompts",
                                          "excluded_eval_overlap", "skipped_long_prompts", "sources", "shards",
                                          "data_sha256")}
     atomic_write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")

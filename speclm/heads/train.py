@@ -73,34 +73,31 @@ class Window:
 
 
 class Shards:
-    """A data folder's index: every shard's tokens, sequence offsets, prompt lengths and split
+    """A data folder's (or several folders') index: every shard's tokens, sequence offsets, prompt lengths and split
     (small, held in memory); features are read a window at a time from the shards (memory-mapped)."""
 
     def __init__(self, data_dir, chunk: int, valid_fraction: float, open_files: int = 8, every: bool = False):
-        """every: every position trains (EAGLE: its targets, the next feature and the target's
-        distribution there, are the target's own at a prompt token too), not only those whose next
-        token the target generated."""
-        self.dir = Path(data_dir)
+        """data_dir: a data folder, or a list of them (their shards read as one set; they must come
+        from the same target). every: every position trains (EAGLE: its targets, the next feature
+        and the target's distribution there, are the target's own at a prompt token too), not only
+        those whose next token the target generated."""
+        dirs = [Path(d) for d in ([data_dir] if isinstance(data_dir, (str, Path)) else data_dir)]
+        if not dirs:
+            raise UsageError("no data folder given")
         self.every = every
-        path = self.dir / "manifest.json"
-        if not path.is_file():
-            raise UsageError(f"'{data_dir}' is not a heads data folder (no manifest.json)")
-        try:
-            self.manifest = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise UsageError(f"{path}: not JSON ({exc})") from None
-        m = self.manifest
-        if m.get("format") != 1:
-            raise UsageError(f"{path}: format {m.get('format')!r}, this speclm reads format 1")
-        if m.get("layer", -1) != -1:
-            raise UsageError(f"{path}: features of layer {m['layer']}; heads read the last layer's (-1, after the final norm)")
-        for key in ("hidden_size", "vocab_size", "shards"):
-            if key not in m:
-                raise UsageError(f"{path}: no '{key}'")
+        manifests = [self._manifest(d) for d in dirs]
+        self.manifest = m = manifests[0]
+        for d, other in zip(dirs[1:], manifests[1:]):
+            differ = [k for k in ("target", "quantize", "hidden_size", "vocab_size") if other.get(k) != m.get(k)]
+            if differ:
+                raise UsageError(f"{d} and {dirs[0]} hold data of different targets ("
+                                 + ", ".join(f"{k} {other.get(k)!r} vs {m.get(k)!r}" for k in differ) + ")")
         self.hidden_size, self.vocab_size = int(m["hidden_size"]), int(m["vocab_size"])
-        self.data_sha256 = m.get("data_sha256") or hashlib.sha256(
-            json.dumps([s.get("sha256") for s in m["shards"]]).encode()).hexdigest()
-        self.files = [self.dir / s["file"] for s in m["shards"]]
+        hashes = [x.get("data_sha256") or hashlib.sha256(json.dumps([s.get("sha256") for s in x["shards"]]).encode()).hexdigest()
+                  for x in manifests]
+        # one folder: its own hash (checkpoints of earlier runs still match); several: a hash of theirs, in order
+        self.data_sha256 = hashes[0] if len(hashes) == 1 else hashlib.sha256(json.dumps(hashes).encode()).hexdigest()
+        self.files = [d / s["file"] for d, x in zip(dirs, manifests) for s in x["shards"]]
         self.tokens, self.starts, self.prompt_lens, self.valid = [], [], [], []
         self._open: OrderedDict[int, object] = OrderedDict()
         self._open_files = open_files
@@ -108,7 +105,7 @@ class Shards:
 
         for file in self.files:
             if not file.is_file():
-                raise UsageError(f"{data_dir}: shard {file.name} is missing")
+                raise UsageError(f"{file.parent}: shard {file.name} is missing")
             with safe_open(str(file), framework="pt") as f:
                 meta = f.metadata() or {}
                 tokens, starts = f.get_tensor("tokens"), f.get_tensor("starts").long()
@@ -132,6 +129,24 @@ class Shards:
         self.chunk = chunk
         self.train_windows = [self._windows(s, False) for s in range(len(self.files))]  # per shard
         self.valid_windows = [w for s in range(len(self.files)) for w in self._windows(s, True)]
+
+    @staticmethod
+    def _manifest(folder: Path) -> dict:
+        path = folder / "manifest.json"
+        if not path.is_file():
+            raise UsageError(f"'{folder}' is not a heads data folder (no manifest.json)")
+        try:
+            m = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise UsageError(f"{path}: not JSON ({exc})") from None
+        if m.get("format") != 1:
+            raise UsageError(f"{path}: format {m.get('format')!r}, this speclm reads format 1")
+        if m.get("layer", -1) != -1:
+            raise UsageError(f"{path}: features of layer {m['layer']}; heads read the last layer's (-1, after the final norm)")
+        for key in ("hidden_size", "vocab_size", "shards"):
+            if key not in m:
+                raise UsageError(f"{path}: no '{key}'")
+        return m
 
     def sequences(self, validation: bool) -> list[tuple[int, int]]:
         return [(s, i) for s, flags in enumerate(self.valid) for i, v in enumerate(flags) if v == validation]
@@ -332,7 +347,7 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
           warmup: int = 50, steps: int | None = None, epochs: float | None = None, minutes: float | None = None,
           eval_every: int = 100, save_every: int = 200, seed: int = 0, valid_fraction: float = 0.05,
           resume: bool = True, progress: bool = True, mixed_precision: str = "no",
-          command: list[str] | None = None, positions: str | None = None) -> dict:
+          command: list[str] | None = None, positions: str | None = None, init=None) -> dict:
     """Train `kind` heads (medusa | eagle) for `target` (a catalog name or model folder, loaded
     with the data's quantization, or a LoadedModel) on the data folder `data_dir`; write the run
     folder `out_dir` (see the module's docstring) and return a summary. Stops at `steps`, after
@@ -341,7 +356,11 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     `steps`/`epochs` (constant with `minutes` alone). `command`: the command line, recorded in
     the heads' file. positions: "response" (the positions whose next token the target generated)
     or "all" (prompt tokens too: EAGLE's targets are the target's own features and distribution
-    there); None: all for eagle, response for medusa (its labels are the tokens themselves)."""
+    there); None: all for eagle, response for medusa (its labels are the tokens themselves).
+    data_dir: a data folder or a list of them. init: a heads file (speclm.heads.store) whose
+    weights the run starts from instead of a fresh initialisation (same kind and shape; its
+    vocabulary is not reused: neither kind has weights tied to the vocabulary, which comes from
+    this run's data)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
@@ -366,6 +385,13 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     if positions not in ("response", "all"):
         raise UsageError(f"positions must be response or all, not '{positions}'")
 
+    init_sha = None
+    if init is not None:
+        from speclm.models.store import file_sha256
+
+        if not Path(init).is_file():
+            raise UsageError(f"--init {init}: no such heads file")
+        init_sha = file_sha256(Path(init))
     data = Shards(data_dir, chunk, valid_fraction, every=positions == "all")
     if isinstance(target, (str, Path)):
         from speclm.models.loading import load_model
@@ -395,6 +421,8 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
             "chunk": chunk, "batch_size": batch_size, "lr": lr, "weight_decay": weight_decay, "warmup": warmup,
             "steps": steps, "epochs": epochs, "seed": seed, "valid_fraction": valid_fraction,
             "mixed_precision": mixed_precision, "processes": procs, "positions": positions}
+    if init_sha is not None:  # only where given: the plans of runs without it stay as they were
+        plan["init"] = init_sha
 
     out = Path(out_dir)
     metrics_path = out / "metrics.jsonl"
@@ -405,9 +433,9 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
         if state.get("data_sha256") != data.data_sha256:
             raise UsageError(f"the checkpoint in {out} was trained on other data (data_sha256 {state.get('data_sha256')}, "
                              f"this data's {data.data_sha256}): use another output folder, or --no-resume to start over")
-        changed = [k for k in plan if state.get("plan", {}).get(k) != plan[k]]
+        changed = [k for k in {**state.get("plan", {}), **plan} if state.get("plan", {}).get(k) != plan.get(k)]
         if changed:
-            was = ", ".join(f"{k} {state.get('plan', {}).get(k)!r} -> {plan[k]!r}" for k in changed)
+            was = ", ".join(f"{k} {state.get('plan', {}).get(k)!r} -> {plan.get(k)!r}" for k in changed)
             raise UsageError(f"the checkpoint in {out} was trained with other arguments ({was}): give the same ones "
                              "to resume it, or use another output folder, or --no-resume to start over")
     if main:
@@ -436,7 +464,19 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
                          head_dim=shape["head_dim"], intermediate=intermediate, rope_theta=shape["rope_theta"],
                          eps=shape["eps"])
     set_seed(seed)
-    objective = _Objective(make(config), _frozen_on(target, ids, device))
+    heads_module = make(config)
+    if init is not None:
+        from speclm.heads.store import load
+
+        start, start_config, _ = load(init, target)
+        same = ("kind", "hidden_size", "heads", "num_heads", "kv_heads", "head_dim", "intermediate")
+        differ = [k for k in same if getattr(start_config, k) != getattr(config, k)
+                  and not (k == "heads" and kind == "eagle") and not (k == "intermediate" and kind == "medusa")]
+        if differ:
+            raise UsageError(f"--init {init} holds heads of another shape ("
+                             + ", ".join(f"{k} {getattr(start_config, k)} vs {getattr(config, k)}" for k in differ) + ")")
+        heads_module.load_state_dict(start.state_dict())
+    objective = _Objective(heads_module, _frozen_on(target, ids, device))
     optimizer = torch.optim.AdamW(objective.heads.parameters(), lr=lr, weight_decay=weight_decay)
     # accelerate steps a prepared scheduler once per process per optimizer step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda tick: _factor(tick // procs, warmup, total))
@@ -601,7 +641,7 @@ def run(args) -> int:
     set_threads(args.threads)
     target = args.target
     if target is None:
-        manifest = Path(args.data) / "manifest.json"
+        manifest = Path(args.data[0]) / "manifest.json"
         try:
             target = json.loads(manifest.read_text(encoding="utf-8"))["target"]
         except (OSError, ValueError, KeyError):
@@ -612,6 +652,6 @@ def run(args) -> int:
                     minutes=args.minutes, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                     valid_fraction=args.valid_fraction, resume=args.resume, progress=sys.stderr.isatty(),
                     mixed_precision=args.mixed_precision, command=["speclm"] + sys.argv[1:],
-                    positions=args.positions)
+                    positions=args.positions, init=args.init)
     print(json.dumps(summary, indent=1))
     return 0
