@@ -71,6 +71,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=16384, help="the heads' vocabulary: the most frequent response tokens (default %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="medusa: heads, the deepest draft (default %(default)s)")
     p.add_argument("--intermediate", type=int, default=2048, help="eagle: its MLP's width (default %(default)s)")
+    p.add_argument("--unroll", type=int, default=1,
+                   help="eagle: levels trained with the head's own predictions fed back, as drafting feeds them "
+                        "(training-time test; default %(default)s: the real features alone)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per training window (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per step and process (default %(default)s)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: medusa 1e-3, eagle 3e-4)")

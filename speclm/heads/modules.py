@@ -189,37 +189,79 @@ class EagleHead(nn.Module):
 
     def loss(self, frozen: Frozen, labels: torch.Tensor, features: torch.Tensor, mask: torch.Tensor,
              tokens: torch.Tensor, positions: torch.Tensor, noise: float = 0.1, weight: float = 0.1,
-             ) -> tuple[torch.Tensor, dict[str, float]]:
-        """tokens (B, L) target ids, positions (B, L) theirs; the head predicts the feature at t + 1
-        from (feature at t, token t + 1) for t < L - 1. Loss: smooth L1 to the real feature, plus
-        `weight` times the cross-entropy of its restricted logits against the target's own
-        (restricted) distribution there, where mask[t + 1]. Input features get uniform noise of
-        `noise` times their RMS (the head drafts from its own imperfect predictions; EAGLE's
-        training noise)."""
+             unroll: int = 1, decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
+        """tokens (B, L) target ids, positions (B, L) theirs. Level 1: the head predicts the
+        feature at t + 1 from (feature at t, token t + 1) for t < L - 1. Loss: smooth L1 to the
+        real feature, plus `weight` times the cross-entropy of its restricted logits against the
+        target's own (restricted) distribution there, where mask[t + 1]. Input features get uniform
+        noise of `noise` times their RMS (EAGLE's training noise).
+
+        unroll > 1 (training-time test, as EAGLE-3 trains): level s reads level s - 1's
+        prediction for t + s - 1 with token t + s and predicts the feature at t + s, attending the
+        real pairs up to t + 1 and its own chain's earlier levels, as drafting does a node s deep
+        (speclm.proposers.eagle); its loss is weighted decay ** (s - 1). Without it the head never
+        sees its own predictions as input, and its second level drafts far worse than its first."""
         inputs = features[:, :-1]
         if noise and self.training:
             scale = inputs.pow(2).mean(-1, keepdim=True).sqrt()
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * noise * scale
-        embeddings = frozen.embed(tokens[:, 1:])  # (B, L - 1, E)
-        predicted, _, _ = self(inputs, embeddings, positions[:, 1:])
-        real = features[:, 1:]
-        valid = mask[:, 1:]  # (B, L - 1)
+        predictions = self.unrolled(inputs, tokens, positions, frozen.embed, unroll)
+        if not bool(mask[:, 1:].any()):
+            return predictions[0].sum() * 0, {}
+        total, metrics = predictions[0].new_zeros(()), {}
+        for level, predicted in enumerate(predictions, start=1):
+            loss, more = self._level(frozen, labels, features, predicted, mask[:, level:], level, weight)
+            total = total + decay ** (level - 1) * loss
+            metrics.update(more)
+        return total, metrics
+
+    def unrolled(self, inputs: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, embed, levels: int
+                 ) -> list[torch.Tensor]:
+        """The head's predictions `levels` deep along every position, as drafting makes them:
+        inputs (B, L - 1, E) the real features at 0..L-2, tokens and positions (B, L). Level 1
+        reads (real feature at i, token i + 1); level s > 1 reads (level s - 1's prediction for
+        i + s - 1, token i + s) at position i + s, attending the real pairs up to i + 1 (j <= i)
+        and its own chain's earlier levels (as a node s - 1 deep attends the cache and its
+        ancestors). Returns one (B, L - s, E) per level s, row i predicting the feature at i + s."""
+        predicted, k, v = self(inputs, embed(tokens[:, 1:]), positions[:, 1:])
+        out, keys, values = [predicted], [k], [v]
+        length = tokens.shape[1]
+        for level in range(2, levels + 1):
+            m = length - level
+            if m <= 0:
+                break
+            eye = torch.eye(m, dtype=torch.bool, device=tokens.device)
+            seen = torch.cat([torch.ones(m, m, dtype=torch.bool, device=tokens.device).tril()] + [eye] * (level - 1), 1)
+            past = (torch.cat([x[:, :, :m] for x in keys], 2), torch.cat([x[:, :, :m] for x in values], 2))
+            predicted, k, v = self(predicted[:, :m], embed(tokens[:, level:]), positions[:, level:], past,
+                                   seen.expand(tokens.shape[0], m, -1))
+            out.append(predicted)
+            keys.append(k)
+            values.append(v)
+        return out
+
+    def _level(self, frozen: Frozen, labels, features, predicted, valid, level: int, weight: float
+               ) -> tuple[torch.Tensor, dict]:
+        """The loss and metrics of predictions (B, m, E) for the features at level + i, valid (B, m)."""
+        m = predicted.shape[1]
+        real = features[:, level: level + m]
+        metrics: dict[str, float] = {}
         if not bool(valid.any()):
-            return predicted.sum() * 0, {}
+            return predicted.sum() * 0, metrics
         regression = F.smooth_l1_loss(predicted[valid], real[valid])
         with torch.no_grad():
             target_probs = F.softmax(frozen.logits(real[valid]), -1)
-        logits = frozen.logits(predicted[valid])
-        ce = -(target_probs * F.log_softmax(logits, -1)).sum(-1).mean()
-        metrics = {"regression": regression.detach().item(), "ce": ce.detach().item()}
-        # the head's top-1 against the token the target generated at t + 2 (its acceptance, one step deep)
-        nxt = labels[:, 2:]
-        ok = valid[:, :-1] & (nxt != IGNORE)
+        ce = -(target_probs * F.log_softmax(frozen.logits(predicted[valid]), -1)).sum(-1).mean()
+        suffix = "" if level == 1 else str(level)
+        metrics["regression" + suffix] = regression.detach().item()
+        metrics["ce" + suffix] = ce.detach().item()
+        # top-1 against the token the target generated at level + 1 + i: acceptance `level` deep
+        nxt = labels[:, level + 1: level + 1 + m]
+        ok = valid[:, : nxt.shape[1]] & (nxt != IGNORE)
         if bool(ok.any()):
-            pred = frozen.logits(predicted[:, :-1][ok]).argmax(-1)
-            metrics["acc1"] = float((pred == nxt[ok]).float().mean())
+            pred = frozen.logits(predicted[:, : nxt.shape[1]][ok]).argmax(-1)
+            metrics[f"acc{level}"] = float((pred == nxt[ok]).float().mean())
         return regression + weight * ce, metrics
-
 
 def make(config: HeadsConfig) -> nn.Module:
     if config.kind == "medusa":

@@ -242,14 +242,15 @@ class _Objective(nn.Module):
     """The heads and their loss in one module, so that accelerate's wrappers (DDP's gradient
     synchronisation, autocast) see the loss computed in a forward."""
 
-    def __init__(self, heads: nn.Module, frozen):
+    def __init__(self, heads: nn.Module, frozen, unroll: int = 1):
         super().__init__()
         self.heads = heads
         self.frozen = frozen  # not a module: never trained, never saved
+        self.unroll = unroll
 
     def forward(self, tokens, features, positions, mask, labels):
         if isinstance(self.heads, EagleHead):
-            return self.heads.loss(self.frozen, labels, features, mask, tokens, positions)
+            return self.heads.loss(self.frozen, labels, features, mask, tokens, positions, unroll=self.unroll)
         return self.heads.loss(self.frozen, labels, features, mask)
 
 
@@ -347,7 +348,7 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
           warmup: int = 50, steps: int | None = None, epochs: float | None = None, minutes: float | None = None,
           eval_every: int = 100, save_every: int = 200, seed: int = 0, valid_fraction: float = 0.05,
           resume: bool = True, progress: bool = True, mixed_precision: str = "no",
-          command: list[str] | None = None, positions: str | None = None, init=None) -> dict:
+          command: list[str] | None = None, positions: str | None = None, init=None, unroll: int = 1) -> dict:
     """Train `kind` heads (medusa | eagle) for `target` (a catalog name or model folder, loaded
     with the data's quantization, or a LoadedModel) on the data folder `data_dir`; write the run
     folder `out_dir` (see the module's docstring) and return a summary. Stops at `steps`, after
@@ -360,7 +361,8 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     data_dir: a data folder or a list of them. init: a heads file (speclm.heads.store) whose
     weights the run starts from instead of a fresh initialisation (same kind and shape; its
     vocabulary is not reused: neither kind has weights tied to the vocabulary, which comes from
-    this run's data)."""
+    this run's data). unroll: eagle, the levels trained with the head's own predictions fed back
+    (EagleHead.loss; 1: the real features alone)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
@@ -371,7 +373,7 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
         raise UsageError("give a budget: steps, epochs or minutes")
     for name, value, low in (("vocab", vocab, 1), ("heads", heads, 1), ("intermediate", intermediate, 1),
                              ("chunk", chunk, 3), ("batch_size", batch_size, 1), ("eval_every", eval_every, 1),
-                             ("save_every", save_every, 1), ("warmup", warmup, 0)):
+                             ("save_every", save_every, 1), ("warmup", warmup, 0), ("unroll", unroll, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     if steps is not None and steps < 1 or epochs is not None and epochs <= 0 or minutes is not None and minutes < 0:
@@ -421,8 +423,11 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
             "chunk": chunk, "batch_size": batch_size, "lr": lr, "weight_decay": weight_decay, "warmup": warmup,
             "steps": steps, "epochs": epochs, "seed": seed, "valid_fraction": valid_fraction,
             "mixed_precision": mixed_precision, "processes": procs, "positions": positions}
-    if init_sha is not None:  # only where given: the plans of runs without it stay as they were
+    # only where given: the plans of runs without them stay as they were
+    if init_sha is not None:
         plan["init"] = init_sha
+    if kind == "eagle" and unroll != 1:
+        plan["unroll"] = unroll
 
     out = Path(out_dir)
     metrics_path = out / "metrics.jsonl"
@@ -476,7 +481,7 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
             raise UsageError(f"--init {init} holds heads of another shape ("
                              + ", ".join(f"{k} {getattr(start_config, k)} vs {getattr(config, k)}" for k in differ) + ")")
         heads_module.load_state_dict(start.state_dict())
-    objective = _Objective(heads_module, _frozen_on(target, ids, device))
+    objective = _Objective(heads_module, _frozen_on(target, ids, device), unroll if kind == "eagle" else 1)
     optimizer = torch.optim.AdamW(objective.heads.parameters(), lr=lr, weight_decay=weight_decay)
     # accelerate steps a prepared scheduler once per process per optimizer step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda tick: _factor(tick // procs, warmup, total))
@@ -652,6 +657,6 @@ def run(args) -> int:
                     minutes=args.minutes, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                     valid_fraction=args.valid_fraction, resume=args.resume, progress=sys.stderr.isatty(),
                     mixed_precision=args.mixed_precision, command=["speclm"] + sys.argv[1:],
-                    positions=args.positions, init=args.init)
+                    positions=args.positions, init=args.init, unroll=args.unroll)
     print(json.dumps(summary, indent=1))
     return 0
