@@ -2,7 +2,8 @@
 prompt greedily (chat template), and at every response position the heads read its real features
 and guess ahead. Per task kind: the share of response tokens inside the heads' vocabulary,
 Medusa's head 1 top-1 and top-3 (the token two ahead) and head 2 top-1, EAGLE's first level top-1
-and top-3 (the same token, from the feature and the next token). With `--data`, the same on the
+and top-3 (the same token, from the feature and the next token) and its second level's top-1 (the
+token three ahead, from its own first prediction, as drafting makes it). With `--data`, the same on the
 held-out prompts of training data folders (speclm.heads.train.is_validation), for comparison:
 the gap between the two rows is what the training prompts miss. This only measures; no
 evaluation prompt or response is stored or trained on.
@@ -28,7 +29,8 @@ from speclm.models.loading import load_model
 from speclm.runtime import set_threads
 from speclm.text import chat_ids
 
-COLUMNS = ("in vocabulary", "medusa h1 top-1", "medusa h1 top-3", "medusa h2 top-1", "eagle top-1", "eagle top-3")
+COLUMNS = ("in vocabulary", "medusa h1 top-1", "medusa h1 top-3", "medusa h2 top-1", "eagle top-1", "eagle top-3",
+           "eagle level 2 top-1")
 
 
 @torch.inference_mode()
@@ -55,12 +57,16 @@ def score(engine: SpecEngine, medusa, eagle, tokens: torch.Tensor, first: int, h
         labels = labels_in_vocab(tokens, eagle.vocab_ids, engine.target.vocab_size)
         if medusa is None:
             sums["in vocabulary"] += int((labels[first:] != IGNORE).sum())
-        # the head over the whole sequence, causally: row t reads (feature t, token t + 1)
-        predicted, _, _ = eagle.module(hidden[None, :-1], eagle.embed(tokens[None, 1:]), torch.arange(1, n)[None])
-        top = eagle.output_head(predicted[0, span.start: span.stop]).float().topk(3, -1).indices
+        # level 1 over the whole sequence, causally: row t reads (feature t, token t + 1); level 2
+        # reads level 1's prediction for t + 1 with token t + 2, as drafting a node below the root does
+        first_level, second = eagle.module.unrolled(hidden[None, :-1], tokens[None], torch.arange(n)[None], eagle.embed, 2)
+        top = eagle.output_head(first_level[0, span.start: span.stop]).float().topk(3, -1).indices
         want = labels[span.start + 2: span.stop + 2]
         sums["eagle top-1"] += int((top[:, 0] == want).sum())
         sums["eagle top-3"] += int((top == want[:, None]).any(-1).sum())
+        if span.stop - span.start > 1:  # row t of level 2 guesses token t + 3
+            guess = eagle.output_head(second[0, span.start: span.stop - 1]).float().argmax(-1)
+            sums["eagle level 2 top-1"] += int((guess == labels[span.start + 3: span.stop + 2]).sum())
 
 
 def row(name: str, prompts: int, sums: dict, medusa, eagle) -> str:

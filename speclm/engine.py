@@ -259,6 +259,8 @@ class LoadedHeads:
         if config.kind != kind:
             raise UsageError(f"heads {path} are {config.kind} heads, not {kind}")
         if target.quantize != "none":  # the heads' linears on the same int8 kernels as the target
+            if kind == "eagle":
+                module.split_fused_input()  # feature and embedding, each its own activation scale
             quantize_linears(module, "int8")
         embed_table = target.model.get_input_embeddings()
 

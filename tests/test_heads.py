@@ -103,6 +103,39 @@ def test_eagle_cache_equals_full_forward(target, heads_files):
     assert torch.allclose(keys, full_k[0], atol=1e-4), (keys - full_k[0]).abs().max()
 
 
+def test_int8_eagle_keeps_the_token_embedding(int8_target, tmp_path):
+    """EAGLE's fused input joins a feature of large entries (about 60 on Qwen2.5) with a token's
+    embedding (about 0.05). On int8 kernels each part gets its own activation scale, so the
+    embedding's contribution survives; under one shared per-row scale (the mutation) it rounds to
+    zero. And heads loaded for an int8 target compute their fused input that way."""
+    from speclm.engine import LoadedHeads
+    from speclm.heads.modules import PartsLinear
+    from speclm.quant.weights import quantize_linears
+
+    torch.manual_seed(0)
+    size = 64
+    linear = torch.nn.Linear(2 * size, size, bias=False)
+    feature, embedding = torch.randn(3, size) * 60, torch.randn(3, size) * 0.05
+    with torch.no_grad():
+        wanted = embedding @ linear.weight[:, size:].t()  # the embedding's contribution, fp32
+
+        def contribution(module):
+            return module(torch.cat([feature, embedding], -1)) - module(torch.cat([feature, 0 * embedding], -1))
+
+        parts = torch.nn.Sequential(PartsLinear(linear, (size, size)))
+        torch.testing.assert_close(parts(torch.cat([feature, embedding], -1)),
+                                   linear(torch.cat([feature, embedding], -1)), rtol=1e-5, atol=1e-4)
+        quantize_linears(parts, "int8")
+        assert (contribution(parts) - wanted).norm() < 0.05 * wanted.norm()
+        shared = torch.nn.Sequential(torch.nn.Linear(2 * size, size, bias=False))
+        shared[0].weight.copy_(linear.weight)
+        quantize_linears(shared, "int8")
+        assert (contribution(shared) - wanted).norm() > 0.5 * wanted.norm()
+    path = random_heads("eagle", int8_target.model, tmp_path / "eagle.safetensors")
+    module = LoadedHeads.load(path, "eagle", int8_target).module
+    assert isinstance(module.fuse, PartsLinear) and not any(isinstance(p, torch.nn.Linear) for p in module.fuse.parts)
+
+
 def test_eagle_reads_a_chunked_prompt_whole(int8_target, tmp_path):
     """A prompt read in chunks while another request decodes (int8 weights: chunk-invariant)
     reaches EAGLE's head whole: its cache equals one forward of the head over the real features,

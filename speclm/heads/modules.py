@@ -141,6 +141,33 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return x * cos + rotated * sin
 
 
+class PartsLinear(nn.Module):
+    """A bias-free linear map over a concatenation [a, b], computed as one linear per part. Run on
+    int8 kernels, each part then gets its own per-row activation scale: EAGLE's fused input joins
+    the target's final-norm feature (entries up to about 60 on Qwen2.5) with a token's embedding
+    (entries about 0.05), and under one shared scale the embedding would round to zero."""
+
+    def __init__(self, linear: nn.Linear, sizes: tuple[int, ...]):
+        super().__init__()
+        assert linear.bias is None and sum(sizes) == linear.in_features
+        self.sizes = tuple(sizes)
+        self.parts = nn.ModuleList()
+        start = 0
+        for size in sizes:
+            part = nn.Linear(size, linear.out_features, bias=False)
+            with torch.no_grad():
+                part.weight.copy_(linear.weight[:, start:start + size])
+            self.parts.append(part)
+            start += size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pieces = x.split(self.sizes, -1)
+        out = self.parts[0](pieces[0])
+        for part, piece in zip(self.parts[1:], pieces[1:]):
+            out = out + part(piece)
+        return out
+
+
 class EagleHead(nn.Module):
     def __init__(self, config: HeadsConfig):
         super().__init__()
@@ -155,6 +182,13 @@ class EagleHead(nn.Module):
         self.gate = nn.Linear(e, c.intermediate, bias=False)
         self.up = nn.Linear(e, c.intermediate, bias=False)
         self.down = nn.Linear(c.intermediate, e, bias=False)
+
+    def split_fused_input(self) -> None:
+        """Compute `fuse` as one linear per input (feature, embedding), the same map: do this
+        before its linears go onto int8 kernels (PartsLinear says why)."""
+        if isinstance(self.fuse, nn.Linear):
+            e = self.config.hidden_size
+            self.fuse = PartsLinear(self.fuse, (e, e))
 
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None
