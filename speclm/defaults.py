@@ -110,7 +110,7 @@ K_MEDUSA = 4
 K_EAGLE = 6
 # medusa's --tree default: "auto" (grown each round from the heads' probabilities) or "static" (the
 # tuned tree shipped beside the heads, benchmarks/medusa_tree.py; auto where none is there). Static:
-# 1.13x none, the same as auto's (benchmarks/epyc/heads-int8-qwen1.5b-60-8979d96)
+# 1.13x none, the same as auto's, with the first round's heads (benchmarks/epyc/heads-int8-qwen1.5b-60-8979d96)
 MEDUSA_TREE = "static"
 
 

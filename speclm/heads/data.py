@@ -1,7 +1,9 @@
 """Training data for draft heads: the target's own greedy responses to prompts from this machine's
-permissively licensed text (speclm.heads.sources), with the target's hidden state at every token.
+permissively licensed text (speclm.heads.sources) or to general-domain requests the target wrote
+itself (speclm.heads.assistant), with the target's hidden state at every token.
 
-`build` (1) takes prompts from `sources.stream(seed)`, (2) leaves out every prompt that overlaps
+`build` (1) takes prompts from `sources.stream(seed)` (source "library") or
+`assistant.stream(...)` (source "assistant"), (2) leaves out every prompt that overlaps
 the evaluation set (Spec-Bench, shipped with speclm: `overlap`), and prompts longer than
 max_prompt_tokens in the target's chat template, (3) decodes each greedily with the target over
 speclm's KV cache (self-distillation; continuous batching: up to batch_size rows decode, a
@@ -16,8 +18,9 @@ The folder (the contract speclm's head trainer reads):
   (S + 1,) int64, where each begins in `tokens` (and the end); `prompt_lens` (S,) int32;
   `hidden` (T, E) bfloat16, the target's hidden state after its final norm (layer -1) at each
   token: the state from which it predicts the token after it. Metadata {"prompt_ids": JSON list};
+- requests.jsonl (source "assistant"): the seed requests answered so far, {"request", "answer"};
 - manifest.json: {"format": 1, "target", "quantize", "layer": -1, "hidden_size", "vocab_size",
-  "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "prompts" (prompts in the plan),
+  "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "source", "prompts" (prompts in the plan),
   "excluded_eval_overlap", "skipped_long_prompts", "sources": [{"source", "licence", "prompts"}],
   "shards": [{"file", "sequences", "tokens", "response_tokens", "sha256"}], "data_sha256": the
   sha256 of the shards' sha256 hex digests concatenated in order}.
