@@ -297,6 +297,7 @@ class EagleHead(nn.Module):
             metrics[f"acc{level}"] = float((pred == nxt[ok]).float().mean())
         return regression + weight * ce, metrics
 
+
 def make(config: HeadsConfig) -> nn.Module:
     if config.kind == "medusa":
         return MedusaHeads(config)

@@ -473,14 +473,14 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     if init is not None:
         from speclm.heads.store import load
 
-        start, start_config, _ = load(init, target)
-        same = ("kind", "hidden_size", "heads", "num_heads", "kv_heads", "head_dim", "intermediate")
-        differ = [k for k in same if getattr(start_config, k) != getattr(config, k)
-                  and not (k == "heads" and kind == "eagle") and not (k == "intermediate" and kind == "medusa")]
+        start = load(init, target)[0].state_dict()
+        want = heads_module.state_dict()
+        differ = [k for k in {**start, **want} if k not in start or k not in want or start[k].shape != want[k].shape]
         if differ:
             raise UsageError(f"--init {init} holds heads of another shape ("
-                             + ", ".join(f"{k} {getattr(start_config, k)} vs {getattr(config, k)}" for k in differ) + ")")
-        heads_module.load_state_dict(start.state_dict())
+                             + ", ".join(f"{k} {tuple(start[k].shape) if k in start else None} vs "
+                                         f"{tuple(want[k].shape) if k in want else None}" for k in differ[:3]) + ")")
+        heads_module.load_state_dict(start)
     objective = _Objective(heads_module, _frozen_on(target, ids, device), unroll if kind == "eagle" else 1)
     optimizer = torch.optim.AdamW(objective.heads.parameters(), lr=lr, weight_decay=weight_decay)
     # accelerate steps a prepared scheduler once per process per optimizer step
