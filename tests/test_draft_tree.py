@@ -14,7 +14,7 @@ from speclm.proposers.draft_tree import (MAX_NODES, TreeSpec, _best, _Node, _Pla
                                          coverage, parse_tree)
 from speclm.quant.weights import quantize_model
 from speclm.spec.tree import ROOT
-from tiny import loaded
+from tiny import loaded, tiny_model
 
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
 N = 40
@@ -209,3 +209,27 @@ def test_acceptance_is_measured_by_rank_and_draft_probability():
         record_acceptance(times, nodes, [0])  # node 0 accepted; 1 rejected; 2 tested and rejected; 3 untested
     assert times.acceptance(0.9, 0) > 0.95 and times.acceptance(0.55, 0) < 0.1
     assert times.acceptance(0.05, 1) < 0.05 and times.acceptance(0.2, 0) == pytest.approx(0.25)  # untested: its prior
+
+
+def test_a_cost_table_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path, monkeypatch, capsys):
+    """Under contention a forward is slow and extra tokens look free: such a table would size
+    every later tree too large, so it serves the process that measured it and is measured again."""
+    from speclm.forward import costs
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
+    real = costs.measure(tiny_model(300, 0), sizes=(1, 2), repeats=1)
+    assert set(real.seconds) == {1, 2} and 0 < costs.measure.cpu_share < 4
+    shares = [0.5, 0.5, 1.0, 0.5]
+
+    def fake(model):
+        fake.cpu_share = shares.pop(0)
+        return ForwardCosts({1: 1.0, 2: 1.5})
+
+    monkeypatch.setattr(costs, "measure", fake)
+    for _ in range(2):  # busy: measured each time, nothing kept
+        assert costs.verification_costs(None, "m")(2) == 1.5
+        assert not list(tmp_path.glob("costs/*.json"))
+        assert "busy" in capsys.readouterr().err
+    costs.verification_costs(None, "m")  # an idle machine's table is kept and read after
+    assert len(list(tmp_path.glob("costs/*.json"))) == 1
+    assert costs.verification_costs(None, "m")(2) == 1.5 and shares == [0.5]

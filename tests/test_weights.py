@@ -74,6 +74,27 @@ def test_quantized_loads_equal_quantizing_transformers_model_and_keep_the_table_
     assert torch.equal(second(IDS).logits, want)
 
 
+def test_small_lookups_through_the_row_cache_give_the_tables_rows(home, tmp_path, monkeypatch):
+    from speclm.forward import embedding
+
+    require_compiled_kernels()
+    path, ref = _gguf(tmp_path)
+    table = ref.model.embed_tokens.weight.detach()
+    embed = load_model(str(path), quantize="int8", progress=False).model.model.embed_tokens
+    assert isinstance(embed, PackedEmbedding) and embed.kind != "dense"
+    monkeypatch.setattr(embedding, "ROW_CACHE", 3)  # evictions on the way
+    reads = []
+    lookup = embed._lookup
+    monkeypatch.setattr(embed, "_lookup", lambda flat: reads.append(len(flat)) or lookup(flat))
+    for ids in ([[5, 9], [9, 5]], [[9]], [[1, 2, 3, 1]], [[9, 1]], [[]]):
+        ids = torch.tensor(ids, dtype=torch.long).view(len(ids), -1)
+        assert torch.equal(embed(ids), table[ids]), ids
+    assert reads == [2, 3, 1]  # 5, 9; then 9 cached; 1, 2, 3; 9 left (3 rows kept), 1 cached
+    assert len(embed._rows) == 3
+    big = torch.arange(embedding.SMALL + 1)
+    assert torch.equal(embed(big), table[big]) and reads[-1] == len(big)  # a prefill reads the table
+
+
 def test_a_cached_load_reads_no_checkpoint_and_a_new_checkpoint_gets_a_new_file(home, tmp_path, monkeypatch):
     require_compiled_kernels()
     tok = byte_tokenizer()

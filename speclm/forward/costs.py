@@ -6,7 +6,11 @@ by how much depends on the machine and the kernels (the output projection includ
 token's logits are kept, as in a verification). The costs are measured once per model,
 weights and thread count, over a cached 256-token context, and kept in
 `$SPECLM_HOME/costs/<key>.json`, so the trees a model grows do not depend on a timing taken
-during the request (and a sampled request with a seed stays reproducible on this machine).
+during the request (and a sampled request with a seed stays reproducible on this machine). A
+table measured while other work held the cores (the measuring threads got under BUSY of their
+CPU time) is used for that process only and measured again by the next: under contention a
+forward is slow and extra tokens look free, and trees sized by that table verify nodes that
+cost more than they gain. Removing the folder has every model measured again.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from speclm.models.store import model_home
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tokens per forward, measured
 CONTEXT = 256  # cached tokens each measured forward attends
 REPEATS = 5
+BUSY = 0.75  # share of the measuring threads' CPU time below which the machine counts as busy
 # What a measured forward returns, in the cache's file names: a table measured otherwise is
 # measured again. Every token's logits: a verification scores each drafted token, so the output
 # projection (151936 x 1536 for Qwen2.5 1.5B) runs for each of them.
@@ -111,7 +116,8 @@ class StepTimes:
 
 def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     """Median seconds of forwards over each size, taken in turns (this machine's speed drifts
-    within a minute; in turns a slow spell slows every size alike)."""
+    within a minute; in turns a slow spell slows every size alike). `measure.cpu_share` is left
+    at the process's CPU seconds per wall second and thread while it ran."""
     from speclm.forward.cache import StaticKV
 
     cfg = getattr(model.config, "text_config", None) or model.config
@@ -122,13 +128,18 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     kv = StaticKV(model, 1, len(context) + max(sizes) + 1)
     kv.forward([context[:length]], 1)
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(repeats + 1):  # the first pass warms each shape up and is dropped
         for n in sizes:
             start = time.perf_counter()
             kv.forward([context[:n]], n)  # logits of every token read, as verification keeps them
             times[n].append(time.perf_counter() - start)
             kv.truncate([length])
+    measure.cpu_share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
     return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()})
+
+
+measure.cpu_share = 1.0
 
 
 def verification_costs(model, key: str) -> ForwardCosts:
@@ -145,6 +156,10 @@ def verification_costs(model, key: str) -> ForwardCosts:
     print("speclm: measuring this machine's verification cost by tree size (once per model, a few seconds)...",
           file=sys.stderr, flush=True)
     costs = measure(model)
+    if measure.cpu_share < BUSY:
+        print(f"speclm: the machine was busy while measuring (this process got {measure.cpu_share:.0%} of its "
+              f"threads' time); the table is used now and measured again next time", file=sys.stderr, flush=True)
+        return costs
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

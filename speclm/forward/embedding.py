@@ -6,14 +6,22 @@ fp32), yet a decode step reads a handful of its rows. Kept as the GGUF's quantiz
 table is Q4_K in the catalog's GGUF: 0.13 GB) or as the checkpoint's bf16/fp16, and de-quantized or widened row by row,
 it gives the very fp32 values a whole-table conversion gives: GGUF de-quantization is elementwise
 within each block of a row, and widening bf16/fp16 to fp32 is exact. So the output does not change
-(tests/test_weights.py checks the bits); a lookup costs tens of microseconds per row more (gguf's numpy code).
+(tests/test_weights.py checks the bits). A call to gguf's numpy code costs about 0.4 ms however few
+rows it reads, so the rows of recent small lookups (decode steps, a head's drafting) are kept in
+fp32: at most ROW_CACHE rows (24 MiB for Qwen2.5 1.5B), the least recently used leaving first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 from torch import nn
+
+
+ROW_CACHE = 4096  # fp32 rows kept from small lookups
+SMALL = 64  # a lookup of at most this many ids reads and fills the row cache; larger ones (prefills) do not
 
 
 class PackedEmbedding(nn.Module):
@@ -30,6 +38,7 @@ class PackedEmbedding(nn.Module):
             self.qtype = GGMLQuantizationType[kind]
         self.data, self.kind = data, kind  # a plain attribute: not a parameter, nothing to train
         self.num_embeddings, self.embedding_dim = data.shape[0], dim
+        self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # id -> (dim,) fp32, least recent first
 
     @property
     def dtype(self) -> torch.dtype:
@@ -44,6 +53,27 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if self.kind != "dense" and len(flat) <= SMALL:
+            return self._cached(flat.tolist()).view(*ids.shape, self.embedding_dim)
+        return self._lookup(flat).view(*ids.shape, self.embedding_dim)
+
+    def _cached(self, ids: list[int]) -> torch.Tensor:
+        """(N, dim) rows of `ids` through the row cache."""
+        rows = self._rows
+        missing = [i for i in dict.fromkeys(ids) if i not in rows]
+        if missing:
+            for i, row in zip(missing, self._lookup(torch.tensor(missing, dtype=torch.long)).unbind(0)):
+                rows[i] = row
+        for i in ids:
+            rows.move_to_end(i)
+        while len(rows) > ROW_CACHE:
+            rows.popitem(last=False)
+        if not ids:
+            return torch.zeros(0, self.embedding_dim)
+        return torch.stack([rows[i] for i in ids])
+
+    def _lookup(self, flat: torch.Tensor) -> torch.Tensor:
+        """(N, dim) fp32 rows of ids (N,), read from the table."""
         if self.kind == "dense":
             rows = self.data.index_select(0, flat).float()
         else:
@@ -51,7 +81,7 @@ class PackedEmbedding(nn.Module):
 
             blocks = self.data.index_select(0, flat).numpy()  # (N, row_bytes)
             rows = torch.from_numpy(np.ascontiguousarray(dequantize(blocks, self.qtype), dtype=np.float32))
-        return rows.view(*ids.shape, self.embedding_dim)
+        return rows
 
     def full(self) -> torch.Tensor:
         """The whole table in fp32 (V, dim): for an output head tied to it, quantized once at load."""
