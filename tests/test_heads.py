@@ -60,15 +60,26 @@ def test_greedy_equals_plain_for_every_tree(target, int8_target, heads_files, st
         assert sum(s.target_forwards for s in stats) <= sum(len(o.token_ids) for o in outs)
 
 
-def test_trees_are_trees_and_some_are_accepted(target, heads_files):
+def test_trees_are_trees_and_some_are_accepted(target, heads_files, monkeypatch):
     """Random heads still get some nodes accepted (the verifier reads their trees), and each
-    round verifies a tree of several nodes (not one token)."""
+    round verifies a tree of several nodes (not one token); EAGLE's reach below its first level."""
+    import speclm.proposers.eagle as eagle
+
+    depths = []
+    real = eagle.to_draft
+
+    def to_draft(rows, chosen, forwards):
+        depths.extend(rows[b][i].depth for b, c in enumerate(chosen) for i in c)
+        return real(rows, chosen, forwards)
+
+    monkeypatch.setattr(eagle, "to_draft", to_draft)
     engine = SpecEngine(target)
     for kind in ("medusa", "eagle"):
         outs = engine.generate(PROMPTS, max_new_tokens=60, method=kind, heads=heads_files[kind])
         assert sum(o.stats.accepted_tokens for o in outs) > 0, kind
         rounds = sum(o.stats.target_forwards - 1 for o in outs)
         assert sum(o.stats.verified_nodes for o in outs) > 2 * rounds, kind
+    assert max(depths) >= 2
 
 
 def test_eagle_cache_equals_full_forward(target, heads_files):
