@@ -86,10 +86,11 @@ def test_small_lookups_through_the_row_cache_give_the_tables_rows(home, tmp_path
     reads = []
     lookup = embed._lookup
     monkeypatch.setattr(embed, "_lookup", lambda flat: reads.append(len(flat)) or lookup(flat))
-    for ids in ([[5, 9], [9, 5]], [[9]], [[1, 2, 3, 1]], [[9, 1]], [[]]):
+    for ids in ([[5, 9], [9, 5]], [[9]], [[1, 2, 3, 1]], [[9, 1]], [[4, 5, 6, 7]], [[]]):
         ids = torch.tensor(ids, dtype=torch.long).view(len(ids), -1)
         assert torch.equal(embed(ids), table[ids]), ids
-    assert reads == [2, 3, 1]  # 5, 9; then 9 cached; 1, 2, 3; 9 left (3 rows kept), 1 cached
+    # 5, 9; then 9 cached; 1, 2, 3; 9 had left (3 rows kept), 1 cached; four rows, more than are kept
+    assert reads == [2, 3, 1, 4]
     assert len(embed._rows) == 3
     big = torch.arange(embedding.SMALL + 1)
     assert torch.equal(embed(big), table[big]) and reads[-1] == len(big)  # a prefill reads the table

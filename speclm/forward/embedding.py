@@ -13,6 +13,7 @@ fp32: at most ROW_CACHE rows (24 MiB for Qwen2.5 1.5B), the least recently used 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -39,6 +40,7 @@ class PackedEmbedding(nn.Module):
         self.data, self.kind = data, kind  # a plain attribute: not a parameter, nothing to train
         self.num_embeddings, self.embedding_dim = data.shape[0], dim
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # id -> (dim,) fp32, least recent first
+        self._lock = threading.Lock()  # two threads decoding on one model share the cache
 
     @property
     def dtype(self) -> torch.dtype:
@@ -59,18 +61,20 @@ class PackedEmbedding(nn.Module):
 
     def _cached(self, ids: list[int]) -> torch.Tensor:
         """(N, dim) rows of `ids` through the row cache."""
-        rows = self._rows
-        missing = [i for i in dict.fromkeys(ids) if i not in rows]
-        if missing:
-            for i, row in zip(missing, self._lookup(torch.tensor(missing, dtype=torch.long)).unbind(0)):
-                rows[i] = row
-        for i in ids:
-            rows.move_to_end(i)
-        while len(rows) > ROW_CACHE:
-            rows.popitem(last=False)
         if not ids:
             return torch.zeros(0, self.embedding_dim)
-        return torch.stack([rows[i] for i in ids])
+        with self._lock:
+            rows = self._rows
+            missing = [i for i in dict.fromkeys(ids) if i not in rows]
+            if missing:
+                for i, row in zip(missing, self._lookup(torch.tensor(missing, dtype=torch.long)).unbind(0)):
+                    rows[i] = row
+            for i in ids:
+                rows.move_to_end(i)
+            out = torch.stack([rows[i] for i in ids])
+            while len(rows) > ROW_CACHE:
+                rows.popitem(last=False)
+        return out
 
     def _lookup(self, flat: torch.Tensor) -> torch.Tensor:
         """(N, dim) fp32 rows of ids (N,), read from the table."""
