@@ -212,8 +212,8 @@ def test_acceptance_is_measured_by_rank_and_draft_probability():
 
 
 def test_a_cost_table_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path, monkeypatch, capsys):
-    """Under contention a forward is slow and extra tokens look free: such a table would size
-    every later tree too large, so it serves the process that measured it and is measured again."""
+    """A table measured while other work held the cores times that work too: it serves the
+    process that measured it and is measured again, never kept for later trees."""
     from speclm.forward import costs
 
     monkeypatch.setenv("SPECLM_HOME", str(tmp_path))

@@ -15,8 +15,7 @@ Each round, per row:
    the `expand` of highest cumulative probability are run through the head (each from its
    parent's predicted feature and its own token, attending the cache and its ancestors); each
    gets its `branch` likeliest children; while the best of them has cumulative probability
-   MIN_PROB or more (a level costs a head forward and the output head: about 2 ms here,
-   against some 30 ms a committed token takes);
+   MIN_PROB or more (each level costs a head forward and the restricted output head);
 3. the candidates of highest cumulative probability, as many as pay for their verification by this
    machine's measured forward costs (speclm.proposers.head_tree), are the draft.
 The tree's own keys and values are scratch for the round: the cache holds real features only.
