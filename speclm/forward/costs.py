@@ -9,9 +9,8 @@ weights and thread count, over a cached 256-token context, and kept in
 during the request (and a sampled request with a seed stays reproducible on this machine). A
 table measured while other work held the cores (the measuring threads got under BUSY of their
 CPU time) is used for that process only and measured again by the next: its timings say as
-much about the other work as about the model (on the 2-core VM, two busy processes stretched a
-4-second measurement to 44), and every tree sized from the file would inherit them. Removing
-the folder has every model measured again.
+much about the other work as about the model, and every tree sized from the file would
+inherit them. Removing the folder has every model measured again.
 """
 
 from __future__ import annotations
