@@ -218,12 +218,11 @@ def test_a_cost_table_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path, 
 
     monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
     real = costs.measure(tiny_model(300, 0), sizes=(1, 2), repeats=1)
-    assert set(real.seconds) == {1, 2} and 0 < costs.measure.cpu_share < 4
+    assert set(real.seconds) == {1, 2} and 0 < real.cpu_share < 4
     shares = [0.5, 0.5, 1.0, 0.5]
 
     def fake(model):
-        fake.cpu_share = shares.pop(0)
-        return ForwardCosts({1: 1.0, 2: 1.5})
+        return ForwardCosts({1: 1.0, 2: 1.5}, cpu_share=shares.pop(0))
 
     monkeypatch.setattr(costs, "measure", fake)
     for _ in range(2):  # busy: measured each time, nothing kept

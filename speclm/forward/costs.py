@@ -53,6 +53,9 @@ class ForwardCosts:
     weights)."""
 
     seconds: dict[int, float]  # tokens read -> median seconds measured
+    # the measuring process's CPU seconds per wall second and thread while it measured (not stored:
+    # a table read from its file was kept because this was at least BUSY)
+    cpu_share: float = 1.0
 
     @cached_property
     def line(self) -> tuple[float, float]:
@@ -116,8 +119,7 @@ class StepTimes:
 
 def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     """Median seconds of forwards over each size, taken in turns (this machine's speed drifts
-    within a minute; in turns a slow spell slows every size alike). `measure.cpu_share` is left
-    at the process's CPU seconds per wall second and thread while it ran."""
+    within a minute; in turns a slow spell slows every size alike)."""
     from speclm.forward.cache import StaticKV
 
     cfg = getattr(model.config, "text_config", None) or model.config
@@ -135,11 +137,8 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
             kv.forward([context[:n]], n)  # logits of every token read, as verification keeps them
             times[n].append(time.perf_counter() - start)
             kv.truncate([length])
-    measure.cpu_share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
-    return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()})
-
-
-measure.cpu_share = 1.0
+    share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
+    return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()}, cpu_share=share)
 
 
 def verification_costs(model, key: str) -> ForwardCosts:
@@ -156,8 +155,8 @@ def verification_costs(model, key: str) -> ForwardCosts:
     print("speclm: measuring this machine's verification cost by tree size (once per model, a few seconds)...",
           file=sys.stderr, flush=True)
     costs = measure(model)
-    if measure.cpu_share < BUSY:
-        print(f"speclm: the machine was busy while measuring (this process got {measure.cpu_share:.0%} of its "
+    if costs.cpu_share < BUSY:
+        print(f"speclm: the machine was busy while measuring (this process got {costs.cpu_share:.0%} of its "
               f"threads' time); the table is used now and measured again next time", file=sys.stderr, flush=True)
         return costs
     try:
