@@ -6,8 +6,8 @@ fp32), yet a decode step reads a handful of its rows. Kept as the GGUF's quantiz
 table is Q4_K in the catalog's GGUF: 0.13 GB) or as the checkpoint's bf16/fp16, and de-quantized or widened row by row,
 it gives the very fp32 values a whole-table conversion gives: GGUF de-quantization is elementwise
 within each block of a row, and widening bf16/fp16 to fp32 is exact. So the output does not change
-(tests/test_weights.py checks the bits). A call to gguf's numpy code costs about 0.4 ms however few
-rows it reads, so the rows of recent small lookups (decode steps, a head's drafting) are kept in
+(tests/test_weights.py checks the bits). Each call to gguf's numpy code has a fixed cost that
+dwarfs a row's, so the rows of recent small lookups (decode steps, a head's drafting) are kept in
 fp32: at most ROW_CACHE rows (24 MiB for Qwen2.5 1.5B), the least recently used leaving first.
 """
 
