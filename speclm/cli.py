@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=list(METHODS), default="none",
                    help="none: plain decoding; draft: a draft model proposes; pld: prompt lookup proposes; "
                         "draft+pld: prompt lookup where the context repeats itself, else the draft model; "
-                        "medusa, eagle: trained heads on the target itself propose a tree (--heads)")
+                        "medusa, eagle: trained heads on the target itself propose a tree (--heads); "
+                        "eagle+pld: eagle's tree with prompt lookup's chain as one more branch")
     g.add_argument("--draft", help="draft model for --method draft and draft+pld (same tokenizer as the target)")
     _add_decoding_options(g)
     src = g.add_mutually_exclusive_group(required=True)
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft, draft+pld, hf-assisted and openvino-draft")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
                         "llama.cpp, llama.cpp-pld[:k=N,ngram_max=N], openvino, openvino-draft[:k=N], openvino-pld[:k=N,ngram_max=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
@@ -158,19 +159,19 @@ def _add_draft_options(g: argparse.ArgumentParser) -> None:
                         f"(default {defaults.TREE}); medusa: auto, static (the tuned tree shipped beside its heads; the default "
                         "where there is one, else auto) or a FILE")
     g.add_argument("--heads", default=None, metavar="FILE",
-                   help="medusa, eagle: a trained heads file (speclm heads train); default: the heads shipped "
+                   help="medusa, eagle, eagle+pld: a trained heads file (speclm heads train); default: the heads shipped "
                         "for the target")
     g.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
-                   help="medusa, eagle: exact (default: lossless) or typical, Medusa's typical acceptance: LOSSY at "
+                   help="medusa, eagle, eagle+pld: exact (default: lossless) or typical, Medusa's typical acceptance: LOSSY at "
                         "temperature > 0, its output no longer follows the target's distribution")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
                         f"(0: the whole vocabulary; default {defaults.DRAFT_VOCAB})")
     g.add_argument("--ngram-max", type=int, default=defaults.NGRAM_MAX,
-                   help="pld, draft+pld: longest n-gram matched (default %(default)s)")
+                   help="pld, draft+pld, eagle+pld: longest n-gram matched (default %(default)s)")
     g.add_argument("--ngram-min", type=int, default=None,
-                   help=f"pld, draft+pld: shortest n-gram matched (default {defaults.ngram_min('pld')} for pld, "
-                        f"{defaults.ngram_min('draft+pld')} for draft+pld)")
+                   help=f"pld, draft+pld, eagle+pld: shortest n-gram matched (default {defaults.ngram_min('pld')} for pld, "
+                        f"{defaults.ngram_min('draft+pld')} for the others)")
     g.add_argument("--draft-prompt-ratio", type=float, default=defaults.DRAFT_PROMPT_RATIO,
                    help="draft+pld: prompt lookup alone (no draft model) for prompts longer than this times "
                         "--max-new-tokens (default %(default)g; 0: never the model, inf: always)")
@@ -491,18 +492,19 @@ def _demo_heads(engine, args, common: dict, plain) -> bool:
     beside plain decoding's, and whether their output is identical. True where every one is."""
     from speclm.heads import store
 
-    kinds = [kind for kind in ("medusa", "eagle") if store.shipped(args.target, kind) is not None]
-    if not kinds:
+    methods = [kind for kind in ("medusa", "eagle") if store.shipped(args.target, kind) is not None]
+    methods += ["eagle+pld"] if "eagle" in methods else []
+    if not methods:
         return True
     print("\n== trained heads on the target itself (no draft model)")
     same = True
-    for kind in kinds:
+    for kind in methods:
         engine.generate("Hi", method=kind, max_new_tokens=4, chat=True)  # loads the heads; warm-up
         engine.prefix.clear()
         out = engine.generate(args.prompt, method=kind, **common)
         ok = out.token_ids == plain.token_ids
         same = same and ok
-        print(f"  {kind + ':':8} {out.stats.tokens_per_second:.2f} tok/s, "
+        print(f"  {kind + ':':10} {out.stats.tokens_per_second:.2f} tok/s, "
               f"{out.stats.tokens_per_second / plain.stats.tokens_per_second:.2f}x plain, "
               f"{out.stats.mean_accepted_tokens:.2f} tokens per target forward, identical output: {'yes' if ok else 'NO'}")
     return same

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "draft", "pld", "draft+pld", "medusa", "eagle")
+METHODS = ("none", "draft", "pld", "draft+pld", "medusa", "eagle", "eagle+pld")
 DRAFT_METHODS = ("draft", "draft+pld")  # methods that run a draft model
-HEAD_METHODS = ("medusa", "eagle")  # methods that draft with trained heads on the target itself
+HEAD_METHODS = ("medusa", "eagle", "eagle+pld")  # methods that draft with trained heads on the target itself
+
+
+def heads_kind(method: str) -> str:
+    """The kind of heads a head method drafts with (speclm.heads): eagle+pld's are EAGLE's."""
+    return method.partition("+")[0]
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ def k(method: str, quantize: str = "none", draft_quantize: str | None = None) ->
     """Draft length per round of `method` on target weights `quantize` (and the draft's)."""
     if method == "medusa":
         return K_MEDUSA
-    if method == "eagle":
+    if method in ("eagle", "eagle+pld"):
         return K_EAGLE
     if method in DRAFT_METHODS:
         return K_DRAFT_INT4 if draft_quantize == "int4" else K_DRAFT
@@ -136,9 +141,9 @@ def alternatives(draft_quantize: str | None) -> float:
 
 
 def ngram_min(method: str) -> int:
-    """Shortest n-gram prompt lookup matches: any for `pld`, a longer one where a draft model is
-    the alternative."""
-    return NGRAM_MIN_DRAFT_PLD if method == "draft+pld" else 1
+    """Shortest n-gram prompt lookup matches: any for `pld`, a longer one beside a draft model or
+    heads (a chance match would only widen their verification)."""
+    return NGRAM_MIN_DRAFT_PLD if method in ("draft+pld", "eagle+pld") else 1
 
 
 def k_help(method: str | None) -> str:

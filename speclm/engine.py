@@ -16,7 +16,7 @@ from speclm import defaults
 from speclm.spec.adaptive import Adaptive
 from speclm.spec.batch import Batch
 from speclm.forward.costs import verification_costs
-from speclm.defaults import DRAFT_METHODS, HEAD_METHODS
+from speclm.defaults import DRAFT_METHODS, HEAD_METHODS, heads_kind
 from speclm.errors import UsageError
 from speclm.models.loading import LoadedModel
 from speclm.options import GenerationOptions
@@ -147,7 +147,7 @@ class SpecEngine:
         if opts.method in DRAFT_METHODS and self.draft is None:
             raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
         if opts.method in HEAD_METHODS:
-            self.heads(opts.method, opts.heads)
+            self.heads(heads_kind(opts.method), opts.heads)
 
     def heads(self, kind: str, path: str | None = None) -> "LoadedHeads":
         """The trained heads of `kind` for this target: from `path`, or those shipped for it
@@ -157,7 +157,7 @@ class SpecEngine:
         if path is None:
             shipped = store.shipped(self.target.name, kind)
             if shipped is None:
-                raise UsageError(f"method '{kind}' needs trained heads: none ship for '{self.target.name}'; "
+                raise UsageError(f"{kind} heads are needed: none ship for '{self.target.name}'; "
                                  f"train them (speclm heads data, speclm heads train) and pass --heads FILE")
             path = str(shipped)
         key = (kind, str(path))
@@ -212,9 +212,10 @@ class SpecEngine:
 
     def _head_proposer(self, opts: GenerationOptions) -> Proposer:
         from speclm.proposers.eagle import EagleProposer
+        from speclm.proposers.head_lookup import HeadLookupProposer
         from speclm.proposers.medusa import MedusaProposer
 
-        heads = self.heads(opts.method, opts.heads)
+        heads = self.heads(heads_kind(opts.method), opts.heads)
         k = self._k(opts)
         costs = self.forward_costs()
         if opts.method == "medusa":
@@ -222,7 +223,11 @@ class SpecEngine:
             static = opts.medusa_tree == "static" and (opts.tree is not None or heads.tree_file.is_file())
             choices = heads.static_tree() if static else opts.tree_spec.choices
             return MedusaProposer(heads.module, heads.vocab_ids, heads.output_head, k, choices=choices, costs=costs)
-        return EagleProposer(heads.module, heads.vocab_ids, heads.output_head, heads.embed, k, costs=costs)
+        eagle = EagleProposer(heads.module, heads.vocab_ids, heads.output_head, heads.embed, k, costs=costs)
+        if opts.method == "eagle":
+            return eagle
+        return HeadLookupProposer(eagle, k=defaults.k("pld", self.target.quantize), ngram_max=opts.ngram_max,
+                                  ngram_min=opts.lookup_ngram_min)
 
     def _tree(self, opts: GenerationOptions) -> TreeSpec | None:
         spec = opts.tree_spec

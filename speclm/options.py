@@ -16,7 +16,7 @@ from speclm.sampling import SamplingParams
 class GenerationOptions:
     """`generate`-style arguments."""
 
-    method: str = "none"  # none | draft | pld | draft+pld | medusa | eagle
+    method: str = "none"  # none | draft | pld | draft+pld | medusa | eagle | eagle+pld
     k: int | None = None  # draft length per round; None: the method's default
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -26,8 +26,8 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     chat: bool = False  # apply the target's chat template to each prompt as one user message
     ignore_eos: bool = False  # go on past EOS to max_new_tokens (benchmarks of fixed lengths)
-    ngram_max: int = defaults.NGRAM_MAX  # pld, draft+pld: longest n-gram to match
-    ngram_min: int | None = None  # pld, draft+pld: shortest n-gram to match (None: the method's default)
+    ngram_max: int = defaults.NGRAM_MAX  # pld, draft+pld, eagle+pld: longest n-gram to match
+    ngram_min: int | None = None  # pld, draft+pld, eagle+pld: shortest n-gram to match (None: the method's default)
     # draft: stop a round after a token the draft gave less probability than this (0: never;
     # None: speclm.defaults.confidence, 0.6 with an int4 draft, else 0)
     confidence: float | None = None
@@ -44,10 +44,10 @@ class GenerationOptions:
     # probabilities, its size chosen from this machine's measured verification cost) or a JSON
     # file of root paths of ranks (speclm.proposers.draft_tree); None: speclm.defaults.TREE
     tree: str | None = None
-    # medusa, eagle: a heads file (speclm.heads.store); None: the heads shipped for the target
+    # medusa, eagle, eagle+pld: a heads file (speclm.heads.store); None: the heads shipped for the target
     heads: str | None = None
     # "exact" (lossless rejection sampling) or "typical": Medusa's typical acceptance, LOSSY at
-    # temperature > 0 (speclm.spec.verify.typical_paths); medusa and eagle only
+    # temperature > 0 (speclm.spec.verify.typical_paths); head methods only
     acceptance: str = "exact"
 
     def __post_init__(self) -> None:
@@ -79,9 +79,9 @@ class GenerationOptions:
         if self.acceptance not in ("exact", "typical"):
             raise UsageError(f"acceptance must be exact or typical, not '{self.acceptance}'")
         if self.acceptance == "typical" and self.method not in HEAD_METHODS:
-            raise UsageError(f"--acceptance typical (lossy) applies to {' and '.join(HEAD_METHODS)}, not '{self.method}'")
+            raise UsageError(f"--acceptance typical (lossy) applies to {', '.join(HEAD_METHODS)}, not '{self.method}'")
         if self.heads is not None and self.method not in HEAD_METHODS:
-            raise UsageError(f"--heads applies to {' and '.join(HEAD_METHODS)}, not '{self.method}'")
+            raise UsageError(f"--heads applies to {', '.join(HEAD_METHODS)}, not '{self.method}'")
         self.tree_spec  # validates the tree
 
     @property

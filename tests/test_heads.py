@@ -44,7 +44,9 @@ def _cases(heads_files, static_tree):
             dict(method="medusa", heads=heads_files["medusa"], k=1),
             dict(method="medusa", heads=heads_files["medusa"], tree="static"),
             dict(method="eagle", heads=heads_files["eagle"]),
-            dict(method="eagle", heads=heads_files["eagle"], k=2)]
+            dict(method="eagle", heads=heads_files["eagle"], k=2),
+            dict(method="eagle+pld", heads=heads_files["eagle"]),
+            dict(method="eagle+pld", heads=heads_files["eagle"], k=1, ngram_min=1)]
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
@@ -80,6 +82,45 @@ def test_trees_are_trees_and_some_are_accepted(target, heads_files, monkeypatch)
         rounds = sum(o.stats.target_forwards - 1 for o in outs)
         assert sum(o.stats.verified_nodes for o in outs) > 2 * rounds, kind
     assert max(depths) >= 2
+
+
+def test_lookup_chains_merge_into_the_heads_tree():
+    """A chain follows the tree's nodes while their tokens agree and hangs the rest below the
+    last agreeing node; the tree's own nodes keep their indices; rows without a chain are left
+    as they were; every node comes after its parent."""
+    from speclm.proposers.base import Draft
+    from speclm.proposers.head_lookup import merge_chains
+    from speclm.spec.tree import PAD, ROOT
+
+    # row 0: root -> 5 -> 6, root -> 7; row 1: root -> 9
+    tree = Draft(torch.tensor([[5, 6, 7], [9, 0, 0]]), torch.tensor([3, 1]), None,
+                 parents=torch.tensor([[ROOT, 0, ROOT], [ROOT, PAD, PAD]]))
+    merged = merge_chains(tree, [[5, 8, 1], []]).tree()
+    merged.check()
+    assert merged.tokens[0].tolist() == [5, 6, 7, 8, 1]
+    assert merged.parents[0].tolist() == [ROOT, 0, ROOT, 0, 3]
+    assert merged.parents[1].tolist()[:1] == [ROOT] and merged.sizes == [5, 1]
+    # a chain the tree already holds adds nothing; one it lacks from the root is a new branch
+    assert merge_chains(tree, [[5, 6], [9]]).tree().sizes == [3, 1]
+    again = merge_chains(tree, [[1, 2], [9, 4]]).tree()
+    assert again.tokens[0, 3:].tolist() == [1, 2] and again.parents[0, 3:].tolist() == [ROOT, 3]
+    assert again.tokens[1, :2].tolist() == [9, 4] and again.parents[1, :2].tolist() == [ROOT, 0]
+    # a chain beside an empty draft (the heads drafted nothing) is a chain
+    empty = merge_chains(Draft.empty(1), [[3, 4]]).tree()
+    assert empty.tokens[0].tolist() == [3, 4] and empty.parents[0].tolist() == [ROOT, 0]
+
+
+def test_eagle_with_lookup_accepts_more(target, heads_files):
+    """On prompts that repeat themselves, the lookup branch gets random heads' trees accepted more
+    tokens per target forward than the heads alone, with the same output."""
+    engine = SpecEngine(target)
+    repeat = ["ab ab ab ab ab ab ab", "def f(x):\n    return x\n\ndef f(x):\n    return x\n\ndef f("]
+    alone = engine.generate(repeat, max_new_tokens=40, method="eagle", heads=heads_files["eagle"])
+    both = engine.generate(repeat, max_new_tokens=40, method="eagle+pld", heads=heads_files["eagle"], ngram_min=1)
+    assert [o.token_ids for o in both] == [o.token_ids for o in alone]
+    per_forward = [sum(len(o.token_ids) for o in outs) / sum(o.stats.target_forwards for o in outs)
+                   for outs in (alone, both)]
+    assert per_forward[1] > per_forward[0], per_forward
 
 
 def test_eagle_cache_equals_full_forward(target, heads_files):
