@@ -267,11 +267,13 @@ class LoadedHeads:
             if kind == "eagle":
                 module.split_fused_input()  # feature and embedding, each its own activation scale
             quantize_linears(module, "int8")
+        device = target.device  # where the target's features come from
+        module, ids = module.to(device), ids.to(device)
         embed_table = target.model.get_input_embeddings()
 
         def embed(tokens):
             with torch.inference_mode():
-                return embed_table(tokens).float()
+                return embed_table(tokens.to(device)).float()
 
         return LoadedHeads(kind, str(path), module, ids, output_head(target.model, ids), embed)
 

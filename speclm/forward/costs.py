@@ -10,7 +10,9 @@ during the request (and a sampled request with a seed stays reproducible on this
 table measured while other work held the cores (the measuring threads got under BUSY of their
 CPU time) is used for that process only and measured again by the next: its timings say as
 much about the other work as about the model, and every tree sized from the file would
-inherit them. Removing the folder has every model measured again.
+inherit them. On a GPU the forwards are timed to their end (synchronized) and the CPU-share
+rule does not apply (the threads wait on the device). Removing the folder has every model
+measured again.
 """
 
 from __future__ import annotations
@@ -129,22 +131,39 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     context = (context * (max(sizes) // length + 1))[: max(length, max(sizes))]
     kv = StaticKV(model, 1, len(context) + max(sizes) + 1)
     kv.forward([context[:length]], 1)
+    device = _device(model)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(repeats + 1):  # the first pass warms each shape up and is dropped
         for n in sizes:
+            sync()
             start = time.perf_counter()
             kv.forward([context[:n]], n)  # logits of every token read, as verification keeps them
+            sync()
             times[n].append(time.perf_counter() - start)
             kv.truncate([length])
     share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
-    return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()}, cpu_share=share)
+    return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()},
+                        cpu_share=share if device.type == "cpu" else 1.0)
+
+
+def _device(model) -> torch.device:
+    return getattr(model, "device", None) or torch.device("cpu")
+
+
+def _processor(model) -> str:
+    """What runs the forwards: the CPU's name and thread count, or the GPU's name."""
+    device = _device(model)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{torch.get_num_threads()}t-{cpu_name()}"
 
 
 def verification_costs(model, key: str) -> ForwardCosts:
     """This model's ForwardCosts, measured on first use and read from the cache after. key names
-    the model and its weights (the thread count and the CPU are added here)."""
-    tag = f"{key}-{torch.get_num_threads()}t-{cpu_name()}-{FORM}"
+    the model and its weights (the thread count and the CPU, or the GPU, are added here)."""
+    tag = f"{key}-{_processor(model)}-{FORM}"
     name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tag)
     path = model_home() / "costs" / f"{name[:200]}.json"
     try:

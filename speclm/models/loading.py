@@ -31,6 +31,11 @@ class LoadedModel:
     def max_context(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
+    @property
+    def device(self):
+        """Where the model's weights are (torch.device)."""
+        return self.model.device
+
 
 def check_model_name(name: str) -> None:
     """Raise UsageError if `name` cannot name a model; no download, conversion or loading."""

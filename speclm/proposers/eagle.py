@@ -53,6 +53,7 @@ class EagleProposer(HeadProposer):
         self.head, self.ids, self.output_head, self.embed = head, vocab_ids, output_head, embed
         self.k, self.costs, self.expand, self.branch = k, costs, expand, branch
         self.max_nodes = MAX_TREE
+        self.device = vocab_ids.device  # the target's: its features arrive there
         c = head.config
         self._kv_shape = (c.kv_heads, c.head_dim)
         self._seconds = 0.0
@@ -65,11 +66,11 @@ class EagleProposer(HeadProposer):
         self._seconds = 0.0
 
     def add(self, count, prompt_lengths=None, max_new_tokens=None):
-        empty = torch.zeros(*self._kv_shape[:1], 0, self._kv_shape[1])
+        empty = torch.zeros(*self._kv_shape[:1], 0, self._kv_shape[1], device=self.device)
         for _ in range(count):
             self.keys.append(empty)
             self.values.append(empty)
-            self.pending.append((torch.zeros(0, self.head.config.hidden_size), 0))
+            self.pending.append((torch.zeros(0, self.head.config.hidden_size, device=self.device), 0))
 
     def read_prompt(self, hidden, starts):
         n = len(hidden)
@@ -138,7 +139,7 @@ class EagleProposer(HeadProposer):
         width = max(counts)
         assert min(counts) >= 1, "a row proposes before its prompt's features arrived"
         size = self.head.config.hidden_size
-        features = torch.zeros(batch, width, size)
+        features = torch.zeros(batch, width, size, device=self.device)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
         for b, ((f, j), c) in enumerate(zip(self.pending, contexts)):
@@ -152,6 +153,7 @@ class EagleProposer(HeadProposer):
         mask[:, :, longest:] = torch.ones(width, width, dtype=torch.bool).tril()
         for b, n in enumerate(past_len):
             mask[b, :, :n] = True
+        positions, mask = positions.to(self.device), mask.to(self.device)
         out, k, v = self.head(features, self.embed(tokens), positions, (past_k, past_v), mask)
         for b, m in enumerate(counts):
             self.keys[b] = torch.cat([self.keys[b], k[b, :, :m]], 1)
@@ -163,7 +165,8 @@ class EagleProposer(HeadProposer):
         """Every row's cached keys and values, padded to the longest row, with `extra` zero columns
         after them (the round's scratch); (B, H_kv, P + extra, D) each, and each row's length."""
         past_len = [k.shape[1] for k in self.keys]
-        past_k = torch.zeros(len(self.keys), self._kv_shape[0], max(past_len) + extra, self._kv_shape[1])
+        past_k = torch.zeros(len(self.keys), self._kv_shape[0], max(past_len) + extra, self._kv_shape[1],
+                             device=self.device)
         past_v = torch.zeros_like(past_k)
         for b, n in enumerate(past_len):
             past_k[b, :, :n], past_v[b, :, :n] = self.keys[b], self.values[b]
@@ -176,7 +179,7 @@ class EagleProposer(HeadProposer):
         values (B, H_kv, W, D)."""
         batch = len(rows)
         size = self.head.config.hidden_size
-        features = torch.zeros(batch, width, size)
+        features = torch.zeros(batch, width, size, device=self.device)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
         scratch = 0 if scratch_k is None else scratch_k.shape[2]
@@ -200,6 +203,7 @@ class EagleProposer(HeadProposer):
                 mask[b, col, longest + scratch + col] = True
         if scratch:
             past_k[:, :, longest:], past_v[:, :, longest:] = scratch_k, scratch_v
+        positions, mask = positions.to(self.device), mask.to(self.device)
         return self.head(features, self.embed(tokens), positions, (past_k, past_v), mask)
 
     def _children(self, rows, parents, features, feats, max_tokens, level) -> None:
