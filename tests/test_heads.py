@@ -88,30 +88,24 @@ def test_trees_are_trees_and_some_are_accepted(target, heads_files, monkeypatch)
     assert max(depths) >= 2
 
 
-def test_lookup_chains_merge_into_the_heads_tree():
-    """A chain follows the tree's nodes while their tokens agree and hangs the rest below the
-    last agreeing node; the tree's own nodes keep their indices; rows without a chain are left
-    as they were; every node comes after its parent."""
+def test_lookup_rows_take_chains_and_the_others_keep_the_heads_tree():
+    """A row with a chain is drafted by that chain (node i's parent i - 1); a row without one keeps
+    the heads' tree as it was."""
     from speclm.proposers.base import Draft
-    from speclm.proposers.head_lookup import merge_chains
+    from speclm.proposers.head_lookup import with_chains
     from speclm.spec.tree import PAD, ROOT
 
-    # row 0: root -> 5 -> 6, root -> 7; row 1: root -> 9
-    tree = Draft(torch.tensor([[5, 6, 7], [9, 0, 0]]), torch.tensor([3, 1]), None,
-                 parents=torch.tensor([[ROOT, 0, ROOT], [ROOT, PAD, PAD]]))
-    merged = merge_chains(tree, [[5, 8, 1], []]).tree()
-    merged.check()
-    assert merged.tokens[0].tolist() == [5, 6, 7, 8, 1]
-    assert merged.parents[0].tolist() == [ROOT, 0, ROOT, 0, 3]
-    assert merged.parents[1].tolist()[:1] == [ROOT] and merged.sizes == [5, 1]
-    # a chain the tree already holds adds nothing; one it lacks from the root is a new branch
-    assert merge_chains(tree, [[5, 6], [9]]).tree().sizes == [3, 1]
-    again = merge_chains(tree, [[1, 2], [9, 4]]).tree()
-    assert again.tokens[0, 3:].tolist() == [1, 2] and again.parents[0, 3:].tolist() == [ROOT, 3]
-    assert again.tokens[1, :2].tolist() == [9, 4] and again.parents[1, :2].tolist() == [ROOT, 0]
-    # a chain beside an empty draft (the heads drafted nothing) is a chain
-    empty = merge_chains(Draft.empty(1), [[3, 4]]).tree()
-    assert empty.tokens[0].tolist() == [3, 4] and empty.parents[0].tolist() == [ROOT, 0]
+    # row 0: root -> 5 -> 6, root -> 7; row 1: nothing (the heads gave it no budget)
+    heads = Draft(torch.tensor([[5, 6, 7], [0, 0, 0]]), torch.tensor([3, 0]), None,
+                  parents=torch.tensor([[ROOT, 0, ROOT], [PAD, PAD, PAD]]))
+    tree = with_chains(heads, [[], [8, 1, 2, 4]]).tree()
+    tree.check()
+    assert tree.sizes == [3, 4]
+    assert tree.tokens[0, :3].tolist() == [5, 6, 7] and tree.parents[0].tolist() == [ROOT, 0, ROOT, PAD]
+    assert tree.tokens[1].tolist() == [8, 1, 2, 4] and tree.parents[1].tolist() == [ROOT, 0, 1, 2]
+    # rows drafted by lookup alone, beside an empty draft
+    alone = with_chains(Draft.empty(2), [[3, 4], [9]]).tree()
+    assert alone.sizes == [2, 1] and alone.parents[0].tolist() == [ROOT, 0]
 
 
 def test_eagle_with_lookup_accepts_more(target, heads_files):

@@ -1,15 +1,17 @@
-"""Trained heads and prompt lookup together: each round the heads' tree gains the lookup's chain
-as one more branch, so the target verifies both in one forward.
+"""Trained heads and prompt lookup together: each round, a row whose context repeats itself is
+drafted by lookup's chain, the others by the heads' tree.
 
 The heads guess poorly where the output copies its context (summaries, answers from retrieved
-text), which is where prompt lookup guesses well, and lookup costs no forward. Unlike `draft+pld`,
-which takes one or the other per row, both are verified together: the heads' tree is small (a few
-nodes, sized by the measured forward costs) and each added lookup node costs little more.
+text), which is where prompt lookup guesses well, at no cost. Per row and round: when the
+context's last `ngram_min`..`ngram_max` tokens occur earlier in it, the tokens that followed are
+the row's draft; otherwise the heads draft it. The heads still read the target's features at every
+committed token, lookup's included: EAGLE keeps them pending and feeds them the next round it
+drafts (speclm.proposers.eagle), Medusa reads the last one.
 
-The chain is merged into the tree as a trie: its tokens follow the tree's nodes while they agree
-and become new nodes from the first disagreement on, so no two siblings carry one token. Every
-node stays a point mass (the heads rank, lookup copies; neither draws), so the verifier's
-rejection sampling stays exact whatever the tree holds (speclm.spec.verify).
+Verifying both together (the chain merged into the tree as one more branch) accepted more tokens
+per forward but ran slower: the heads' drafting and the larger tree cost more than the extra
+tokens gained (docs/heads.md). Every node is a point mass either way (the heads rank, lookup
+copies; neither draws), so the verifier's rejection sampling stays exact.
 """
 
 from __future__ import annotations
@@ -21,40 +23,32 @@ from speclm.proposers.prompt_lookup import PromptLookupProposer
 from speclm.spec.tree import PAD, ROOT
 
 
-def merge_chains(draft: Draft, chains: list[list[int]]) -> Draft:
-    """The point-mass tree `draft` (parents, probs None; a chain when parents is None) with each
-    row's chain merged in below its root. Nodes keep their indices; new ones follow them."""
+def with_chains(draft: Draft, chains: list[list[int]]) -> Draft:
+    """The heads' point-mass draft (a tree per row; a chain where parents is None) with each row
+    that has a chain drafted by that chain instead."""
     tree = draft.tree()
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    rows_tokens, rows_parents = [], []
+    rows = []
     for b, chain in enumerate(chains):
-        size = sum(p != PAD for p in parents[b])
-        t, p = tokens[b][:size], parents[b][:size]
-        at = ROOT
-        for token in chain:
-            child = next((n for n in range(size) if p[n] == at and t[n] == token), None)
-            if child is None:  # the tree lacks it: the rest of the chain hangs here
-                t.append(token)
-                p.append(at)
-                child = len(t) - 1
-            at = child
-            size = len(t)
-        rows_tokens.append(t)
-        rows_parents.append(p)
-    width = max((len(t) for t in rows_tokens), default=0)
-    out_tokens = torch.zeros(len(chains), width, dtype=torch.long)
-    out_parents = torch.full((len(chains), width), PAD, dtype=torch.long)
-    for b, (t, p) in enumerate(zip(rows_tokens, rows_parents)):
+        if chain:
+            rows.append((chain, [ROOT] + list(range(len(chain) - 1))))
+        else:
+            size = sum(p != PAD for p in parents[b])
+            rows.append((tokens[b][:size], parents[b][:size]))
+    width = max((len(t) for t, _ in rows), default=0)
+    out_tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    out_parents = torch.full((len(rows), width), PAD, dtype=torch.long)
+    for b, (t, p) in enumerate(rows):
         out_tokens[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         out_parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-    lengths = torch.tensor([len(t) for t in rows_tokens], dtype=torch.long)
+    lengths = torch.tensor([len(t) for t, _ in rows], dtype=torch.long)
     return Draft(out_tokens, lengths, None, draft.forwards, parents=out_parents)
 
 
 class HeadLookupProposer(Proposer):
-    """A head proposer (speclm.proposers.eagle, speclm.proposers.medusa) whose tree each round also
-    holds prompt lookup's chain. It passes everything else through to the heads: they read the
-    target's features for whatever path was accepted, lookup's nodes included."""
+    """A head proposer (speclm.proposers.eagle, speclm.proposers.medusa) that leaves a row to prompt
+    lookup in the rounds where lookup finds a chain for it. Everything else passes through to the
+    heads: they read the target's features for whatever path was accepted."""
 
     def __init__(self, heads: Proposer, k: int = 4, ngram_max: int = 3, ngram_min: int = 2):
         """heads: the head proposer (a HeadProposer); k, ngram_max, ngram_min: the lookup's
@@ -63,7 +57,7 @@ class HeadLookupProposer(Proposer):
         self.lookup = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)
         self.name = heads.name + "+pld"
         self.k = max(heads.k, k)
-        self.max_nodes = heads.max_nodes + k
+        self.max_nodes = max(heads.max_nodes, k)
         self.hidden_layers, self.prompt_hidden, self.tree = heads.hidden_layers, heads.prompt_hidden, heads.tree
 
     def start(self, batch_size, capacity, prompt_lengths=None, max_new_tokens=None, pool=0):
@@ -80,11 +74,15 @@ class HeadLookupProposer(Proposer):
         return self.heads.forward_seconds
 
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
-        draft = self.heads.propose(contexts, max_tokens, params, generators)
-        # the heads size their tree as they would alone: the chain rides along (most rounds, no
-        # chain; where one is found, its nodes cost little beside a tree of a few nodes)
         chains = self.lookup.found(contexts, max_tokens)  # each no longer than the row's budget
-        return merge_chains(draft, chains) if any(chains) else draft
+        if not any(chains):
+            return self.heads.propose(contexts, max_tokens, params, generators)
+        # rows with a chain get no budget from the heads, which draft nothing there; the heads run
+        # only if some row needs them
+        budgets = [0 if chain else m for chain, m in zip(chains, max_tokens)]
+        draft = (self.heads.propose(contexts, budgets, params, generators) if any(budgets)
+                 else Draft.empty(len(contexts)))
+        return with_chains(draft, chains)
 
     def accept(self, verified: Verified) -> None:
         self.heads.accept(verified)
