@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="none: plain decoding; draft: a draft model proposes; pld: prompt lookup proposes; "
                         "draft+pld: prompt lookup where the context repeats itself, else the draft model; "
                         "medusa, eagle: trained heads on the target itself propose a tree (--heads); "
-                        "eagle+pld: eagle's tree with prompt lookup's chain as one more branch")
+                        "eagle+pld: prompt lookup where the context repeats itself, else eagle's tree")
     g.add_argument("--draft", help="draft model for --method draft and draft+pld (same tokenizer as the target)")
     _add_decoding_options(g)
     src = g.add_mutually_exclusive_group(required=True)

@@ -141,8 +141,8 @@ def alternatives(draft_quantize: str | None) -> float:
 
 
 def ngram_min(method: str) -> int:
-    """Shortest n-gram prompt lookup matches: any for `pld`, a longer one beside a draft model or
-    heads (a chance match would only widen their verification)."""
+    """Shortest n-gram prompt lookup matches: any for `pld`, a longer one where a draft model or
+    heads draft the rows lookup leaves (a chance match would take a row from a better draft)."""
     return NGRAM_MIN_DRAFT_PLD if method in ("draft+pld", "eagle+pld") else 1
 
 
