@@ -89,22 +89,23 @@ def test_trees_are_trees_and_some_are_accepted(target, heads_files, monkeypatch)
 
 
 def test_lookup_rows_take_chains_and_the_others_keep_the_heads_tree():
-    """A row with a chain is drafted by that chain (node i's parent i - 1); a row without one keeps
-    the heads' tree as it was."""
-    from speclm.proposers.base import Draft
-    from speclm.proposers.head_lookup import with_chains
+    """eagle+pld's draft: a row with a chain is drafted by that chain (node i's parent i - 1); a
+    row without one keeps the heads' tree as it was; point masses throughout."""
+    from speclm.proposers.base import Draft, mixed_draft
+    from speclm.sampling import SamplingParams
     from speclm.spec.tree import PAD, ROOT
 
     # row 0: root -> 5 -> 6, root -> 7; row 1: nothing (the heads gave it no budget)
     heads = Draft(torch.tensor([[5, 6, 7], [0, 0, 0]]), torch.tensor([3, 0]), None,
                   parents=torch.tensor([[ROOT, 0, ROOT], [PAD, PAD, PAD]]))
-    tree = with_chains(heads, [[], [8, 1, 2, 4]]).tree()
+    draft = mixed_draft([[5, 6, 7], [8, 1, 2, 4]], [False, True], heads, SamplingParams(temperature=1.0))
+    tree = draft.tree()
     tree.check()
-    assert tree.sizes == [3, 4]
+    assert draft.draft_probs is None and tree.sizes == [3, 4]
     assert tree.tokens[0, :3].tolist() == [5, 6, 7] and tree.parents[0].tolist() == [ROOT, 0, ROOT, PAD]
     assert tree.tokens[1].tolist() == [8, 1, 2, 4] and tree.parents[1].tolist() == [ROOT, 0, 1, 2]
     # rows drafted by lookup alone, beside an empty draft
-    alone = with_chains(Draft.empty(2), [[3, 4], [9]]).tree()
+    alone = mixed_draft([[3, 4], [9]], [True, True], Draft.empty(2), SamplingParams()).tree()
     assert alone.sizes == [2, 1] and alone.parents[0].tolist() == [ROOT, 0]
 
 

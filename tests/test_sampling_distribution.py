@@ -262,12 +262,12 @@ def lookup_rows_as_model_rows(monkeypatch):
     draft model's distribution instead (as if the model had drafted them)."""
     import speclm.proposers.draft_lookup as draft_lookup
 
-    real = draft_lookup._mixed
+    real = draft_lookup.mixed_draft
 
     def mixed(rows, by_lookup, model, params):
         return real(rows, [False] * len(rows), model, params)
 
-    monkeypatch.setattr(draft_lookup, "_mixed", mixed)
+    monkeypatch.setattr(draft_lookup, "mixed_draft", mixed)
 
 
 def siblings_report_first_draw(monkeypatch):
@@ -304,18 +304,18 @@ def lookup_rows_claim_uniform_draws(monkeypatch):
     of point masses (the heads' rows stay point masses)."""
     import speclm.proposers.head_lookup as head_lookup
 
-    real = head_lookup.with_chains
+    real = head_lookup.mixed_draft
 
-    def with_chains(draft, chains):
-        mixed = real(draft, chains)
-        probs = torch.nn.functional.one_hot(mixed.tokens, V).float()  # (B, N, V)
-        for b, chain in enumerate(chains):
-            if chain:
+    def mixed(rows, by_lookup, model, params):
+        draft = real(rows, by_lookup, model, params)
+        probs = torch.nn.functional.one_hot(draft.tokens, V).float()  # (B, N, V)
+        for b, hit in enumerate(by_lookup):
+            if hit:
                 probs[b] = 1.0 / V
-        mixed.draft_probs = probs
-        return mixed
+        draft.draft_probs = probs
+        return draft
 
-    monkeypatch.setattr(head_lookup, "with_chains", with_chains)
+    monkeypatch.setattr(head_lookup, "mixed_draft", mixed)
 
 
 MUTATIONS = {  # each with the case whose check it must fail

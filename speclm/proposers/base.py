@@ -174,3 +174,32 @@ class Proposer:
 
     def select(self, rows: list[int]) -> None:
         """Only these rows stay in the batch, in this order (finished rows leave)."""
+
+
+def mixed_draft(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: SamplingParams) -> Draft:
+    """A Draft of these token rows, some by lookup (chains), the others the model's: a draft
+    model's or heads' (with its tree's parents and its alternatives). Sampling: the model's rows
+    read their distributions from model.draft_probs (B, K', V); lookup rows are one-hot."""
+    draft = Draft.from_rows(rows, forwards=model.forwards)
+    if model.parents is not None:  # the model's rows are trees: they keep their parents, lookup rows are chains
+        chain = DraftTree.chain(draft.tokens, draft.lengths).parents
+        trees = torch.full_like(chain, PAD)  # (B, K): past a model row's nodes, padding
+        width = min(model.width, draft.width)
+        trees[:, :width] = model.parents[:, :width]
+        draft.parents = torch.where(torch.tensor(by_lookup)[:, None], chain, trees)
+    if model.alternatives is not None:  # the model's rows keep their alternatives
+        others = torch.full(draft.tokens.shape, -1, dtype=torch.long)
+        for b, (r, hit) in enumerate(zip(rows, by_lookup)):
+            if not hit:
+                others[b, : len(r)] = model.alternatives[b, : len(r)]
+        draft.alternatives = others if bool((others >= 0).any()) else None
+    if params.greedy or model.draft_probs is None:
+        return draft  # draft_probs None: one-hot for every row
+    probs = model.draft_probs.new_zeros(len(rows), draft.width, model.draft_probs.shape[-1])  # (B, K, V)
+    for b, (r, hit) in enumerate(zip(rows, by_lookup)):
+        if not hit:
+            probs[b, : len(r)] = model.draft_probs[b, : len(r)]
+        elif r:
+            probs[b, torch.arange(len(r)), draft.tokens[b, : len(r)]] = 1.0
+    draft.draft_probs = probs
+    return draft

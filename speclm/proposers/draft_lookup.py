@@ -21,10 +21,7 @@ verifier's rejection sampling stays exact.
 
 from __future__ import annotations
 
-import torch
-
-from speclm.proposers.base import Draft, Verified
-from speclm.spec.tree import PAD, DraftTree
+from speclm.proposers.base import Draft, Verified, mixed_draft
 from speclm.proposers.draft_model import DraftModelProposer
 from speclm.proposers.prompt_lookup import PromptLookupProposer
 from speclm.sampling import SamplingParams
@@ -89,7 +86,7 @@ class DraftLookupProposer(DraftModelProposer):
         self._cut = [len(c) if hit else None for c, hit in zip(contexts, by_lookup)]
         rows = [f if hit else t[:n] for f, hit, t, n in
                 zip(found, by_lookup, draft.tokens.tolist(), draft.lengths.tolist())]
-        return _mixed(rows, by_lookup, draft, params)
+        return mixed_draft(rows, by_lookup, draft, params)
 
     def accept(self, verified: Verified) -> None:
         if not self._cut:
@@ -99,32 +96,3 @@ class DraftLookupProposer(DraftModelProposer):
         paths = [p if cut is None else [] for p, cut in zip(verified.paths, self._cut)]
         self._cut = []
         self.kv.truncate(self._keep_cached(keep, paths))
-
-
-def _mixed(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: SamplingParams) -> Draft:
-    """A Draft of these token rows, some by lookup, the others the model's (with the model's
-    alternatives). Sampling: the model's rows read their distributions from model.draft_probs
-    (B, K', V); lookup rows are one-hot."""
-    draft = Draft.from_rows(rows, forwards=model.forwards)
-    if model.parents is not None:  # the model's rows are trees: they keep their parents, lookup rows are chains
-        chain = DraftTree.chain(draft.tokens, draft.lengths).parents
-        trees = torch.full_like(chain, PAD)  # (B, K): past a model row's nodes, padding
-        width = min(model.width, draft.width)
-        trees[:, :width] = model.parents[:, :width]
-        draft.parents = torch.where(torch.tensor(by_lookup)[:, None], chain, trees)
-    if model.alternatives is not None:  # the model's rows keep their alternatives
-        others = torch.full(draft.tokens.shape, -1, dtype=torch.long)
-        for b, (r, hit) in enumerate(zip(rows, by_lookup)):
-            if not hit:
-                others[b, : len(r)] = model.alternatives[b, : len(r)]
-        draft.alternatives = others if bool((others >= 0).any()) else None
-    if params.greedy or model.draft_probs is None:
-        return draft  # draft_probs None: one-hot for every row
-    probs = model.draft_probs.new_zeros(len(rows), draft.width, model.draft_probs.shape[-1])  # (B, K, V)
-    for b, (r, hit) in enumerate(zip(rows, by_lookup)):
-        if not hit:
-            probs[b, : len(r)] = model.draft_probs[b, : len(r)]
-        elif r:
-            probs[b, torch.arange(len(r)), draft.tokens[b, : len(r)]] = 1.0
-    draft.draft_probs = probs
-    return draft

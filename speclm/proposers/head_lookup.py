@@ -16,33 +16,8 @@ copies; neither draws), so the verifier's rejection sampling stays exact.
 
 from __future__ import annotations
 
-import torch
-
-from speclm.proposers.base import Draft, Proposer, Verified
+from speclm.proposers.base import Draft, Proposer, Verified, mixed_draft
 from speclm.proposers.prompt_lookup import PromptLookupProposer
-from speclm.spec.tree import PAD, ROOT
-
-
-def with_chains(draft: Draft, chains: list[list[int]]) -> Draft:
-    """The heads' point-mass draft (a tree per row; a chain where parents is None) with each row
-    that has a chain drafted by that chain instead."""
-    tree = draft.tree()
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    rows = []
-    for b, chain in enumerate(chains):
-        if chain:
-            rows.append((chain, [ROOT] + list(range(len(chain) - 1))))
-        else:
-            size = sum(p != PAD for p in parents[b])
-            rows.append((tokens[b][:size], parents[b][:size]))
-    width = max((len(t) for t, _ in rows), default=0)
-    out_tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    out_parents = torch.full((len(rows), width), PAD, dtype=torch.long)
-    for b, (t, p) in enumerate(rows):
-        out_tokens[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        out_parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-    lengths = torch.tensor([len(t) for t, _ in rows], dtype=torch.long)
-    return Draft(out_tokens, lengths, None, draft.forwards, parents=out_parents)
 
 
 class HeadLookupProposer(Proposer):
@@ -82,7 +57,8 @@ class HeadLookupProposer(Proposer):
         budgets = [0 if chain else m for chain, m in zip(chains, max_tokens)]
         draft = (self.heads.propose(contexts, budgets, params, generators) if any(budgets)
                  else Draft.empty(len(contexts)))
-        return with_chains(draft, chains)
+        rows = [chain or tokens[:n] for chain, tokens, n in zip(chains, draft.tokens.tolist(), draft.lengths.tolist())]
+        return mixed_draft(rows, [bool(chain) for chain in chains], draft, params)
 
     def accept(self, verified: Verified) -> None:
         self.heads.accept(verified)
