@@ -241,6 +241,18 @@ class SpecEngine:
         return opts.draft_length(self.target.quantize, self.draft.quantize if self.draft is not None else None)
 
 
+def _compiled_kernels_only(module) -> None:
+    """Drop the oneDNN-packed second copy of a head's int8 weights where speclm's compiled kernel
+    runs every row count: the same bits (speclm.quant.weights), the head's bytes halved; only the
+    prompt's one pass through an EAGLE head reads more than a few rows."""
+    from speclm.quant.weights import Int8Linear, Int8Slice
+
+    for m in module.modules():
+        layer = m.fused.kernel if isinstance(m, Int8Slice) else m
+        if isinstance(layer, Int8Linear) and layer.compiled is not None:
+            layer._without_onednn()
+
+
 @dataclass
 class LoadedHeads:
     """Trained heads ready to draft for one target (speclm.heads)."""
@@ -259,6 +271,7 @@ class LoadedHeads:
         from speclm.heads import store
         from speclm.heads.vocab import output_head
         from speclm.quant.weights import quantize_linears
+        from speclm.runtime import release_freed_memory
 
         module, config, ids = store.load(path, target)
         if config.kind != kind:
@@ -267,15 +280,18 @@ class LoadedHeads:
             if kind == "eagle":
                 module.split_fused_input()  # feature and embedding, each its own activation scale
             quantize_linears(module, "int8")
+            _compiled_kernels_only(module)
         device = target.device  # where the target's features come from
         module, ids = module.to(device), ids.to(device)
         embed_table = target.model.get_input_embeddings()
+        head = output_head(target.model, ids)
+        release_freed_memory()  # the file's de-quantized fp32 weights, freed once on int8 kernels
 
         def embed(tokens):
             with torch.inference_mode():
                 return embed_table(tokens.to(device)).float()
 
-        return LoadedHeads(kind, str(path), module, ids, output_head(target.model, ids), embed)
+        return LoadedHeads(kind, str(path), module, ids, head, embed)
 
     @property
     def tree_file(self):

@@ -12,7 +12,7 @@ from speclm.errors import UsageError
 from speclm.forward.costs import ForwardCosts
 from speclm.heads import store
 from speclm.models.loading import load_model
-from tiny import byte_tokenizer, loaded, random_heads, tiny_model
+from tiny import byte_tokenizer, loaded, random_heads, require_compiled_kernels, tiny_model
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "hello hello hello", "x = 1\ny = 2\nz = x +",
            "The quick brown fox jumps over"]
@@ -185,6 +185,26 @@ def test_int8_eagle_keeps_the_token_embedding(int8_target, tmp_path):
     path = random_heads("eagle", int8_target.model, tmp_path / "eagle.safetensors")
     module = LoadedHeads.load(path, "eagle", int8_target).module
     assert isinstance(module.fuse, PartsLinear) and not any(isinstance(p, torch.nn.Linear) for p in module.fuse.parts)
+
+
+def test_int8_heads_hold_one_copy_of_their_weights(int8_target, tmp_path):
+    """Heads on an int8 target keep only the compiled kernel's copy of each weight (no second,
+    oneDNN-packed one), and their weights come straight from the file (no randomly initialised
+    module first): what keeps EAGLE within the issue's memory bound (benchmarks/heads_memory.py).
+    Their drafts are unchanged: the greedy test above runs them."""
+    from speclm.engine import LoadedHeads
+    from speclm.quant.weights import Int8Linear, Int8Slice
+
+    require_compiled_kernels()
+    for kind in ("medusa", "eagle"):
+        path = random_heads(kind, int8_target.model, tmp_path / f"{kind}.safetensors")
+        module = LoadedHeads.load(path, kind, int8_target).module
+        layers = [m.fused.kernel if isinstance(m, Int8Slice) else m for m in module.modules()]
+        layers = [m for m in layers if isinstance(m, Int8Linear)]
+        assert layers and all(not m.onednn and "packed" not in m.__dict__ for m in layers), kind
+        assert all(not p.is_meta for p in module.parameters())
+        stored, _, _ = store.load(path)
+        assert all(not p.is_meta for p in stored.parameters())
 
 
 def test_eagle_reads_a_chunked_prompt_whole(int8_target, tmp_path):

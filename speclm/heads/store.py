@@ -73,7 +73,8 @@ def load(path, target=None) -> tuple[nn.Module, HeadsConfig, torch.Tensor]:
         raise UsageError(f"cannot read heads file {path}: {exc}") from None
     if target is not None:
         check_fits(config, target, str(path))
-    model = make(config)
+    with torch.device("meta"):
+        model = make(config)  # no weights allocated here: the file's take their places
     state = {}
     for name in model.state_dict():
         if name in tensors:
@@ -82,7 +83,7 @@ def load(path, target=None) -> tuple[nn.Module, HeadsConfig, torch.Tensor]:
             state[name] = tensors[f"{name}.q"].float() * tensors[f"{name}.scale"][:, None]
         else:
             raise UsageError(f"heads file {path} lacks {name}")
-    model.load_state_dict(state)
+    model.load_state_dict(state, assign=True)
     return model.eval(), config, tensors["vocab_ids"].long()
 
 
