@@ -214,7 +214,9 @@ def markdown(results: dict, summary: dict) -> str:
               "`none` in a row's label means plain decoding on that row's weights; identical to plain decoding compares "
               "each greedy output token for token with `none`'s on the same weights (a peer's with its own engine's plain "
               "decoding: `llama.cpp`, `openvino`). Verified draft tokens / forward: the draft tokens (a tree's nodes) each target forward after the prefill scored; acceptance rate is accepted over drafted, so a tree's is lower by design. Peak resident memory: the process's largest resident size during "
-              "any of the method's runs (models included; the peak is reset before each run)."]
+              "any of the method's runs (the peak is reset before each run). Every method's models and heads are loaded "
+              "(its warm-up) before the first run, so this is one process holding all of them: it shows a run's own "
+              "growth, not what a method needs alone (benchmarks/heads_memory.py measures that, a process per method)."]
     parts = {m: cells[ALL]["time"] for m, cells in methods.items() if cells.get(ALL, {}).get("time")}
     if parts:
         lines += ["", "## Where the time goes (all categories)", "",

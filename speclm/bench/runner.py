@@ -14,7 +14,8 @@
    first differing position and the target's top-2 logit margin there, which tells a
    floating-point near-tie from a bug.
 6. Each run records the process's peak resident memory during it (its peak is reset before the
-   run: speclm.memory), so a method's peak shows what it adds beside the models.
+   run: speclm.memory). Every method's models and heads were loaded by the warm-up, so a peak is
+   a run's growth over all of them, not what the method needs alone.
 7. Results are written after every prompt; an interrupted run (Ctrl-C, SIGTERM) keeps
    what it finished and says so.
 """
