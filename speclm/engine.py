@@ -250,7 +250,7 @@ def _compiled_kernels_only(module) -> None:
     for m in module.modules():
         layer = m.fused.kernel if isinstance(m, Int8Slice) else m
         if isinstance(layer, Int8Linear) and layer.compiled is not None:
-            layer._without_onednn()
+            layer.without_onednn()
 
 
 @dataclass

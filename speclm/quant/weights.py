@@ -299,10 +299,11 @@ class Int8Linear(QuantLinear):
             sub.qweight_t = self.qweight_t[:, :n]
         if "fweight" in self.__dict__:
             sub.fweight = self.fweight[:, :n]
-        return sub._without_onednn()
+        return sub.without_onednn()
 
-    def _without_onednn(self) -> "Int8Linear":
-        """A restricted head scores a draft step's few rows: no second, oneDNN-packed copy."""
+    def without_onednn(self) -> "Int8Linear":
+        """No second, oneDNN-packed copy of the weights, for layers that mostly see a few rows (a
+        restricted head, trained heads): many rows then go to another kernel, the same bits."""
         self.onednn = False
         self.__dict__.pop("packed", None)
         self.__dict__.pop("wzero", None)
@@ -319,7 +320,7 @@ class Int8Linear(QuantLinear):
             sub.qweight_t = self.qweight_t[:, ids].t().contiguous().t()  # (in, S) column-major, as _int_mm wants
         if "fweight" in self.__dict__:
             sub.fweight = self.fweight[:, ids].contiguous()
-        return sub._without_onednn()
+        return sub.without_onednn()
 
     def kernel_for(self, rows: int) -> str:
         if self.compiled is not None and (rows <= VNNI_MAX_ROWS or not self.onednn):
