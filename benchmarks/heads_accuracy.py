@@ -34,6 +34,19 @@ COLUMNS = ("in vocabulary", "medusa h1 top-1", "medusa h1 top-3", "medusa h2 top
 
 
 @torch.inference_mode()
+def eagle_input(engine: SpecEngine, eagle, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """EAGLE's input at real tokens (n, E): the final feature, or with fuse layers its lift of the
+    target's states there (one teacher-forced forward over the sequence for the other layers)."""
+    layers = eagle.module.config.feature_layers
+    if len(layers) == 1:
+        return hidden
+    from speclm.forward.cache import StaticKV
+
+    kv = StaticKV(engine.target.model, 1, len(tokens) + 1)
+    kv.forward([tokens.tolist()], 1, hidden_layers=layers, hidden_all=True)
+    return eagle.module.lift(torch.cat([kv.hidden[layer][0].float() for layer in layers], -1))
+
+
 def score(engine: SpecEngine, medusa, eagle, tokens: torch.Tensor, first: int, hidden: torch.Tensor, sums: dict) -> None:
     """Add one sequence's counts to sums: tokens (n,), the first response token at `first`, the
     target's features hidden (n, E)."""
@@ -59,7 +72,8 @@ def score(engine: SpecEngine, medusa, eagle, tokens: torch.Tensor, first: int, h
             sums["in vocabulary"] += int((labels[first:] != IGNORE).sum())
         # level 1 over the whole sequence, causally: row t reads (feature t, token t + 1); level 2
         # reads level 1's prediction for t + 1 with token t + 2, as drafting a node below the root does
-        first_level, second = eagle.module.unrolled(hidden[None, :-1], tokens[None], torch.arange(n)[None], eagle.embed, 2)
+        first_level, second = eagle.module.unrolled(eagle_input(engine, eagle, tokens, hidden)[None, :-1], tokens[None],
+                                                    torch.arange(n)[None], eagle.embed, 2)
         top = eagle.output_head(first_level[0, span.start: span.stop]).float().topk(3, -1).indices
         want = labels[span.start + 2: span.stop + 2]
         sums["eagle top-1"] += int((top[:, 0] == want).sum())

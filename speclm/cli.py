@@ -112,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("heads", help="Medusa and EAGLE heads for a target: build their training data, train them")
     hsub = h.add_subparsers(dest="heads_name", required=True, parser_class=_Parser)
-    from speclm.heads.cli import add_data_parser, add_train_parser
+    from speclm.heads.cli import add_data_parser, add_layers_parser, add_train_parser
 
     add_data_parser(hsub)
+    add_layers_parser(hsub)
     add_train_parser(hsub)
 
     m = sub.add_parser("models", help="the model catalog and cache")

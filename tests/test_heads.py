@@ -23,6 +23,9 @@ def heads_files(tmp_path_factory, target):
     root = tmp_path_factory.mktemp("heads")
     files = {kind: random_heads(kind, target.model, root / f"{kind}.safetensors", seed=i, std=0.3)
              for i, kind in enumerate(("medusa", "eagle"))}
+    # EAGLE-3's fused input: layer 0's states beside the final feature
+    files["eagle-fused"] = random_heads("eagle", target.model, root / "eagle-fused.safetensors", seed=2, std=0.3,
+                                        fuse_layers=(0,))
     (root / "medusa-tree.json").write_text("[[0], [1], [0, 0], [0, 0, 0]]")  # `--tree static` reads it
     return files
 
@@ -47,7 +50,9 @@ def _cases(heads_files, static_tree):
             dict(method="eagle", heads=heads_files["eagle"]),
             dict(method="eagle", heads=heads_files["eagle"], k=2),
             dict(method="eagle+pld", heads=heads_files["eagle"]),
-            dict(method="eagle+pld", heads=heads_files["eagle"], k=1, ngram_min=1)]
+            dict(method="eagle+pld", heads=heads_files["eagle"], k=1, ngram_min=1),
+            dict(method="eagle", heads=heads_files["eagle-fused"]),
+            dict(method="eagle+pld", heads=heads_files["eagle-fused"])]
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
@@ -122,15 +127,17 @@ def test_eagle_with_lookup_accepts_more(target, heads_files):
     assert per_forward[1] > per_forward[0], per_forward
 
 
-def test_eagle_cache_equals_full_forward(target, heads_files):
+@pytest.mark.parametrize("which", ["eagle", "eagle-fused"])
+def test_eagle_cache_equals_full_forward(target, heads_files, which):
     """After a few rounds, the head's cache (keys fed incrementally: the prompt's features after
     the prefill, then the old root and the accepted path after each round) equals the keys of one
-    forward of the head over every committed token's real feature."""
+    forward of the head over every committed token's real feature (fused: the head's lift of
+    layer 0's states and the final feature)."""
     from speclm.forward.cache import StaticKV
 
     engine = SpecEngine(target)
-    heads = engine.heads("eagle", heads_files["eagle"])
-    request = engine.request(PROMPTS[0], method="eagle", heads=heads_files["eagle"], max_new_tokens=30)
+    heads = engine.heads("eagle", heads_files[which])
+    request = engine.request(PROMPTS[0], method="eagle", heads=heads_files[which], max_new_tokens=30)
     batch = engine.batch(capacity=200)
     batch.join(request)
     while batch.active:
@@ -142,8 +149,10 @@ def test_eagle_cache_equals_full_forward(target, heads_files):
     context = request.context
     keys = proposer.keys[0]  # (H_kv, P, D): one per committed token but the root
     kv = StaticKV(target.model, 1, len(context) + 1)
-    kv.forward([context], 1, hidden_layers=(-1,), hidden_all=True)
-    real = kv.hidden[-1][0]  # (T, E)
+    layers = heads.module.config.feature_layers
+    kv.forward([context], 1, hidden_layers=layers, hidden_all=True)
+    with torch.no_grad():
+        real = heads.module.lift(torch.cat([kv.hidden[layer][0] for layer in layers], -1))  # (T, E)
     pending = len(proposer.pending[0][0])
     fed = keys.shape[1]
     n = fed  # pairs (feature j, token j + 1) for j < fed
@@ -254,6 +263,9 @@ def test_heads_that_do_not_fit_are_refused(tmp_path, target, heads_files):
     other = loaded(tiny_model(len(tok), seed=5, hidden=96, heads=3), tok, name="wide")
     with pytest.raises(UsageError, match="do not fit target 'wide'"):
         SpecEngine(other).generate("x", method="eagle", heads=heads_files["eagle"], max_new_tokens=4)
+    deep = random_heads("eagle", target.model, tmp_path / "deep.safetensors", fuse_layers=(5,))  # the tiny target has 2 layers
+    with pytest.raises(UsageError, match="read layer 5 of their target; 'tiny-target' has 2 layers"):
+        SpecEngine(target).generate("x", method="eagle", heads=deep, max_new_tokens=4)
     with pytest.raises(UsageError, match="are medusa heads, not eagle"):
         SpecEngine(target).generate("x", method="eagle", heads=heads_files["medusa"], max_new_tokens=4)
     with pytest.raises(UsageError, match="none ship for"):
@@ -334,7 +346,7 @@ def test_trained_heads_end_to_end(tmp_path, target, monkeypatch):
     are verified whatever this machine's cost line for the tiny model (its 1-token forward is
     30% cheaper than its 2-token one, which prices a few-step head's nodes out)."""
     from speclm.forward.costs import ForwardCosts
-    from speclm.heads.data import build
+    from speclm.heads.data import add_layers, build
     from speclm.heads.sources import Prompt
     from speclm.heads.train import train
 
@@ -352,6 +364,39 @@ def test_trained_heads_end_to_end(tmp_path, target, monkeypatch):
         outs = engine.generate(PROMPTS, max_new_tokens=32, method=kind, heads=summary["heads"])
         assert [o.token_ids for o in outs] == [p.token_ids for p in plain], kind
         assert sum(o.stats.accepted_tokens for o in outs) > 0, kind
+    eagle = summary["heads"]
+
+    # EAGLE-3's fused input: layer 0's states added to the data, a head trained from the one
+    # above, which it starts as exactly (its reduce passes the final feature through)
+    with pytest.raises(UsageError, match="speclm heads layers"):
+        train(tmp_path / "data", tmp_path / "fused", "eagle", target, vocab=200, intermediate=128, chunk=64,
+              batch_size=4, steps=1, progress=False, valid_fraction=0.2, fuse_layers=(0,))
+    add_layers(tmp_path / "data", [0], target)
+    from safetensors.torch import load_file
+
+    from speclm.forward.cache import StaticKV
+    from speclm.heads.data import read_shards
+
+    shard = next(read_shards(tmp_path / "data", [0]))
+    states = load_file(str(tmp_path / "data" / "layers-00000.safetensors"))["layer0"]
+    assert states.shape == shard["hidden"].shape
+    first = shard["tokens"][: int(shard["starts"][1])].tolist()
+    kv = StaticKV(target.model, 1, len(first) + 1)
+    kv.forward([first], 1, hidden_layers=(0,), hidden_all=True)
+    assert torch.allclose(kv.hidden[0][0], states[: len(first)].float(), rtol=1e-2, atol=1e-3)  # bf16 as stored
+    summary = train(tmp_path / "data", tmp_path / "fused", "eagle", target, vocab=200, intermediate=128, chunk=64,
+                    batch_size=4, steps=1, lr=1e-12, warmup=1, progress=False, valid_fraction=0.2,
+                    fuse_layers=(0,), init=eagle)
+    before, after = store.load(eagle)[0], store.load(summary["heads"])[0]
+    assert after.config.fuse_layers == (0,)
+    x = torch.randn(3, 2 * before.config.hidden_size)
+    assert torch.allclose(after.lift(x), x[:, before.config.hidden_size:], atol=1e-3)
+    summary = train(tmp_path / "data", tmp_path / "fused2", "eagle", target, vocab=200, intermediate=128, chunk=64,
+                    batch_size=4, steps=60, eval_every=60, save_every=60, progress=False, valid_fraction=0.2,
+                    fuse_layers=(0,), init=eagle, unroll=2)
+    outs = engine.generate(PROMPTS, max_new_tokens=32, method="eagle", heads=summary["heads"])
+    assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+    assert sum(o.stats.accepted_tokens for o in outs) > 0
 
 
 def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):

@@ -12,11 +12,11 @@ alone, never from samples: one batched forward over the V ** (DEPTH - 1) prefixe
 requests, one row each with its own generator, are decoded as one batch per case (`draft`,
 `pld`, `draft+pld`, confidence stops, alternatives, draft trees: static, static past top-k,
 auto, and auto under draft+pld; a tree two deep fills the same window; trained heads' trees:
-medusa grown and static, eagle, and eagle+pld's rows of lookup chains beside rows of eagle trees,
+medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), and eagle+pld's rows of lookup chains beside rows of eagle trees,
 with untrained random heads) and their counts compared with the
 exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 20 checks, by the union bound, with probability at most 2.0e-3
-nominally, 4.0e-3 with the chi-square approximation's error as measured there). An auto tree
+about ALPHA = 1e-4; this file's 21 checks, by the union bound, with probability at most 2.1e-3
+nominally, 4.2e-3 with the chi-square approximation's error as measured there). An auto tree
 sized from cost lines (its nodes' children counts chosen from their distributions) is one of them.
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
@@ -74,6 +74,7 @@ def small():
     draft = loaded(tiny_model(V, seed=4, layers=1, init=0.15), tok, name="d", eos=False)
     for kind, path in HEADS.items():  # untrained heads: their trees vary with the context
         random_heads(kind, target.model, path, seed=5, std=0.5)
+    random_heads("eagle", target.model, EAGLE_FUSED, seed=6, std=0.5, fuse_layers=(0,))
     return tok, target, draft
 
 
@@ -139,6 +140,7 @@ for path, choices in ((STATIC_TREE, [[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
     with open(path, "w") as f:
         json.dump(choices, f)
 HEADS = {kind: os.path.join(_TREE_DIR, f"{kind}.safetensors") for kind in ("medusa", "eagle")}
+EAGLE_FUSED = os.path.join(_TREE_DIR, "eagle-fused.safetensors")  # reading layer 0's states too (EAGLE-3's input)
 CASES = {
     "plain": ("none", T1, {}),
     "draft": ("draft", T1, {}),
@@ -166,6 +168,7 @@ CASES = {
     "medusa-static-top": ("medusa", SamplingParams(temperature=0.7, top_k=4, top_p=0.9),
                           {"heads": HEADS["medusa"], "tree": WIDE_TREE}),
     "eagle": ("eagle", T1, {"heads": HEADS["eagle"]}),
+    "eagle-fused": ("eagle", T1, {"heads": EAGLE_FUSED}),
     # rows drafted by lookup's chain (their first token w3: "w2 w3" recurs) and rows drafted by
     # eagle's tree in one batch
     "eagle+pld": ("eagle+pld", T1, {"heads": HEADS["eagle"]}),

@@ -64,9 +64,11 @@ def require_compiled_kernels() -> None:
     assert kernels.compiled() is not None, "speclm's CPU kernels did not build"
 
 
-def random_heads(kind: str, model, path, seed: int = 0, std: float = 0.3, heads: int = 3, vocab_ids=None) -> str:
+def random_heads(kind: str, model, path, seed: int = 0, std: float = 0.3, heads: int = 3, vocab_ids=None,
+                 fuse_layers: tuple[int, ...] = ()) -> str:
     """A file of untrained heads of `kind` for `model` with random weights (std): they propose
-    varied trees, mostly rejected, which is what wiring tests need. Returns the path."""
+    varied trees, mostly rejected, which is what wiring tests need. fuse_layers: an EAGLE head
+    reading those layers too. Returns the path."""
     from speclm.heads.modules import HeadsConfig, make
     from speclm.heads.store import export
 
@@ -76,7 +78,7 @@ def random_heads(kind: str, model, path, seed: int = 0, std: float = 0.3, heads:
     config = HeadsConfig(kind, cfg.hidden_size, len(ids), vocab, target="tiny", heads=heads,
                          num_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                          head_dim=cfg.hidden_size // cfg.num_attention_heads, intermediate=2 * cfg.hidden_size,
-                         rope_theta=10000.0)
+                         rope_theta=10000.0, fuse_layers=tuple(fuse_layers))
     torch.manual_seed(seed)
     module = make(config)
     with torch.no_grad():

@@ -57,6 +57,48 @@ def run_data(args) -> int:
     return 0
 
 
+def _layer_list(text: str) -> list[int]:
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected decoder layer indices such as 2,14, got {text!r}") from None
+    if not layers:
+        raise argparse.ArgumentTypeError("expected at least one decoder layer index")
+    return layers
+
+
+def add_layers_parser(sub) -> argparse.ArgumentParser:
+    """`speclm heads layers`: more of the target's layers for a built data folder."""
+    d = sub.add_parser(
+        "layers", help="add the target's hidden states at more layers to a data folder (for --fuse-layers heads)",
+        description="Feed each stored sequence through the target again (one teacher-forced prefill, no "
+                    "generation) and store its hidden states after the given decoder layers beside the "
+                    "shards. EAGLE heads trained with --fuse-layers read them. Run the same command again "
+                    "to continue.")
+    d.add_argument("--data", required=True, help="a data folder built by `speclm heads data`")
+    d.add_argument("--layers", required=True, type=_layer_list,
+                   help="decoder layer indices, comma-separated (EAGLE-3 reads a low and a middle one: 2,14 on a "
+                        "28-layer target)")
+    d.add_argument("--minutes", type=float, default=None,
+                   help="stop after the shard in progress once this many minutes have passed (run again to continue)")
+    d.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    d.set_defaults(heads_command=run_layers)
+    return d
+
+
+def run_layers(args) -> int:
+    from speclm.heads.data import add_layers
+    from speclm.runtime import set_threads
+
+    set_threads(args.threads)
+    manifest = add_layers(args.data, args.layers, progress=sys.stderr.isatty(), minutes=args.minutes)
+    done, total = len(manifest["layers"]["shards"]), len(manifest["shards"])
+    print(f"{args.data}: layers {','.join(map(str, manifest['layers']['layers']))} stored for {done} of {total} shard(s)")
+    if done < total:
+        print("stopped early: run the same command again to continue")
+    return 0
+
+
 def add_train_parser(sub) -> argparse.ArgumentParser:
     """`speclm heads train` on an argparse subparsers object."""
     p = sub.add_parser("train", help="train Medusa or EAGLE heads on a data folder of the target's features")
@@ -74,6 +116,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--unroll", type=int, default=1,
                    help="eagle: levels trained with the head's own predictions fed back, as drafting feeds them "
                         "(training-time test; default %(default)s: the real features alone)")
+    p.add_argument("--fuse-layers", type=_layer_list, default=None,
+                   help="eagle: decoder layers whose hidden states join the final feature as the head's input "
+                        "(EAGLE-3's fused features, e.g. 2,14; the data needs them: speclm heads layers)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per training window (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per step and process (default %(default)s)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: medusa 1e-3, eagle 3e-4)")

@@ -18,12 +18,16 @@ The folder (the contract speclm's head trainer reads):
   (S + 1,) int64, where each begins in `tokens` (and the end); `prompt_lens` (S,) int32;
   `hidden` (T, E) bfloat16, the target's hidden state after its final norm (layer -1) at each
   token: the state from which it predicts the token after it. Metadata {"prompt_ids": JSON list};
+- layers-00000.safetensors, ... (optional, `add_layers`: speclm heads layers): shard i's hidden
+  states at more decoder layers, `layer{L}` (T, E) bfloat16 in the shard's token order, for
+  heads that read several layers (EAGLE-3's fused features);
 - requests.jsonl (source "assistant"): the seed requests answered so far, {"request", "answer"};
 - manifest.json: {"format": 1, "target", "quantize", "layer": -1, "hidden_size", "vocab_size",
   "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "source", "prompts" (prompts in the plan),
   "excluded_eval_overlap", "skipped_long_prompts", "sources": [{"source", "licence", "prompts"}],
   "shards": [{"file", "sequences", "tokens", "response_tokens", "sha256"}], "data_sha256": the
-  sha256 of the shards' sha256 hex digests concatenated in order}.
+  sha256 of the shards' sha256 hex digests concatenated in order, and with layers files
+  "layers": {"layers", "shards": [{"file", "sha256"}]}}.
 
 Resuming: a build into a folder that holds one with the same arguments keeps its shards whose
 files still have the sha256 the manifest records, and goes on with the next prompts; a bigger
@@ -456,6 +460,8 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
                                          "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "source", "prompts",
                                          "excluded_eval_overlap", "skipped_long_prompts", "sources", "shards",
                                          "data_sha256")}
+    if old is not None and old.get("layers"):  # a continued build keeps its layers files (add_layers extends them)
+        manifest["layers"] = old["layers"]
     atomic_write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     atomic_write(out / "prompts.jsonl", "".join(json.dumps(p.to_dict(), ensure_ascii=False) + "\n" for p, _ in plan))
 
@@ -504,4 +510,71 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
     finally:
         done_bar.close()
         token_bar.close()
+    return manifest
+
+
+# ---------------------------------------------------------------- more layers
+def _layers_name(i: int) -> str:
+    return f"layers-{i:05d}.safetensors"
+
+
+@torch.inference_mode()
+def add_layers(out_dir, layers: Sequence[int], target=None, *, progress: bool = False,
+               minutes: float | None = None) -> dict:
+    """Add the target's hidden states at `layers` (decoder layer indices: the residual stream after
+    that layer) to a built data folder, for heads that read several layers (EAGLE-3's fused
+    features). Each shard's sequences are fed again in one teacher-forced prefill each (no
+    generation: the tokens are the stored ones); shard i's states go to layers-0000i.safetensors
+    as `layer{L}` (T, E) bfloat16, in the shard's token order. The manifest's "layers" records
+    {"layers", "shards": [{"file", "sha256"}]}; a second call keeps the files whose sha256 match and
+    goes on (minutes: stop after the shard in progress once this much time has passed).
+    target: a catalog name or LoadedModel (default: the manifest's, int8)."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from speclm.models.loading import LoadedModel, load_model
+
+    started = time.monotonic()
+    out = Path(out_dir)
+    manifest = load_manifest(out)
+    layers = sorted(set(int(x) for x in layers))
+    if not isinstance(target, LoadedModel):
+        name = target or manifest["target"]
+        if name != manifest["target"]:
+            raise UsageError(f"{out} was built with '{manifest['target']}', not '{name}'")
+        target = load_model(name, quantize=manifest.get("quantize", "int8"), progress=progress)
+    depth = int(getattr(getattr(target.model.config, "text_config", None) or target.model.config, "num_hidden_layers"))
+    if not layers or any(not 0 <= layer < depth for layer in layers):
+        raise UsageError(f"layers must be decoder layer indices in 0..{depth - 1}, got {layers}")
+    old = manifest.get("layers") or {}
+    kept = list(old.get("shards", [])) if old.get("layers") == layers else []
+    kept = [e for e in kept[: len(manifest["shards"])] if (out / e["file"]).exists() and file_sha256(out / e["file"]) == e["sha256"]]
+    kept = kept[: next((i for i, e in enumerate(kept) if e["file"] != _layers_name(i)), len(kept))]
+    kv = StaticKV(target.model, 0, int(manifest["max_prompt_tokens"]) + int(manifest["max_new_tokens"]) + 1, pool=1)
+    bar = tqdm(total=len(manifest["shards"]), initial=len(kept), desc="shards", unit="shard", disable=not progress)
+    try:
+        for i, shard in enumerate(read_shards(out, list(range(len(kept), len(manifest["shards"])))), start=len(kept)):
+            starts = shard["starts"].tolist()
+            states = {layer: [] for layer in layers}
+            for a, b in zip(starts, starts[1:]):
+                (row,) = kv.add(1)
+                kv.forward([shard["tokens"][a:b].tolist()], 1, hidden_layers=tuple(layers), only=[row], hidden_all=True)
+                for layer in layers:
+                    states[layer].append(kv.hidden[layer][0, : b - a].to(torch.bfloat16))
+                kv.select([])
+            path = out / _layers_name(i)
+            tmp = path.with_name(path.name + ".tmp")
+            save_file({f"layer{layer}": torch.cat(s).contiguous() for layer, s in states.items()}, str(tmp))
+            sha = file_sha256(tmp)
+            os.replace(tmp, path)
+            kept.append({"file": path.name, "sha256": sha})
+            manifest["layers"] = {"layers": layers, "shards": kept}
+            atomic_write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+            bar.update(1)
+            if minutes is not None and time.monotonic() - started >= 60 * minutes:
+                break
+    finally:
+        bar.close()
+    manifest["layers"] = {"layers": layers, "shards": kept}
+    atomic_write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return manifest

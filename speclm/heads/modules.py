@@ -44,6 +44,9 @@ class HeadsConfig:
     intermediate: int = 2048  # eagle: its MLP's width (the target's is wider; a small head is the point)
     rope_theta: float = 1e6  # eagle: the target's rotary base
     eps: float = 1e-6  # eagle: RMSNorm's
+    # eagle: decoder layers whose hidden states join the final feature as the head's real input
+    # (EAGLE-3's fused features; () reads the final feature alone)
+    fuse_layers: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,7 +54,15 @@ class HeadsConfig:
     @staticmethod
     def from_dict(data: dict) -> "HeadsConfig":
         known = {f for f in HeadsConfig.__dataclass_fields__}
-        return HeadsConfig(**{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        values["fuse_layers"] = tuple(int(x) for x in values.get("fuse_layers", ()))
+        return HeadsConfig(**values)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers a head reads at a real token, in the order its input joins them (-1:
+        after the final norm)."""
+        return (*self.fuse_layers, -1)
 
 
 @dataclass
@@ -182,13 +193,27 @@ class EagleHead(nn.Module):
         self.gate = nn.Linear(e, c.intermediate, bias=False)
         self.up = nn.Linear(e, c.intermediate, bias=False)
         self.down = nn.Linear(c.intermediate, e, bias=False)
+        if c.fuse_layers:  # (states at fuse_layers..., final feature) -> E, at first the final feature alone
+            self.reduce = nn.Linear(len(c.feature_layers) * e, e, bias=False)
+            with torch.no_grad():
+                self.reduce.weight.zero_()
+                self.reduce.weight[:, -e:] = torch.eye(e)
+
+    def lift(self, states: torch.Tensor) -> torch.Tensor:
+        """The head's input feature at real tokens: states (..., F E), the target's states at
+        config.feature_layers joined in that order -> (..., E). Without fuse layers, the final
+        feature itself. Level 2 and deeper read the head's own predictions in its place."""
+        return self.reduce(states) if self.config.fuse_layers else states
 
     def split_fused_input(self) -> None:
-        """Compute `fuse` as one linear per input (feature, embedding), the same map: do this
-        before its linears go onto int8 kernels (PartsLinear says why)."""
+        """Compute `fuse` (and `reduce`) as one linear per input, the same maps: do this before
+        their linears go onto int8 kernels (PartsLinear says why; a low layer's states are about
+        a seventh of the final feature's size)."""
+        e = self.config.hidden_size
         if isinstance(self.fuse, nn.Linear):
-            e = self.config.hidden_size
             self.fuse = PartsLinear(self.fuse, (e, e))
+        if self.config.fuse_layers and isinstance(self.reduce, nn.Linear):
+            self.reduce = PartsLinear(self.reduce, (e,) * len(self.config.feature_layers))
 
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None
@@ -223,7 +248,8 @@ class EagleHead(nn.Module):
 
     def loss(self, frozen: Frozen, labels: torch.Tensor, features: torch.Tensor, mask: torch.Tensor,
              tokens: torch.Tensor, positions: torch.Tensor, noise: float = 0.1, weight: float = 0.1,
-             unroll: int = 1, decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
+             unroll: int = 1, decay: float = 0.8, aux: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         """tokens (B, L) target ids, positions (B, L) theirs. Level 1: the head predicts the
         feature at t + 1 from (feature at t, token t + 1) for t < L - 1. Loss: smooth L1 to the
         real feature, plus `weight` times the cross-entropy of its restricted logits against the
@@ -234,11 +260,21 @@ class EagleHead(nn.Module):
         prediction for t + s - 1 with token t + s and predicts the feature at t + s, attending the
         real pairs up to t + 1 and its own chain's earlier levels, as drafting does a node s deep
         (speclm.proposers.eagle); its loss is weighted decay ** (s - 1). Without it the head never
-        sees its own predictions as input, and its second level drafts far worse than its first."""
+        sees its own predictions as input, and its second level drafts far worse than its first.
+
+        aux (B, L, F' E): with fuse layers, the target's states at them (config.fuse_layers, in
+        order); level 1 then reads lift(aux, feature) in place of the feature, each layer's part
+        with noise of its own RMS."""
         inputs = features[:, :-1]
+        if self.config.fuse_layers:
+            if aux is None:
+                raise ValueError("heads with fuse layers train on data with those layers (speclm heads layers)")
+            inputs = torch.cat([aux[:, :-1], inputs], -1)
         if noise and self.training:
-            scale = inputs.pow(2).mean(-1, keepdim=True).sqrt()
-            inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * noise * scale
+            parts = inputs.unflatten(-1, (-1, features.shape[-1]))  # (B, L - 1, F, E)
+            scale = parts.pow(2).mean(-1, keepdim=True).sqrt()
+            inputs = (parts + (torch.rand_like(parts) - 0.5) * 2 * noise * scale).flatten(-2)
+        inputs = self.lift(inputs)
         predictions = self.unrolled(inputs, tokens, positions, frozen.embed, unroll)
         if not bool(mask[:, 1:].any()):
             return predictions[0].sum() * 0, {}

@@ -95,6 +95,9 @@ def check_fits(config: HeadsConfig, target, where: str) -> None:
             f"heads {where} do not fit target '{target.name}': trained for hidden size {config.hidden_size} and "
             f"{config.target_vocab_size} ids ({config.target or 'unnamed target'}), the target has "
             f"{cfg.hidden_size} and {target.vocab_size}")
+    if config.fuse_layers and max(config.fuse_layers) >= cfg.num_hidden_layers:
+        raise UsageError(f"heads {where} read layer {max(config.fuse_layers)} of their target; '{target.name}' has "
+                         f"{cfg.num_hidden_layers} layers")
 
 
 def shipped(target_name: str, kind: str) -> Path | None:

@@ -76,11 +76,13 @@ class Shards:
     """A data folder's (or several folders') index: every shard's tokens, sequence offsets, prompt lengths and split
     (small, held in memory); features are read a window at a time from the shards (memory-mapped)."""
 
-    def __init__(self, data_dir, chunk: int, valid_fraction: float, open_files: int = 8, every: bool = False):
+    def __init__(self, data_dir, chunk: int, valid_fraction: float, open_files: int = 8, every: bool = False,
+                 layers: tuple[int, ...] = ()):
         """data_dir: a data folder, or a list of them (their shards read as one set; they must come
         from the same target). every: every position trains (EAGLE: its targets, the next feature
         and the target's distribution there, are the target's own at a prompt token too), not only
-        those whose next token the target generated."""
+        those whose next token the target generated. layers: decoder layers whose states batches
+        also carry (`aux`), from the folders' layers files (speclm heads layers)."""
         dirs = [Path(d) for d in ([data_dir] if isinstance(data_dir, (str, Path)) else data_dir)]
         if not dirs:
             raise UsageError("no data folder given")
@@ -98,6 +100,16 @@ class Shards:
         # one folder: its own hash (checkpoints of earlier runs still match); several: a hash of theirs, in order
         self.data_sha256 = hashes[0] if len(hashes) == 1 else hashlib.sha256(json.dumps(hashes).encode()).hexdigest()
         self.files = [d / s["file"] for d, x in zip(dirs, manifests) for s in x["shards"]]
+        self.layers = tuple(layers)
+        self.layer_files = []
+        for d, x in zip(dirs, manifests):
+            if not layers:
+                break
+            stored = x.get("layers") or {}
+            if not set(layers) <= set(stored.get("layers", ())) or len(stored.get("shards", ())) < len(x["shards"]):
+                raise UsageError(f"{d} lacks the target's states at layers {','.join(map(str, layers))} for every shard: "
+                                 f"run `speclm heads layers --data {d} --layers {','.join(map(str, layers))}`")
+            self.layer_files += [d / e["file"] for e in stored["shards"][: len(x["shards"])]]
         self.tokens, self.starts, self.prompt_lens, self.valid = [], [], [], []
         self._open: OrderedDict[int, object] = OrderedDict()
         self._open_files = open_files
@@ -196,21 +208,22 @@ class Shards:
         w = self.valid_windows
         return [w[k:k + batch_size] for k in range(0, len(w), batch_size)]
 
-    def _file(self, shard: int):
+    def _file(self, shard: int, layers: bool = False):
         from safetensors import safe_open
 
-        if shard in self._open:
-            self._open.move_to_end(shard)
+        key = (shard, layers)
+        if key in self._open:
+            self._open.move_to_end(key)
         else:
-            self._open[shard] = safe_open(str(self.files[shard]), framework="pt")
+            self._open[key] = safe_open(str((self.layer_files if layers else self.files)[shard]), framework="pt")
             while len(self._open) > self._open_files:
                 self._open.popitem(last=False)
-        return self._open[shard]
+        return self._open[key]
 
     def collate(self, windows: list[Window]) -> dict[str, torch.Tensor]:
         """Windows -> a padded batch (CPU): tokens, positions (B, L) long, features (B, L, E) fp32,
         mask (B, L) (position >= prompt length - 1: the target generated the next token; False on
-        padding), pad (B, L) bool (True on padding)."""
+        padding), pad (B, L) bool (True on padding); with layers, aux (B, L, len(layers) E) fp32."""
         width = max(w.end - w.start for w in windows)
         n = len(windows)
         tokens = torch.zeros(n, width, dtype=torch.long)
@@ -218,16 +231,24 @@ class Shards:
         features = torch.zeros(n, width, self.hidden_size, dtype=torch.float32)
         mask = torch.zeros(n, width, dtype=torch.bool)
         pad = torch.ones(n, width, dtype=torch.bool)
+        e = self.hidden_size
+        aux = torch.zeros(n, width, len(self.layers) * e, dtype=torch.float32) if self.layers else None
         for r, w in enumerate(windows):
             o = int(self.starts[w.shard][w.seq])
             length = w.end - w.start
             tokens[r, :length] = self.tokens[w.shard][o + w.start:o + w.end].long()
             features[r, :length] = self._file(w.shard).get_slice("hidden")[o + w.start:o + w.end].float()
+            for j, layer in enumerate(self.layers):
+                aux[r, :length, j * e:(j + 1) * e] = \
+                    self._file(w.shard, True).get_slice(f"layer{layer}")[o + w.start:o + w.end].float()
             positions[r] = torch.arange(w.start, w.start + width)
             first = 0 if self.every else int(self.prompt_lens[w.shard][w.seq]) - 1
             mask[r, :length] = positions[r, :length] >= first
             pad[r, :length] = False
-        return {"tokens": tokens, "positions": positions, "features": features, "mask": mask, "pad": pad}
+        batch = {"tokens": tokens, "positions": positions, "features": features, "mask": mask, "pad": pad}
+        if aux is not None:
+            batch["aux"] = aux
+        return batch
 
 
 def _mix(seed: int, epoch: int) -> int:
@@ -248,9 +269,9 @@ class _Objective(nn.Module):
         self.frozen = frozen  # not a module: never trained, never saved
         self.unroll = unroll
 
-    def forward(self, tokens, features, positions, mask, labels):
+    def forward(self, tokens, features, positions, mask, labels, aux=None):
         if isinstance(self.heads, EagleHead):
-            return self.heads.loss(self.frozen, labels, features, mask, tokens, positions, unroll=self.unroll)
+            return self.heads.loss(self.frozen, labels, features, mask, tokens, positions, unroll=self.unroll, aux=aux)
         return self.heads.loss(self.frozen, labels, features, mask)
 
 
@@ -348,7 +369,8 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
           warmup: int = 50, steps: int | None = None, epochs: float | None = None, minutes: float | None = None,
           eval_every: int = 100, save_every: int = 200, seed: int = 0, valid_fraction: float = 0.05,
           resume: bool = True, progress: bool = True, mixed_precision: str = "no",
-          command: list[str] | None = None, positions: str | None = None, init=None, unroll: int = 1) -> dict:
+          command: list[str] | None = None, positions: str | None = None, init=None, unroll: int = 1,
+          fuse_layers: tuple[int, ...] = ()) -> dict:
     """Train `kind` heads (medusa | eagle) for `target` (a catalog name or model folder, loaded
     with the data's quantization, or a LoadedModel) on the data folder `data_dir`; write the run
     folder `out_dir` (see the module's docstring) and return a summary. Stops at `steps`, after
@@ -362,7 +384,10 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     weights the run starts from instead of a fresh initialisation (same kind and shape; its
     vocabulary is not reused: neither kind has weights tied to the vocabulary, which comes from
     this run's data). unroll: eagle, the levels trained with the head's own predictions fed back
-    (EagleHead.loss; 1: the real features alone)."""
+    (EagleHead.loss; 1: the real features alone). fuse_layers: eagle, decoder layers whose states
+    join the final feature as its input (EAGLE-3's fused features; the data needs them: speclm
+    heads layers); from an --init file without them, the run starts as that head exactly (its
+    `reduce` passes the final feature through)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
@@ -394,7 +419,10 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
         if not Path(init).is_file():
             raise UsageError(f"--init {init}: no such heads file")
         init_sha = file_sha256(Path(init))
-    data = Shards(data_dir, chunk, valid_fraction, every=positions == "all")
+    fuse_layers = tuple(sorted(set(int(x) for x in fuse_layers)))
+    if fuse_layers and kind != "eagle":
+        raise UsageError("fuse layers are for eagle heads")
+    data = Shards(data_dir, chunk, valid_fraction, every=positions == "all", layers=fuse_layers)
     if isinstance(target, (str, Path)):
         from speclm.models.loading import load_model
 
@@ -428,6 +456,8 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
         plan["init"] = init_sha
     if kind == "eagle" and unroll != 1:
         plan["unroll"] = unroll
+    if fuse_layers:
+        plan["fuse_layers"] = list(fuse_layers)
 
     out = Path(out_dir)
     metrics_path = out / "metrics.jsonl"
@@ -467,7 +497,10 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     config = HeadsConfig(kind=kind, hidden_size=data.hidden_size, vocab=len(ids), target_vocab_size=data.vocab_size,
                          target=target.name, heads=heads, num_heads=shape["num_heads"], kv_heads=shape["kv_heads"],
                          head_dim=shape["head_dim"], intermediate=intermediate, rope_theta=shape["rope_theta"],
-                         eps=shape["eps"])
+                         eps=shape["eps"], fuse_layers=fuse_layers)
+    depth = int(getattr(getattr(target.model.config, "text_config", None) or target.model.config, "num_hidden_layers"))
+    if any(not 0 <= layer < depth for layer in fuse_layers):
+        raise UsageError(f"fuse layers must be decoder layer indices in 0..{depth - 1}, got {list(fuse_layers)}")
     set_seed(seed)
     heads_module = make(config)
     if init is not None:
@@ -475,6 +508,8 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
 
         start = load(init, target)[0].state_dict()
         want = heads_module.state_dict()
+        if "reduce.weight" in want and "reduce.weight" not in start:  # a head without fuse layers: reduce passes through
+            start["reduce.weight"] = want["reduce.weight"]
         differ = [k for k in {**start, **want} if k not in start or k not in want or start[k].shape != want[k].shape]
         if differ:
             raise UsageError(f"--init {init} holds heads of another shape ("
@@ -657,6 +692,6 @@ def run(args) -> int:
                     minutes=args.minutes, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                     valid_fraction=args.valid_fraction, resume=args.resume, progress=sys.stderr.isatty(),
                     mixed_precision=args.mixed_precision, command=["speclm"] + sys.argv[1:],
-                    positions=args.positions, init=args.init, unroll=args.unroll)
+                    positions=args.positions, init=args.init, unroll=args.unroll, fuse_layers=args.fuse_layers or ())
     print(json.dumps(summary, indent=1))
     return 0

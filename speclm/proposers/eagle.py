@@ -55,6 +55,7 @@ class EagleProposer(HeadProposer):
         self.max_nodes = MAX_TREE
         self.device = vocab_ids.device  # the target's: its features arrive there
         c = head.config
+        self.hidden_layers = c.feature_layers  # the final feature, after any fuse layers (EAGLE-3)
         self._kv_shape = (c.kv_heads, c.head_dim)
         self._seconds = 0.0
         self.start(0, 0)
@@ -72,15 +73,23 @@ class EagleProposer(HeadProposer):
             self.values.append(empty)
             self.pending.append((torch.zeros(0, self.head.config.hidden_size, device=self.device), 0))
 
+    @torch.inference_mode()
+    def _real(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The head's input at real tokens from the target's states {layer: (..., E)} -> (..., E)."""
+        if len(self.hidden_layers) == 1:
+            return hidden[-1].float()
+        return self.head.lift(torch.cat([hidden[layer].float() for layer in self.hidden_layers], -1))
+
     def read_prompt(self, hidden, starts):
         n = len(hidden)
         for i, (h, start) in enumerate(zip(hidden, starts)):
-            self.pending[len(self.pending) - n + i] = (h[-1].float(), start)
+            self.pending[len(self.pending) - n + i] = (self._real(h), start)
 
     def accept(self, verified: Verified) -> None:
-        states = verified.hidden[-1]  # (B, 1 + N, E): the root's, then each node's
+        states = verified.hidden  # {layer: (B, 1 + N, E)}: the root's, then each node's
         for b, (path, keep) in enumerate(zip(verified.paths, verified.keep)):
-            real = states[b, [0] + [1 + n for n in path]].float()  # (1 + m, E): the old root's, the path's
+            at = [0] + [1 + n for n in path]
+            real = self._real({layer: s[b, at] for layer, s in states.items()})  # (1 + m, E): the old root's, the path's
             first = keep - len(path) - 1  # the old root's index
             old, j = self.pending[b]
             self.pending[b] = (torch.cat([old, real]), j if len(old) else first)
