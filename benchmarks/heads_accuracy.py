@@ -33,7 +33,6 @@ COLUMNS = ("in vocabulary", "medusa h1 top-1", "medusa h1 top-3", "medusa h2 top
            "eagle level 2 top-1")
 
 
-@torch.inference_mode()
 def eagle_input(engine: SpecEngine, eagle, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """EAGLE's input at real tokens (n, E): the final feature, or with fuse layers its lift of the
     target's states there (one teacher-forced forward over the sequence for the other layers)."""
@@ -47,6 +46,7 @@ def eagle_input(engine: SpecEngine, eagle, tokens: torch.Tensor, hidden: torch.T
     return eagle.module.lift(torch.cat([kv.hidden[layer][0].float() for layer in layers], -1))
 
 
+@torch.inference_mode()
 def score(engine: SpecEngine, medusa, eagle, tokens: torch.Tensor, first: int, hidden: torch.Tensor, sums: dict) -> None:
     """Add one sequence's counts to sums: tokens (n,), the first response token at `first`, the
     target's features hidden (n, E)."""

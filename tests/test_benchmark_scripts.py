@@ -27,7 +27,8 @@ BENCHMARKS = ROOT / "benchmarks"
 HELPERS = {"timing.py"}  # imported by the scripts, not run
 
 # script: (arguments after --smoke, parts of lines (or patterns) its output must hold, needs the compiled kernels);
-# {target}, {draft}: tiny model folders; {medusa}, {eagle}: untrained heads for the target; {data}: its heads data;
+# {target}, {draft}: tiny model folders; {medusa}, {eagle}: untrained heads for the target (eagle's fused with
+# layer 0); {data}: its heads data;
 # {results}: a tiny bench run's results.json
 SCRIPTS = {
     "allocator.py": (["--target", "{target}"],
@@ -121,7 +122,9 @@ def models(tmp_path_factory) -> dict[str, str]:
     return {"target": save(target, tok, root / "target"),
             "draft": save(tiny_model(len(tok), seed=1, layers=1), tok, root / "draft"),
             "medusa": random_heads("medusa", target, root / "medusa.safetensors"),
-            "eagle": random_heads("eagle", target, root / "eagle.safetensors"), "data": str(root / "data")}
+            # fused with layer 0's states (EAGLE-3's input): the scripts' paths for the richer head
+            "eagle": random_heads("eagle", target, root / "eagle.safetensors", fuse_layers=(0,)),
+            "data": str(root / "data")}
 
 
 @pytest.fixture(scope="module")
