@@ -252,6 +252,12 @@ def test_bad_data_and_arguments(sequences, target, tmp_path, data_dir):
         train(data_dir, tmp_path / "out", "hydra", target, steps=1, progress=False)
     with pytest.raises(UsageError, match="manifest"):
         train(tmp_path, tmp_path / "out", "medusa", target, steps=1, progress=False)
+    with pytest.raises(UsageError, match="fuse layers are for eagle"):
+        train(data_dir, tmp_path / "out", "medusa", target, steps=1, progress=False, fuse_layers=(0,))
+    from speclm.heads.data import add_layers
+
+    with pytest.raises(UsageError, match=r"decoder layer indices in 0\.\.1, got \[7\]"):
+        add_layers(data_dir, [7], target)
 
 
 def test_command_line(sequences, folders, tmp_path, capsys):
