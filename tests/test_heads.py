@@ -406,8 +406,10 @@ def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):
     from speclm.forward.costs import ForwardCosts
 
     engine = SpecEngine(target)
-    # a cost line on which verifying is nearly free, so the trees run (a measured tiny model's need not)
+    # a cost line on which verifying is nearly free, so the trees run (a measured tiny model's need
+    # not, above all one measured while other work holds the cores): the policy's and the proposers'
     policy = Adaptive(ForwardCosts({1: 0.1, 64: 0.1001}))
+    engine.forward_costs = lambda: ForwardCosts({1: 0.1, 64: 0.1001})
     batch = engine.batch(rows=4, speculation=policy)
     requests = [batch.join(engine.request(p, method=kind, heads=heads_files[kind], max_new_tokens=30))
                 for p, kind in zip(PROMPTS, ("medusa", "eagle", "medusa", "eagle"))]
