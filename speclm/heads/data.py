@@ -139,9 +139,17 @@ def overlap(prompts: Iterable[Prompt], eval_texts_: Iterable[str] | None = None)
 
 
 # ---------------------------------------------------------------- generation
+def _text_config(model):
+    return getattr(model.config, "text_config", None) or model.config
+
+
 def hidden_size(model) -> int:
-    cfg = getattr(model.config, "text_config", None) or model.config
-    return int(cfg.hidden_size)
+    return int(_text_config(model).hidden_size)
+
+
+def num_layers(model) -> int:
+    """The model's decoder layers (`hidden_layers` indices 0..num_layers - 1)."""
+    return int(_text_config(model).num_hidden_layers)
 
 
 class _Row:
@@ -543,7 +551,7 @@ def add_layers(out_dir, layers: Sequence[int], target=None, *, progress: bool = 
         if name != manifest["target"]:
             raise UsageError(f"{out} was built with '{manifest['target']}', not '{name}'")
         target = load_model(name, quantize=manifest.get("quantize", "int8"), progress=progress)
-    depth = int(getattr(getattr(target.model.config, "text_config", None) or target.model.config, "num_hidden_layers"))
+    depth = num_layers(target.model)
     if not layers or any(not 0 <= layer < depth for layer in layers):
         raise UsageError(f"layers must be decoder layer indices in 0..{depth - 1}, got {layers}")
     old = manifest.get("layers") or {}

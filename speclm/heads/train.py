@@ -293,6 +293,7 @@ def _target_config(target) -> dict:
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         "rope_theta": float(theta),
         "eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        "layers": int(cfg.num_hidden_layers),
     }
 
 
@@ -498,9 +499,8 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
                          target=target.name, heads=heads, num_heads=shape["num_heads"], kv_heads=shape["kv_heads"],
                          head_dim=shape["head_dim"], intermediate=intermediate, rope_theta=shape["rope_theta"],
                          eps=shape["eps"], fuse_layers=fuse_layers)
-    depth = int(getattr(getattr(target.model.config, "text_config", None) or target.model.config, "num_hidden_layers"))
-    if any(not 0 <= layer < depth for layer in fuse_layers):
-        raise UsageError(f"fuse layers must be decoder layer indices in 0..{depth - 1}, got {list(fuse_layers)}")
+    if any(not 0 <= layer < shape["layers"] for layer in fuse_layers):
+        raise UsageError(f"fuse layers must be decoder layer indices in 0..{shape['layers'] - 1}, got {list(fuse_layers)}")
     set_seed(seed)
     heads_module = make(config)
     if init is not None:
