@@ -27,7 +27,7 @@ from speclm.quant.weights import vnni_layout
 from timing import median_ms  # benchmarks/timing.py
 
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28 + [(151936, 1536)]  # (out, in)
-ROWS = (1, 2, 4, 6, 7, 8, 12, 16, 32, 64)
+ROWS = (1, 2, 4, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 64)
 SMOKE_SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128)] * 2 + [(320, 64)]
 SMOKE_ROWS = (1, 2, 16, 32)
 

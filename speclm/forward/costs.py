@@ -4,7 +4,7 @@ A tree's node budget trades the tokens it may gain against the time its verifica
 on a CPU that time grows with every node (each is one more row through every weight matrix),
 by how much depends on the machine and the kernels (the output projection included: every
 token's logits are kept, as in a verification). The costs are measured once per model,
-weights and thread count, over a cached 256-token context, and kept in
+weights, thread count and build of the compiled kernels, over a cached 256-token context, and kept in
 `$SPECLM_HOME/costs/<key>.json`, so the trees a model grows do not depend on a timing taken
 during the request (and a sampled request with a seed stays reproducible on this machine). A
 table measured while other work held the cores (the measuring threads got under BUSY of their
@@ -31,6 +31,7 @@ import torch
 
 from speclm.bench.machine import cpu_name
 from speclm.models.store import model_home
+from speclm.quant import kernels
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tokens per forward, measured
 CONTEXT = 256  # cached tokens each measured forward attends
@@ -162,8 +163,9 @@ def _processor(model) -> str:
 
 def verification_costs(model, key: str) -> ForwardCosts:
     """This model's ForwardCosts, measured on first use and read from the cache after. key names
-    the model and its weights (the thread count and the CPU, or the GPU, are added here)."""
-    tag = f"{key}-{_processor(model)}-{FORM}"
+    the model and its weights (the thread count and the CPU, or the GPU, and the compiled kernels'
+    fingerprint are added here)."""
+    tag = f"{key}-{_processor(model)}-{kernels.fingerprint()}-{FORM}"
     name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tag)
     path = model_home() / "costs" / f"{name[:200]}.json"
     try:

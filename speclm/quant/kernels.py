@@ -22,6 +22,7 @@ a CPU that could run either (to test them there).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import sys
@@ -78,6 +79,20 @@ def enabled() -> bool:
 def describe() -> str:
     """The compiled kernels' name in reports: "speclm VNNI", "speclm AVX2", or "" where none run."""
     return {"avx512": "speclm VNNI", "avx2": "speclm AVX2"}.get(isa() or "", "") if compiled() is not None else ""
+
+
+@functools.lru_cache(maxsize=None)
+def fingerprint() -> str:
+    """A short hash of the build that runs here (its sources and flags), or "torch" where none does:
+    measured timings kept on disk (speclm.forward.costs) name it, so a changed kernel is measured again."""
+    if compiled() is None:
+        return "torch"
+    _, source_name, flags, _ = BUILDS[isa()]
+    source = Path(__file__).with_name("csrc") / source_name
+    digest = hashlib.sha256(" ".join([*_COMMON, *flags]).encode())
+    for path in (source, source.with_name("common.h")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 @functools.lru_cache(maxsize=None)
