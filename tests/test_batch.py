@@ -10,7 +10,7 @@ from speclm import SpecEngine
 from speclm.errors import UsageError
 from speclm.forward.cache import StaticKV
 from speclm.quant.weights import quantize_model
-from tiny import loaded
+from tiny import loaded, random_heads
 
 N = 24
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick", "zzz top",
@@ -490,3 +490,29 @@ def test_a_group_waits_for_its_prompts_being_read_and_leaves_with_them(int8_pair
     batch.step()
     batch.cancel(c)
     assert [key.method for key in batch.groups] == ["draft"]
+
+
+@pytest.mark.parametrize("method", ["draft", "draft+pld", "pld", "eagle", "medusa"])
+def test_a_group_whose_requests_all_left_while_another_is_read_drops_their_rows(int8_pair, method, tmp_path):
+    """The group is kept for the requests still being read, and its proposer must drop the finished
+    requests' rows too (a draft cache held one row per request that ever decoded there, and two
+    late requests then met four rows): the requests read afterwards decode as they do alone."""
+    t8, d8 = int8_pair
+    engine = SpecEngine(t8, draft=d8, prefix_cache=0)
+    options = dict(method=method)
+    if method in ("eagle", "medusa"):
+        options["heads"] = random_heads(method, t8.model, tmp_path / "heads.safetensors")
+    batch = engine.batch(rows=4, prefill_chunk=4)
+    first = [batch.join(engine.request(p, max_new_tokens=2, **options)) for p in ("abc", "zzz top")]
+    batch.step()  # both prompts read: they decode from now on
+    late = [batch.join(engine.request(LONG + tail, max_new_tokens=N, **options)) for tail in ("", " ipsum")]
+    while not all(r.generated for r in late):  # the first two finish while the long prompts are read
+        batch.step()
+    assert all(r.done for r in first)
+    (group,) = batch.groups.values()
+    if method.startswith("draft"):
+        assert len(group.proposer.kv.lengths) == len(group.requests) == 2
+    while batch.active:
+        batch.step()
+    for r, tail in zip(late, ("", " ipsum")):
+        assert r.generated == engine.generate(LONG + tail, max_new_tokens=N, **options).token_ids

@@ -374,7 +374,7 @@ class Batch:
             kept = [i for i, r in enumerate(group.requests) if not r.done]
             if len(kept) < len(group.requests):
                 group.requests = [group.requests[i] for i in kept]
-                if group.proposer is not None and group.requests:
+                if group.proposer is not None:  # none kept too: a group kept for a prompt being read starts empty
                     group.proposer.select(kept)
             if not group.requests and key not in awaited:
                 del self.groups[key]  # its proposer's caches go with it
