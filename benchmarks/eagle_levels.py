@@ -19,7 +19,7 @@ from speclm.bench.dataset import load_prompts
 from speclm.engine import SpecEngine
 from speclm.forward.costs import measure
 from speclm.models.loading import load_model
-from speclm.runtime import set_threads
+from speclm.runtime import keep_freed_memory, set_threads
 
 
 def main() -> None:
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     set_threads(1 if args.smoke else None)
+    keep_freed_memory()  # as the CLI does: a forward over more rows does not page-fault its buffers again
     target = load_model(args.target, quantize="none" if args.smoke else "int8", progress=False)
     costs = measure(target.model, sizes=(1, 2, 4, 8) if args.smoke else (1, 2, 3, 4, 6, 8, 12, 16))
     values = [float(v) for v in args.min_prob.split(",")]

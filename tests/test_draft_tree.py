@@ -232,3 +232,47 @@ def test_a_cost_table_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path, 
     costs.verification_costs(None, "m")  # an idle machine's table is kept and read after
     assert len(list(tmp_path.glob("costs/*.json"))) == 1
     assert costs.verification_costs(None, "m")(2) == 1.5 and shares == [0.5]
+
+
+def test_a_kept_cost_table_belongs_to_the_kernels_that_measured_it(tmp_path, monkeypatch):
+    """Trees are priced by the kept table; after the compiled kernels change (another build, or
+    none), the table is measured again instead of read."""
+    from speclm.forward import costs
+    from speclm.quant import kernels
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
+    measured = []
+
+    def fake(model):
+        measured.append(1)
+        return ForwardCosts({1: 1.0, 2: float(len(measured))})
+
+    monkeypatch.setattr(costs, "measure", fake)
+    monkeypatch.setattr(kernels, "fingerprint", lambda: "build-a")
+    assert costs.verification_costs(None, "m")(2) == 1.0
+    assert costs.verification_costs(None, "m")(2) == 1.0 and len(measured) == 1  # read back
+    monkeypatch.setattr(kernels, "fingerprint", lambda: "build-b")
+    assert costs.verification_costs(None, "m")(2) == 2.0 and len(measured) == 2
+    assert len(list(tmp_path.glob("costs/*.json"))) == 2
+
+
+def test_the_kernels_fingerprint_follows_their_source(tmp_path, monkeypatch):
+    """A changed kernel source gives another fingerprint (where the compiled kernels run)."""
+    from speclm.quant import kernels
+
+    if kernels.compiled() is None:
+        assert kernels.fingerprint() == "torch"
+        return
+    first = kernels.fingerprint()
+    assert first != "torch" and len(first) == 10
+    _, source_name, _, _ = kernels.BUILDS[kernels.isa()]
+    csrc = kernels.SOURCE.parent
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / source_name).write_bytes((csrc / source_name).read_bytes() + b"\n// changed\n")
+    (tmp_path / "csrc" / "common.h").write_bytes((csrc / "common.h").read_bytes())
+    monkeypatch.setattr(kernels, "__file__", str(tmp_path / "kernels.py"))  # the sources beside it: the copies
+    kernels.fingerprint.cache_clear()
+    try:
+        assert kernels.fingerprint() != first
+    finally:
+        kernels.fingerprint.cache_clear()

@@ -50,7 +50,7 @@ class ForwardCosts:
     Between measured sizes: linear interpolation through the medians made non-decreasing (pool
     adjacent violators, so a sample a slow spell hit is averaged with its neighbours instead of
     bending the curve). Not a single line: kernels that tile rows make the cost a staircase (the
-    AVX-512 int8 kernel reads 1 to 7 rows for about the price of one, 8 for 1.5), and a line
+    AVX-512 int8 kernel reads 1 to 12 rows for about the price of one, 16 for 1.4), and a line
     through it would price small trees too high and large ones too low. Beyond the largest
     measured size: the least-squares line's slope (each token is one more row through the same
     weights)."""
