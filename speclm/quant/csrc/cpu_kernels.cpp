@@ -82,8 +82,8 @@ using DotFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, __m512i*
 // Up to 6 rows in one pass over a group (the registers). More rows go in near-equal chunks, k-tile
 // by k-tile: the first chunk reads a tile from L2 and the others from L1, while every chunk
 // prefetches its share of a tile FAR_TILES ahead into L2, so the stream from memory goes on while
-// the chunks compute from cache (benchmarks/epyc/int8-gemm-rows.txt: 8 rows cost about what 1
-// does, against 1.2x with the chunks one after the other over whole groups).
+// the chunks compute from cache (benchmarks/epyc/int8-gemm-rows.txt: up to 12 rows cost about
+// what 1 does). Chunks one after the other over whole groups left the stream idle meanwhile.
 constexpr int CHUNK = 6;
 constexpr int64_t TILE = 32;      // quads per k-tile: 8 KB of a group's weights
 constexpr int64_t FAR_TILES = 8;  // 64 KB ahead: prefetches into L1 alone left the stream waiting
