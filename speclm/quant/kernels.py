@@ -81,16 +81,23 @@ def describe() -> str:
     return {"avx512": "speclm VNNI", "avx2": "speclm AVX2"}.get(isa() or "", "") if compiled() is not None else ""
 
 
+def _build() -> tuple[str, tuple[Path, Path], list[str]]:
+    """The build that runs here (isa() not None): its module name, its files (the source, then the
+    header it includes) and its compiler flags."""
+    name, source_name, flags, _ = BUILDS[isa()]
+    source = Path(__file__).with_name("csrc") / source_name
+    return name, (source, source.with_name("common.h")), [*_COMMON, *flags]
+
+
 @functools.lru_cache(maxsize=None)
 def fingerprint() -> str:
     """A short hash of the build that runs here (its sources and flags), or "torch" where none does:
     measured timings kept on disk (speclm.forward.costs) name it, so a changed kernel is measured again."""
     if compiled() is None:
         return "torch"
-    _, source_name, flags, _ = BUILDS[isa()]
-    source = Path(__file__).with_name("csrc") / source_name
-    digest = hashlib.sha256(" ".join([*_COMMON, *flags]).encode())
-    for path in (source, source.with_name("common.h")):
+    _, files, cflags = _build()
+    digest = hashlib.sha256(" ".join(cflags).encode())
+    for path in files:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
 
@@ -101,8 +108,7 @@ def compiled():
     where it cannot run here."""
     if not enabled():
         return None
-    name, source_name, flags, _ = BUILDS[isa()]
-    source = Path(__file__).with_name("csrc") / source_name
+    name, files, cflags = _build()
     from torch.utils import cpp_extension
 
     try:  # the ninja package's binary, for a virtual environment that is not on PATH
@@ -117,10 +123,10 @@ def compiled():
         built = [so.stat().st_mtime for so in build_dir.glob(name + "*.so")]
     except Exception:
         built = [0.0]
-    if not built or max(built) < max(path.stat().st_mtime for path in (source, source.with_name("common.h"))):
+    if not built or max(built) < max(path.stat().st_mtime for path in files):
         print("speclm: building its CPU kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
     try:
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=[*_COMMON, *flags],
+        return cpp_extension.load(name=name, sources=[str(files[0])], extra_cflags=cflags,
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, a broken toolchain: torch's kernels still work
         lines = str(exc).strip().splitlines()
