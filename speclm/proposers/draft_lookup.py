@@ -64,7 +64,6 @@ class DraftLookupProposer(DraftModelProposer):
     def select(self, rows: list[int]) -> None:
         super().select(rows)
         self.model_on = [self.model_on[r] for r in rows]
-        self._cut = [self._cut[r] for r in rows] if self._cut else []
 
     def unread(self, contexts) -> list[int]:
         return [n if on else 0 for n, on in zip(super().unread(contexts), self.model_on)]  # lookup rows: never
