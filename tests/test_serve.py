@@ -345,3 +345,16 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(engine):
         assert "planted failure" in scheduler.last_failure
     finally:
         scheduler.stop()
+
+
+def test_a_ticket_whose_loop_has_closed_is_flushed_without_error(engine):
+    """A request's text committed after its handler's event loop closed (the server shutting down
+    mid-request) is dropped: flushing it must not raise on the engine thread."""
+    from speclm.serve.scheduler import Ticket
+
+    loop = asyncio.new_event_loop()
+    ticket = Ticket(engine.request(PROMPTS[0], method="none", max_new_tokens=4), loop)
+    loop.close()
+    ticket.put(("text", "x", False))
+    ticket.flush()
+    assert list(ticket._events) == [("text", "x", False)]

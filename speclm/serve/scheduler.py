@@ -52,7 +52,10 @@ class Ticket:
         """Wake the handler's loop for what `put` queued: one wake-up per step, whatever it held."""
         if self._unflushed:
             self._unflushed = False
-            self.loop.call_soon_threadsafe(self._ready.set)
+            try:
+                self.loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop closed (the server shut down mid-request): no one is waiting
+                pass
 
     def wake(self) -> None:
         """Wake the handler without an event (on the loop: the client went away)."""
