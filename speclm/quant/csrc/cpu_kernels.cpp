@@ -27,12 +27,11 @@
 
 namespace {
 
-// acc += dot products of 4 u8 in x with 4 s8 in w per 32-bit lane. GCC 12 wraps the
-// _mm512_dpbusd_epi32 intrinsic in two register copies per call in a loop, which costs more
+// acc += dot products of 4 u8 in u with 4 s8 in s per 32-bit lane, all in registers. GCC 12 wraps
+// the _mm512_dpbusd_epi32 intrinsic in two register copies per call in a loop, which costs more
 // than the instruction; the instruction itself, in place, does not need them.
-// The weights are a memory operand: no register holds them, which leaves room for 28 accumulators.
-inline void dpbusd(__m512i& acc, const __m512i x, const int8_t* w) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "m"(*reinterpret_cast<const __m512i*>(w)));
+inline void dpbusd(__m512i& acc, const __m512i u, const __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
 }
 
 constexpr int64_t BLOCK = 16;   // output columns per 512-bit accumulator
@@ -49,9 +48,6 @@ constexpr int64_t GROUP = 64;   // columns packed together: 4 blocks side by sid
 // 4 * ROWS accumulators, 4 weights and a broadcast fit the 32 vector registers up to 6 rows.
 // Prefetch, per quad step: the step's 4 lines PREFETCH bytes ahead into L1 (`near`, when given),
 // and `far_lines` lines, consecutive from `far`, into L2.
-inline void dpbusd(__m512i& acc, const __m512i x, const __m512i w) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
-}
 
 template <int ROWS, size_t... I>
 inline void dot_group_impl(const uint8_t* xu, int64_t kp, const int8_t* w, int64_t quads, __m512i* acc,
@@ -204,11 +200,6 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
 // then fp32(that) * the group's scale, accumulated over groups in order; * the row's step, + bias,
 // + residual. Each row is computed alone, so the result does not depend on the other rows.
 
-// acc += dot products of 4 u8 in u with 4 s8 in x per 32-bit lane, all in registers.
-inline void dpbusd_rr(__m512i& acc, const __m512i u, const __m512i x) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(x));
-}
-
 // The 64 columns of one column group for ROWS rows: out[r * 4 + c] = sum over groups of
 // scale * (sum x u - 8 sum x) for block c (16 columns). w: the group's packed weights
 // (K/8, 64, 4): byte (p, col, j) holds u[col][8p + j] in its low nibble and u[col][8p + 4 + j]
@@ -238,8 +229,8 @@ inline void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* x
         const __m512i lo = _mm512_and_si512(v, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int r = 0; r < ROWS; ++r) {
-          dpbusd_rr(a[r * 4 + c], lo, xa[r]);
-          dpbusd_rr(a[r * 4 + c], hi, xb[r]);
+          dpbusd(a[r * 4 + c], lo, xa[r]);
+          dpbusd(a[r * 4 + c], hi, xb[r]);
         }
       }
     }
