@@ -99,7 +99,7 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     target = load_model(args.target, quantize="none", progress=False)  # fp32: LoRA trains on float weights
-    shipped, config, ids = store.load(args.heads, target)
+    shipped, _, ids = store.load(args.heads, target)
     frozen = frozen_parts(target, ids)
     vocab_size = target.vocab_size
     train, valid = sequences(args.data, 0.5 if args.smoke else 0.05, args.max_len)
