@@ -54,6 +54,8 @@ SCRIPTS = {
     "fp32_linear_rows.py": ([], ["| rows | F.linear ms | (W x^T)^T ms | F.linear / (W x^T)^T |", "| 16 | "], False),
     "int8_gemm_rows.py": ([], ["| rows | speclm kernel ms | onednn.qlinear_pointwise ms | torch._int_mm ms |",
                                "| 32 | "], False),
+    "kernel_ab.py": ([], ["outputs bit-identical", "| rows | other ms (median) | this build ms (median) |", "| 3 | "],
+                      True),
     "int8_kernels.py": ([], ["| path | k=1 ms | k=4 ms | k=8 ms | k=16 ms | batch-invariant | rel. error vs fp64 |",
                              # speclm's row: timed, and batch-invariant
                              re.compile(r"\| speclm Int8Linear: .*( [0-9.]+ \|){4} yes \|")], False),

@@ -81,7 +81,7 @@ def describe() -> str:
     return {"avx512": "speclm VNNI", "avx2": "speclm AVX2"}.get(isa() or "", "") if compiled() is not None else ""
 
 
-def _build() -> tuple[str, tuple[Path, Path], list[str]]:
+def build() -> tuple[str, tuple[Path, Path], list[str]]:
     """The build that runs here (isa() not None): its module name, its files (the source, then the
     header it includes) and its compiler flags."""
     name, source_name, flags, _ = BUILDS[isa()]
@@ -95,7 +95,7 @@ def fingerprint() -> str:
     measured timings kept on disk (speclm.forward.costs) name it, so a changed kernel is measured again."""
     if compiled() is None:
         return "torch"
-    _, files, cflags = _build()
+    _, files, cflags = build()
     digest = hashlib.sha256(" ".join(cflags).encode())
     for path in files:
         digest.update(path.read_bytes())
@@ -108,7 +108,7 @@ def compiled():
     where it cannot run here."""
     if not enabled():
         return None
-    name, files, cflags = _build()
+    name, files, cflags = build()
     from torch.utils import cpp_extension
 
     try:  # the ninja package's binary, for a virtual environment that is not on PATH

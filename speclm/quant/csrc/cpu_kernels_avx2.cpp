@@ -52,24 +52,32 @@ inline __m256i dot_quads(__m256i acc, __m256i x, __m256i w, __m256i wabs, __m256
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
 }
 
-// Quads (4 input features) per chunk of a group's weights: 32 x 256 bytes = 8 KB, read from memory
-// by a chunk's first pass and from the L1 cache by its others.
-constexpr int64_t KCHUNK = 32;
+// Quads (4 input features) per tile of a group's weights: 32 x 256 bytes = 8 KB, read from memory
+// (or L2) by a tile's first pass and from the L1 cache by its others.
+constexpr int64_t TILE = 32;
+// With several passes per tile, each pass also prefetches its share of the tile FAR_TILES (64 KB)
+// ahead into L2, so that the stream from memory goes on while the later passes compute from L1
+// (without it, passes of 2 blocks for 4 rows were slower than the spilling passes of 4 they replace).
+constexpr int64_t FAR_TILES = 8;
 
-// acc[r][c0 + c] += sum over the chunk's quads of x[r] . w[block c0 + c] for ROWS rows and CB of a
-// group's 8 blocks of 8 columns. w: the chunk's weights (quads, 64, 4) offset to block c0; acc: int32
-// (ROWS, 64) per row, offset likewise, loaded and stored around the loop. `prefetch`: the chunk's
-// first pass fetches the stream ahead for all the passes.
-template <int ROWS, int CB>
-void dot_chunk(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quads, int32_t* acc, bool prefetch) {
+// acc[r][c0 + c] += sum over the tile's quads of x[r] . w[block c0 + c] for ROWS rows and CB of a
+// group's 8 blocks of 8 columns. w: the tile's weights (quads, 64, 4) offset to block c0; acc: int32
+// (ROWS, 64) per row, offset likewise, loaded and stored around the loop. ROWS * CB accumulators,
+// ROWS broadcasts and 3 more fit the 16 registers. `near`: the tile's first pass fetches the stream
+// that far ahead into L1 (else null); `far`: far_lines lines per quad from there into L2.
+template <int ROWS, int CB, bool FAR = true>
+void dot_chunk(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quads, int32_t* acc, const int8_t* near,
+               const int8_t* far, int far_lines) {
   __m256i a[ROWS * CB];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CB; ++c) a[r * CB + c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * GROUP + c * BLOCK));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t q = 0; q < quads; ++q) {
     const int8_t* wq = w + q * GROUP * 4;
-    if (prefetch)
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wq + PREFETCH + l * 64), _MM_HINT_T0);
+    if (near != nullptr)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(near + q * GROUP * 4 + l * 64), _MM_HINT_T0);
+    if constexpr (FAR)
+      for (int l = 0; l < far_lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(far + (q * far_lines + l) * 64), _MM_HINT_T1);
     __m256i xb[ROWS];
     for (int r = 0; r < ROWS; ++r) xb[r] = _mm256_set1_epi32(x32[r * stride + q]);
     for (int c = 0; c < CB; ++c) {
@@ -140,33 +148,60 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int64_t group_stride = packed.stride(0), stride = kp / 4;
   const float* ws = wscale.data_ptr<float>();
 
-  // Per group of 64 columns, chunk by chunk of its weights: rows in passes of up to 4, each over
-  // the 8 blocks of 8 columns in 8, 4 or 2 blocks at a time (so that the accumulators about fit
-  // the 16 registers). Only a chunk's first pass reads memory. Measured over 187 MB of the 1.5B's
-  // shapes: 4 rows cost 1.6x one row, against 2.2x for whole-group passes.
+  // Per group of 64 columns, tile by tile of its weights: rows in chunks of 4 (a remainder of 3 as
+  // 2 + 1 where there are more rows: fewer passes), each chunk in passes over the tile's columns, 8
+  // blocks at a time for one row, 4 for two, 2 for three or four, so that the accumulators fit the
+  // 16 registers. A tile's first pass reads memory, the others L1, and the first passes prefetch a
+  // tile FAR_TILES ahead into L2. Above 8 rows (prefill blocks) the arithmetic dominates: 4 rows go
+  // in passes of 4 blocks (fewer passes, spilled registers) without the L2 prefetch (the 2-block
+  // passes were slower at 64 rows).
+  const int64_t chunks = (rows + 3) / 4 + (rows > 3 && rows % 4 == 3);
+  const bool wide4 = rows > 8;
+  std::vector<int64_t> chunk_rows(chunks), chunk_start(chunks);
+  int64_t passes = 0;  // per tile
+  for (int64_t c = 0, r0 = 0; c < chunks; r0 += chunk_rows[c], ++c) {
+    chunk_start[c] = r0;
+    chunk_rows[c] = std::min<int64_t>(rows - r0 == 3 && rows > 3 ? 2 : 4, rows - r0);  // 7 rows: 4 + 2 + 1
+    passes += chunk_rows[c] == 1 ? 1 : chunk_rows[c] == 2 || (chunk_rows[c] == 4 && wide4) ? 2 : 4;
+  }
+  // a tile's 4 lines per quad spread over its first passes (all of them up to 4), once
+  const int far_lines = passes == 1 || wide4 ? 0 : int((4 + passes - 1) / passes);
+  const int64_t far_passes = far_lines == 0 ? 0 : (4 + far_lines - 1) / far_lines;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
     std::vector<int32_t> acc(rows * GROUP);
     for (int64_t g = g0; g < g1; ++g) {
       const int8_t* wg = wp + g * group_stride;
       std::fill(acc.begin(), acc.end(), 0);
-      for (int64_t q0 = 0; q0 < quads; q0 += KCHUNK) {
-        const int64_t qn = std::min(KCHUNK, quads - q0);
-        bool first = true;
-        for (int64_t r0 = 0; r0 < rows;) {
-          const int rc = static_cast<int>(std::min<int64_t>(4, rows - r0));
-          const int cb = rc == 1 ? 8 : (rc == 3 ? 2 : 4);
-          for (int c0 = 0; c0 < 8; c0 += cb, first = false) {
-            const int32_t* xr = x32 + r0 * stride + q0;
-            const int8_t* wb = wg + q0 * GROUP * 4 + c0 * 32;
+      for (int64_t t0 = 0; t0 < quads; t0 += TILE) {
+        const int64_t tq = std::min(TILE, quads - t0);
+        const int8_t* wt = wg + t0 * GROUP * 4;  // prefetches past the group run into the next one's
+        const int8_t* far = wt + FAR_TILES * TILE * GROUP * 4;
+        int64_t pass = 0;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t r0 = chunk_start[c], rc = chunk_rows[c];
+          const int32_t* xr = x32 + r0 * stride + t0;
+          const int cb = rc == 1 ? 8 : rc == 2 || (rc == 4 && wide4) ? 4 : 2;
+          for (int c0 = 0; c0 < 8; c0 += cb, ++pass) {
+            const int8_t* near = pass == 0 ? wt + PREFETCH : nullptr;
+            const int8_t* f = far + pass * tq * far_lines * 64;
+            const int fl = pass < far_passes ? far_lines : 0;
             int32_t* ar = acc.data() + r0 * GROUP + c0 * BLOCK;
-            switch (rc) {
-              case 1: dot_chunk<1, 8>(xr, stride, wb, qn, ar, first); break;
-              case 2: dot_chunk<2, 4>(xr, stride, wb, qn, ar, first); break;
-              case 3: dot_chunk<3, 2>(xr, stride, wb, qn, ar, first); break;
-              default: dot_chunk<4, 4>(xr, stride, wb, qn, ar, first); break;
+            if (wide4) {
+              switch (rc) {
+                case 1: dot_chunk<1, 8, false>(xr, stride, wt + c0 * 32, tq, ar, near, f, 0); break;
+                case 2: dot_chunk<2, 4, false>(xr, stride, wt + c0 * 32, tq, ar, near, f, 0); break;
+                case 3: dot_chunk<3, 2, false>(xr, stride, wt + c0 * 32, tq, ar, near, f, 0); break;
+                default: dot_chunk<4, 4, false>(xr, stride, wt + c0 * 32, tq, ar, near, f, 0); break;
+              }
+            } else {
+              switch (rc) {
+                case 1: dot_chunk<1, 8>(xr, stride, wt + c0 * 32, tq, ar, near, f, fl); break;
+                case 2: dot_chunk<2, 4>(xr, stride, wt + c0 * 32, tq, ar, near, f, fl); break;
+                case 3: dot_chunk<3, 2>(xr, stride, wt + c0 * 32, tq, ar, near, f, fl); break;
+                default: dot_chunk<4, 2>(xr, stride, wt + c0 * 32, tq, ar, near, f, fl); break;
+              }
             }
           }
-          r0 += rc;
         }
       }
       for (int64_t r = 0; r < rows; ++r)
