@@ -27,10 +27,9 @@ from speclm.bench.dataset import load_prompts
 from speclm.forward.cache import StaticKV
 from speclm.quant.weights import int4_groups, int4_layout, vnni_layout
 
+from gemm_shapes import DRAFT_HEAD, DRAFT_LAYERS, SMOKE_HEAD, SMOKE_LAYERS  # benchmarks/gemm_shapes.py
 from timing import median_ms  # benchmarks/timing.py
 
-LAYERS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24  # (out, in): q|k|v, o, gate|up, down
-HEAD = [(151936, 896)]
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,8 @@ class Sizes:
     new_tokens: int
 
 
-FULL = Sizes(LAYERS, HEAD, 3, 5, range(1000, 1300), 13, 700, (100, 20000), 3, None, 2, 64)
-SMOKE = Sizes([(128, 64), (64, 64), (256, 64), (64, 128)] * 2, [(320, 64)], 1, 1, range(10, 40), 1, 40, (10, 200), 1,
+FULL = Sizes(DRAFT_LAYERS, DRAFT_HEAD, 3, 5, range(1000, 1300), 13, 700, (100, 20000), 3, None, 2, 64)
+SMOKE = Sizes(SMOKE_LAYERS, SMOKE_HEAD, 1, 1, range(10, 40), 1, 40, (10, 200), 1,
               ["qa"], 1, 8)
 
 

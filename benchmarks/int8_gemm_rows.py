@@ -24,11 +24,10 @@ import torch
 from speclm.quant import kernels
 from speclm.quant.weights import vnni_layout
 
+from gemm_shapes import SMOKE_STEP, TARGET_STEP  # benchmarks/gemm_shapes.py
 from timing import median_ms  # benchmarks/timing.py
 
-SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28 + [(151936, 1536)]  # (out, in)
 ROWS = (1, 2, 4, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 64)
-SMOKE_SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128)] * 2 + [(320, 64)]
 SMOKE_ROWS = (1, 2, 16, 32)
 
 
@@ -36,7 +35,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 4 row counts, 1 repeat, 1 thread")
     args = parser.parse_args()
-    shapes, row_counts = (SMOKE_SHAPES, SMOKE_ROWS) if args.smoke else (SHAPES, ROWS)
+    shapes, row_counts = (SMOKE_STEP, SMOKE_ROWS) if args.smoke else (TARGET_STEP, ROWS)
     rounds, reps = (1, 1) if args.smoke else (2, 5)
     if args.smoke:
         torch.set_num_threads(1)

@@ -1,7 +1,8 @@
-"""Paired A/B of speclm's int8 GEMM kernel (`linear_rows`) as built against another version of its
-source: whole-model GEMMs of one decode step of Qwen2.5-1.5B (the shapes of int8_gemm_rows.py, 1.54
-GB of int8), timed in pairs, the two builds back to back in alternating order, and the median of
-the pairs' ratios reported. On a VM whose memory bandwidth drifts by tens of percent within minutes,
+"""Paired A/B of one of speclm's GEMM kernels as built against another version of its source: the
+int8 kernel (`linear_rows`, `--kernel int8`) over the GEMMs of one decode step of Qwen2.5-1.5B
+(the default target, 1.54 GB of int8), or the int4 kernel (`linear_rows_w4`, `--kernel int4`) over
+those of Qwen2.5-0.5B (the default draft, 0.25 GB of int4), timed in pairs, the two builds back to
+back in alternating order, and the median of the pairs' ratios reported. On a VM whose memory bandwidth drifts by tens of percent within minutes,
 a ratio taken within a pair is steadier than medians taken minutes apart. The two builds' outputs
 are checked bit for bit first (odd shapes, 1 to 13 rows, bias and residual).
 
@@ -10,8 +11,8 @@ show`) or a source file (`--against-source FILE`, its common.h beside it); it is
 same flags as the running build (speclm.quant.kernels), for the instruction set this CPU runs.
 
 Run: .venv/bin/python benchmarks/kernel_ab.py --against d30e361 > benchmarks/avx2/int8-kernel-ab.txt
-`--smoke`: tiny shapes, rows 1 and 3, 3 pairs, one torch thread, against the running build's own
-source.
+`--smoke`: tiny shapes, rows 1 and 3, 3 pairs, one torch thread, both kernels, against the running
+build's own source.
 """
 from __future__ import annotations
 
@@ -21,16 +22,38 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from speclm.quant import kernels
-from speclm.quant.weights import vnni_layout
+from speclm.quant.weights import INT4_GROUP, int4_groups, int4_layout, vnni_layout
 
-SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28 + [(151936, 1536)]  # (out, in)
-SMOKE_SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128)] * 2 + [(320, 64)]
-CHECK_SHAPES = [(200, 100), (64, 1536), (333, 896), (1000, 37)]  # (out, in): tails of groups and quads
+from gemm_shapes import DRAFT_HEAD, DRAFT_LAYERS, SMOKE_STEP, TARGET_STEP  # benchmarks/gemm_shapes.py
+
+# (out, in): tails of groups and quads; int4 inputs come in whole groups of INT4_GROUP
+CHECK_SHAPES = {"int8": [(200, 100), (64, 1536), (333, 896), (1000, 37)],
+                "int4": [(200, 128), (64, 1536), (333, 896), (1000, 4864)]}
+
+
+@dataclass
+class Gemm:
+    """One weight in the layout a kernel takes, and the call that multiplies rows by it."""
+    in_features: int
+    call: Callable  # (module, x (rows, in)) -> (rows, out)
+
+
+def gemm(kind: str, weight: torch.Tensor) -> Gemm:
+    """`weight` (out, in) int8 in the int8 kernel's layout, or as groups of int4 in the int4 one's."""
+    out_f, in_f = weight.shape
+    if kind == "int8":
+        packed, colsum = vnni_layout(weight.clamp(-127, 127).to(torch.int8))
+        scale, bias = torch.rand(out_f), torch.randn(out_f)
+        return Gemm(in_f, lambda m, x, *extra: m.linear_rows(x, packed, colsum, scale, *extra))
+    packed, scales = int4_layout(*int4_groups(weight.float(), INT4_GROUP))
+    return Gemm(in_f, lambda m, x, *extra: m.linear_rows_w4(x, packed, scales, out_f, *extra))
 
 
 def other_build(against: str | None, source: str | None, folder: Path):
@@ -61,71 +84,76 @@ def other_build(against: str | None, source: str | None, folder: Path):
                               extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
-def check_same_bits(a, b) -> None:
+def check_same_bits(kind: str, a, b) -> None:
     torch.manual_seed(1)
-    for n, k in CHECK_SHAPES:
-        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        packed, colsum = vnni_layout(w)
-        scale, bias = torch.rand(n), torch.randn(n)
+    for n, k in CHECK_SHAPES[kind]:
+        g = gemm(kind, torch.randint(-127, 128, (n, k)))
+        bias = torch.randn(n)
         for rows in range(1, 14):
             x, residual = torch.randn(rows, k) * 3, torch.randn(rows, n)
-            for extra in ((None,), (bias,), (bias, residual)):
-                if not torch.equal(a.linear_rows(x, packed, colsum, scale, *extra),
-                                   b.linear_rows(x, packed, colsum, scale, *extra)):
-                    sys.exit(f"kernel_ab.py: the builds differ at {rows} rows of a {n} x {k} weight")
+            for extra in ((None, None), (bias, None), (bias, residual)):
+                if not torch.equal(g.call(a, x, *extra), g.call(b, x, *extra)):
+                    sys.exit(f"kernel_ab.py: the builds differ at {rows} rows of a {n} x {k} {kind} weight")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", help="a git revision whose kernel source is the other build")
     parser.add_argument("--against-source", help="a kernel source file (common.h beside it) for the other build")
+    parser.add_argument("--kernel", choices=["int8", "int4"], default="int8",
+                        help="int8: the target's kernel over a 1.5B step; int4: the draft's over a 0.5B step")
     parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="row counts, comma-separated")
     parser.add_argument("--pairs", type=int, default=11, help="timed pairs per row count")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, rows 1 and 3, 3 pairs, one thread")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, rows 1 and 3, 3 pairs, one thread, both kernels")
     args = parser.parse_args()
     if kernels.compiled() is None:
         sys.exit("kernel_ab.py: speclm's compiled kernels do not run here")
-    shapes, row_counts, pairs = SHAPES, [int(r) for r in args.rows.split(",")], args.pairs
+    row_counts, pairs = [int(r) for r in args.rows.split(",")], args.pairs
+    kinds = [args.kernel]
     if args.smoke:
         torch.set_num_threads(1)
-        shapes, row_counts, pairs = SMOKE_SHAPES, [1, 3], 3
+        row_counts, pairs, kinds = [1, 3], 3, ["int8", "int4"]
     built = kernels.compiled()
     with tempfile.TemporaryDirectory() as tmp:
         other = other_build(args.against, args.against_source, Path(tmp))
-        check_same_bits(built, other)
         what = args.against or args.against_source or "the build's own source"
-        torch.manual_seed(0)
-        weights = [torch.randint(-127, 128, s, dtype=torch.int8) for s in shapes]
-        layouts = [vnni_layout(w) for w in weights]
-        scales = [torch.ones(w.shape[0]) for w in weights]
-        print(f"threads={torch.get_num_threads()} torch={torch.__version__} kernel={kernels.describe()} "
-              f"int8 weights={sum(w.numel() for w in weights) / 1e9:.2f} GB; other build: {what}; "
-              f"outputs bit-identical")
-        print(f"| rows | other ms (median) | this build ms (median) | this / other (median of {pairs} paired ratios) |")
-        print("|---|---|---|---|")
-        for rows in row_counts:
-            xs = {k: torch.randn(rows, k) for k in {s[1] for s in shapes}}
+        for kind in kinds:
+            check_same_bits(kind, built, other)
+            shapes = SMOKE_STEP if args.smoke else TARGET_STEP if kind == "int8" else DRAFT_LAYERS + DRAFT_HEAD
+            compare(kind, shapes, row_counts, pairs, built, other, what)
 
-            def step(module) -> float:
-                t = time.perf_counter()
-                for w, (packed, colsum), scale in zip(weights, layouts, scales):
-                    module.linear_rows(xs[w.shape[1]], packed, colsum, scale, None)
-                return time.perf_counter() - t
 
-            step(other), step(built)  # warm-up
-            theirs, ours, ratios = [], [], []
-            for i in range(pairs):  # alternating order: neither build always runs first
-                if i % 2:
-                    b = step(built)
-                    a = step(other)
-                else:
-                    a = step(other)
-                    b = step(built)
-                theirs.append(a)
-                ours.append(b)
-                ratios.append(b / a)
-            print(f"| {rows} | {statistics.median(theirs) * 1e3:.1f} | {statistics.median(ours) * 1e3:.1f} | "
-                  f"{statistics.median(ratios):.2f} |", flush=True)
+def compare(kind: str, shapes, row_counts, pairs: int, built, other, what: str) -> None:
+    torch.manual_seed(0)
+    gemms = [gemm(kind, torch.randint(-127, 128, s)) for s in shapes]
+    size = sum(o * i for o, i in shapes) * (1 if kind == "int8" else 0.5)
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__} kernel={kernels.describe()} "
+          f"{kind} weights={size / 1e9:.2f} GB; other build: {what}; outputs bit-identical")
+    print(f"| rows | other ms (median) | this build ms (median) | this / other (median of {pairs} paired ratios) |")
+    print("|---|---|---|---|")
+    for rows in row_counts:
+        xs = {k: torch.randn(rows, k) for k in {s[1] for s in shapes}}
+
+        def step(module) -> float:
+            t = time.perf_counter()
+            for g in gemms:
+                g.call(module, xs[g.in_features], None, None)
+            return time.perf_counter() - t
+
+        step(other), step(built)  # warm-up
+        theirs, ours, ratios = [], [], []
+        for i in range(pairs):  # alternating order: neither build always runs first
+            if i % 2:
+                b = step(built)
+                a = step(other)
+            else:
+                a = step(other)
+                b = step(built)
+            theirs.append(a)
+            ours.append(b)
+            ratios.append(b / a)
+        print(f"| {rows} | {statistics.median(theirs) * 1e3:.1f} | {statistics.median(ours) * 1e3:.1f} | "
+              f"{statistics.median(ratios):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

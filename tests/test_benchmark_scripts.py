@@ -24,7 +24,7 @@ from tiny import byte_tokenizer, loaded, random_heads, require_compiled_kernels,
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
-HELPERS = {"timing.py"}  # imported by the scripts, not run
+HELPERS = {"gemm_shapes.py", "timing.py"}  # imported by the scripts, not run
 
 # script: (arguments after --smoke, parts of lines (or patterns) its output must hold, needs the compiled kernels);
 # {target}, {draft}: tiny model folders; {medusa}, {eagle}: untrained heads for the target (eagle's fused with
@@ -54,8 +54,9 @@ SCRIPTS = {
     "fp32_linear_rows.py": ([], ["| rows | F.linear ms | (W x^T)^T ms | F.linear / (W x^T)^T |", "| 16 | "], False),
     "int8_gemm_rows.py": ([], ["| rows | speclm kernel ms | onednn.qlinear_pointwise ms | torch._int_mm ms |",
                                "| 32 | "], False),
-    "kernel_ab.py": ([], ["outputs bit-identical", "| rows | other ms (median) | this build ms (median) |", "| 3 | "],
-                      True),
+    "kernel_ab.py": ([], ["int8 weights=0.00 GB; other build: the build's own source; outputs bit-identical",
+                          "int4 weights=0.00 GB; other build: the build's own source; outputs bit-identical",
+                          "| rows | other ms (median) | this build ms (median) |", "| 3 | "], True),
     "int8_kernels.py": ([], ["| path | k=1 ms | k=4 ms | k=8 ms | k=16 ms | batch-invariant | rel. error vs fp64 |",
                              # speclm's row: timed, and batch-invariant
                              re.compile(r"\| speclm Int8Linear: .*( [0-9.]+ \|){4} yes \|")], False),

@@ -90,6 +90,21 @@ void dot_chunk(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quad
     for (int c = 0; c < CB; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * GROUP + c * BLOCK), a[r * CB + c]);
 }
 
+// How a chunk of 1 to 4 rows goes over a tile: its dot_chunk and the blocks (of 8) each pass covers,
+// so that the accumulators fit the 16 registers. PASSES[0]: up to 8 rows in the call, with the L2
+// prefetch; PASSES[1]: above 8 rows (prefill blocks), where the arithmetic dominates: 4 rows in
+// passes of 4 blocks (fewer passes, spilled registers), the prefetch compiled out (the 2-block
+// passes were slower at 64 rows, and so was a run-time far_lines of 0).
+using ChunkFn = void (*)(const int32_t*, int64_t, const int8_t*, int64_t, int32_t*, const int8_t*, const int8_t*, int);
+struct ChunkPasses {
+  ChunkFn fn;
+  int blocks;
+};
+constexpr ChunkPasses PASSES[2][5] = {
+    {{nullptr, 0}, {dot_chunk<1, 8>, 8}, {dot_chunk<2, 4>, 4}, {dot_chunk<3, 2>, 2}, {dot_chunk<4, 2>, 2}},
+    {{nullptr, 0}, {dot_chunk<1, 8, false>, 8}, {dot_chunk<2, 4, false>, 4}, {dot_chunk<3, 2, false>, 2},
+     {dot_chunk<4, 4, false>, 4}}};
+
 // The tail of a row's 8 columns: masked loads and stores of `valid` floats.
 inline __m256i lane_mask(int64_t valid) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -149,12 +164,9 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   const float* ws = wscale.data_ptr<float>();
 
   // Per group of 64 columns, tile by tile of its weights: rows in chunks of 4 (a remainder of 3 as
-  // 2 + 1 where there are more rows: fewer passes), each chunk in passes over the tile's columns, 8
-  // blocks at a time for one row, 4 for two, 2 for three or four, so that the accumulators fit the
-  // 16 registers. A tile's first pass reads memory, the others L1, and the first passes prefetch a
-  // tile FAR_TILES ahead into L2. Above 8 rows (prefill blocks) the arithmetic dominates: 4 rows go
-  // in passes of 4 blocks (fewer passes, spilled registers) without the L2 prefetch (the 2-block
-  // passes were slower at 64 rows).
+  // 2 + 1 where there are more rows: fewer passes), each chunk in its PASSES over the tile's columns.
+  // A tile's first pass reads memory, the others L1, and up to 8 rows the first passes prefetch a
+  // tile FAR_TILES ahead into L2.
   const int64_t chunks = (rows + 3) / 4 + (rows > 3 && rows % 4 == 3);
   const bool wide4 = rows > 8;
   std::vector<int64_t> chunk_rows(chunks), chunk_start(chunks);
@@ -162,7 +174,7 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   for (int64_t c = 0, r0 = 0; c < chunks; r0 += chunk_rows[c], ++c) {
     chunk_start[c] = r0;
     chunk_rows[c] = std::min<int64_t>(rows - r0 == 3 && rows > 3 ? 2 : 4, rows - r0);  // 7 rows: 4 + 2 + 1
-    passes += chunk_rows[c] == 1 ? 1 : chunk_rows[c] == 2 || (chunk_rows[c] == 4 && wide4) ? 2 : 4;
+    passes += 8 / PASSES[wide4][chunk_rows[c]].blocks;
   }
   // a tile's 4 lines per quad spread over its first passes (all of them up to 4), once
   const int far_lines = passes == 1 || wide4 ? 0 : int((4 + passes - 1) / passes);
@@ -180,28 +192,11 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
         for (int64_t c = 0; c < chunks; ++c) {
           const int64_t r0 = chunk_start[c], rc = chunk_rows[c];
           const int32_t* xr = x32 + r0 * stride + t0;
-          const int cb = rc == 1 ? 8 : rc == 2 || (rc == 4 && wide4) ? 4 : 2;
-          for (int c0 = 0; c0 < 8; c0 += cb, ++pass) {
-            const int8_t* near = pass == 0 ? wt + PREFETCH : nullptr;
-            const int8_t* f = far + pass * tq * far_lines * 64;
-            const int fl = pass < far_passes ? far_lines : 0;
-            int32_t* ar = acc.data() + r0 * GROUP + c0 * BLOCK;
-            if (wide4) {
-              switch (rc) {
-                case 1: dot_chunk<1, 8, false>(xr, stride, wt + c0 * 32, tq, ar, near, f, 0); break;
-                case 2: dot_chunk<2, 4, false>(xr, stride, wt + c0 * 32, tq, ar, near, f, 0); break;
-                case 3: dot_chunk<3, 2, false>(xr, stride, wt + c0 * 32, tq, ar, near, f, 0); break;
-                default: dot_chunk<4, 4, false>(xr, stride, wt + c0 * 32, tq, ar, near, f, 0); break;
-              }
-            } else {
-              switch (rc) {
-                case 1: dot_chunk<1, 8>(xr, stride, wt + c0 * 32, tq, ar, near, f, fl); break;
-                case 2: dot_chunk<2, 4>(xr, stride, wt + c0 * 32, tq, ar, near, f, fl); break;
-                case 3: dot_chunk<3, 2>(xr, stride, wt + c0 * 32, tq, ar, near, f, fl); break;
-                default: dot_chunk<4, 2>(xr, stride, wt + c0 * 32, tq, ar, near, f, fl); break;
-              }
-            }
-          }
+          const ChunkPasses& chunk = PASSES[wide4][rc];
+          for (int c0 = 0; c0 < 8; c0 += chunk.blocks, ++pass)
+            chunk.fn(xr, stride, wt + c0 * 32, tq, acc.data() + r0 * GROUP + c0 * BLOCK,
+                     pass == 0 ? wt + PREFETCH : nullptr, far + pass * tq * far_lines * 64,
+                     pass < far_passes ? far_lines : 0);
         }
       }
       for (int64_t r = 0; r < rows; ++r)
