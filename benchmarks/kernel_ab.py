@@ -2,9 +2,10 @@
 int8 kernel (`linear_rows`, `--kernel int8`) over the GEMMs of one decode step of Qwen2.5-1.5B
 (the default target, 1.54 GB of int8), or the int4 kernel (`linear_rows_w4`, `--kernel int4`) over
 those of Qwen2.5-0.5B (the default draft, 0.25 GB of int4), timed in pairs, the two builds back to
-back in alternating order, and the median of the pairs' ratios reported. On a VM whose memory bandwidth drifts by tens of percent within minutes,
-a ratio taken within a pair is steadier than medians taken minutes apart. The two builds' outputs
-are checked bit for bit first (odd shapes, 1 to 13 rows, bias and residual).
+back in alternating order, and the median of the pairs' ratios reported. On a VM whose memory
+bandwidth drifts by tens of percent within minutes, a ratio taken within a pair is steadier than
+medians taken minutes apart. The two builds' outputs are checked bit for bit first (odd shapes, 1
+to 13 rows, bias and residual).
 
 The other version is a git revision (`--against REV`: its kernel source and common.h, from `git
 show`) or a source file (`--against-source FILE`, its common.h beside it); it is built with the
@@ -42,7 +43,7 @@ CHECK_SHAPES = {"int8": [(200, 100), (64, 1536), (333, 896), (1000, 37)],
 class Gemm:
     """One weight in the layout a kernel takes, and the call that multiplies rows by it."""
     in_features: int
-    call: Callable  # (module, x (rows, in)) -> (rows, out)
+    call: Callable  # (module, x (rows, in), bias (out,) or None, residual (rows, out) or None) -> (rows, out)
 
 
 def gemm(kind: str, weight: torch.Tensor) -> Gemm:
@@ -50,7 +51,7 @@ def gemm(kind: str, weight: torch.Tensor) -> Gemm:
     out_f, in_f = weight.shape
     if kind == "int8":
         packed, colsum = vnni_layout(weight.clamp(-127, 127).to(torch.int8))
-        scale, bias = torch.rand(out_f), torch.randn(out_f)
+        scale = torch.rand(out_f)
         return Gemm(in_f, lambda m, x, *extra: m.linear_rows(x, packed, colsum, scale, *extra))
     packed, scales = int4_layout(*int4_groups(weight.float(), INT4_GROUP))
     return Gemm(in_f, lambda m, x, *extra: m.linear_rows_w4(x, packed, scales, out_f, *extra))
