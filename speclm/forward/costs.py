@@ -173,8 +173,8 @@ def verification_costs(model, key: str) -> ForwardCosts:
         return ForwardCosts({int(k): float(v) for k, v in data["seconds"].items()})
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    print("speclm: measuring this machine's verification cost by tree size (once per model, a few seconds)...",
-          file=sys.stderr, flush=True)
+    print("speclm: measuring this machine's verification cost by tree size (once per model, up to a minute "
+          "or so)...", file=sys.stderr, flush=True)
     costs = measure(model)
     if costs.cpu_share < BUSY:
         print(f"speclm: the machine was busy while measuring (this process got {costs.cpu_share:.0%} of its "
