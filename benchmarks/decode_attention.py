@@ -48,7 +48,7 @@ def main():
         from torch.utils import cpp_extension
 
         module = cpp_extension.load(name="speclm_cpu_kernels_other", sources=[args.source], extra_cflags=kernels.FLAGS,
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+                                    extra_ldflags=kernels.LDFLAGS, verbose=False)
     torch.manual_seed(0)
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} kernel source={args.source or kernels.SOURCE.name}")
     print("| model | context | rows | compiled us/layer | compiled ms/step | torch ops ms/step |")

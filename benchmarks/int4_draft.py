@@ -31,7 +31,6 @@ from gemm_shapes import DRAFT_HEAD, DRAFT_LAYERS, SMOKE_HEAD, SMOKE_LAYERS  # be
 from timing import median_ms  # benchmarks/timing.py
 
 
-
 @dataclass(frozen=True)
 class Sizes:
     layers: list  # GEMM shapes of one step's layers
@@ -49,8 +48,7 @@ class Sizes:
 
 
 FULL = Sizes(DRAFT_LAYERS, DRAFT_HEAD, 3, 5, range(1000, 1300), 13, 700, (100, 20000), 3, None, 2, 64)
-SMOKE = Sizes(SMOKE_LAYERS, SMOKE_HEAD, 1, 1, range(10, 40), 1, 40, (10, 200), 1,
-              ["qa"], 1, 8)
+SMOKE = Sizes(SMOKE_LAYERS, SMOKE_HEAD, 1, 1, range(10, 40), 1, 40, (10, 200), 1, ["qa"], 1, 8)
 
 
 def gemms(shapes, sizes: Sizes):

@@ -82,7 +82,7 @@ def other_build(against: str | None, source: str | None, folder: Path):
     from torch.utils import cpp_extension
 
     return cpp_extension.load(name=f"{name}_other", sources=[str(folder / main.name)], extra_cflags=cflags,
-                              extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+                              extra_ldflags=kernels.LDFLAGS, build_directory=str(folder), verbose=False)
 
 
 def check_same_bits(kind: str, a, b) -> None:

@@ -34,6 +34,7 @@ _COMMON = ["-O3",
            "-ffp-contract=off",  # no FMA contraction: the rescale must round as torch's does
            "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp)
            *(f"-D{name}={value}" for name, value in KERNEL_MACROS.items())]  # tuned sizes (speclm.defaults)
+LDFLAGS = ["-fopenmp"]  # every build's, and the benchmarks' builds of other versions
 # instruction set -> (module name, source, compiler flags, /proc/cpuinfo flags it needs)
 BUILDS = {
     "avx512": ("speclm_cpu_kernels", "cpu_kernels.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
@@ -127,7 +128,7 @@ def compiled():
         print("speclm: building its CPU kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(name=name, sources=[str(files[0])], extra_cflags=cflags,
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+                                  extra_ldflags=LDFLAGS, verbose=False)
     except Exception as exc:  # no compiler, a broken toolchain: torch's kernels still work
         lines = str(exc).strip().splitlines()
         errors = [line.strip() for line in lines if "error:" in line]  # the compiler's, not ninja's command line

@@ -167,15 +167,15 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   // 2 + 1 where there are more rows: fewer passes), each chunk in its PASSES over the tile's columns.
   // A tile's first pass reads memory, the others L1, and up to 8 rows the first passes prefetch a
   // tile FAR_TILES ahead into L2.
-  const int64_t chunks = (rows + 3) / 4 + (rows > 3 && rows % 4 == 3);
   const bool wide4 = rows > 8;
-  std::vector<int64_t> chunk_rows(chunks), chunk_start(chunks);
+  std::vector<int64_t> chunk_rows, chunk_start;
   int64_t passes = 0;  // per tile
-  for (int64_t c = 0, r0 = 0; c < chunks; r0 += chunk_rows[c], ++c) {
-    chunk_start[c] = r0;
-    chunk_rows[c] = std::min<int64_t>(rows - r0 == 3 && rows > 3 ? 2 : 4, rows - r0);  // 7 rows: 4 + 2 + 1
-    passes += 8 / PASSES[wide4][chunk_rows[c]].blocks;
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows.back()) {
+    chunk_start.push_back(r0);
+    chunk_rows.push_back(std::min<int64_t>(rows - r0 == 3 && rows > 3 ? 2 : 4, rows - r0));  // 7 rows: 4 + 2 + 1
+    passes += 8 / PASSES[wide4][chunk_rows.back()].blocks;
   }
+  const int64_t chunks = static_cast<int64_t>(chunk_rows.size());
   // a tile's 4 lines per quad spread over its first passes (all of them up to 4), once
   const int far_lines = passes == 1 || wide4 ? 0 : int((4 + passes - 1) / passes);
   const int64_t far_passes = far_lines == 0 ? 0 : (4 + far_lines - 1) / far_lines;
