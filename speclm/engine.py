@@ -15,7 +15,7 @@ from typing import Iterator
 from speclm import defaults
 from speclm.spec.adaptive import Adaptive
 from speclm.spec.batch import Batch
-from speclm.forward.costs import verification_costs
+from speclm.forward.costs import ForwardCosts, verification_costs
 from speclm.defaults import DRAFT_METHODS, HEAD_METHODS, heads_kind
 from speclm.errors import UsageError
 from speclm.models.loading import LoadedModel
@@ -66,6 +66,9 @@ class SpecEngine:
         self.prefix = PrefixCaches.of_size(prefix_cache)
         self._draft_times = DraftTimes()  # the draft's measured forward times, kept across requests (auto trees)
         self._heads: dict[tuple[str, str], LoadedHeads] = {}  # (kind, file) -> heads loaded for this target
+        # "target"/"draft" -> forward costs, kept for the engine's life (a table measured on a busy
+        # machine is not stored on disk: without this each new proposer would measure it again)
+        self._costs: dict[str, ForwardCosts] = {}
         if draft is not None:
             check_same_vocabulary(target, draft)
 
@@ -90,7 +93,7 @@ class SpecEngine:
         if size < 1:
             raise UsageError(f"batch-size must be >= 1, got {size}")
         seed = opts.seed if opts.seed is not None else secrets.randbits(62)
-        self._check_models(opts)
+        self.prepare(opts)
         requests = [Request.of(i, ids, opts, seed + i, self.target.max_context, seeded=opts.seed is not None)
                     for i, ids in enumerate(encoded)]
         waiting = deque(requests)
@@ -123,13 +126,17 @@ class SpecEngine:
         this machine's measured forward costs."""
         return Adaptive(self.forward_costs())
 
-    def forward_costs(self):
+    def forward_costs(self) -> ForwardCosts:
         """The target's forward time by tokens read (speclm.forward.costs; measured once per model, then cached)."""
-        return verification_costs(self.target.model, f"{self.target.name}-{self.target.quantize}")
+        if "target" not in self._costs:
+            self._costs["target"] = verification_costs(self.target.model, f"{self.target.name}-{self.target.quantize}")
+        return self._costs["target"]
 
-    def draft_costs(self):
+    def draft_costs(self) -> ForwardCosts:
         """The draft model's forward time by tokens read, as forward_costs."""
-        return verification_costs(self.draft.model, f"{self.draft.name}-{self.draft.quantize}")
+        if "draft" not in self._costs:
+            self._costs["draft"] = verification_costs(self.draft.model, f"{self.draft.name}-{self.draft.quantize}")
+        return self._costs["draft"]
 
     def request(self, prompt, options: GenerationOptions | None = None, index: int = 0, seed: int | None = None,
                 **kwargs) -> Request:
@@ -138,16 +145,23 @@ class SpecEngine:
         else random)."""
         opts = options if options is not None else GenerationOptions(**kwargs)
         ids = self.encode([prompt], opts.chat)[0]
-        self._check_models(opts)
+        self.prepare(opts)
         seeded = seed is not None or opts.seed is not None
         seed = seed if seed is not None else opts.seed if opts.seed is not None else secrets.randbits(62)
         return Request.of(index, ids, opts, seed, self.target.max_context, seeded)
 
-    def _check_models(self, opts: GenerationOptions) -> None:
+    def prepare(self, opts: GenerationOptions) -> None:
+        """Ready what requests with these options need once per engine, before any of them runs (so
+        none pays for it in its time or stats): the heads, loaded; the measured forward costs that
+        size trees (the first measurement on a machine takes up to a minute). UsageError where a
+        model the method needs is missing."""
         if opts.method in DRAFT_METHODS and self.draft is None:
             raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
         if opts.method in HEAD_METHODS:
             self.heads(heads_kind(opts.method), opts.heads)
+            self.forward_costs()
+        elif opts.method in DRAFT_METHODS:
+            self._tree(opts)
 
     def heads(self, kind: str, path: str | None = None) -> "LoadedHeads":
         """The trained heads of `kind` for this target: from `path`, or those shipped for it

@@ -256,6 +256,34 @@ def test_a_kept_cost_table_belongs_to_the_kernels_that_measured_it(tmp_path, mon
     assert len(list(tmp_path.glob("costs/*.json"))) == 2
 
 
+def test_the_cost_tables_are_measured_before_a_request_runs_and_once_per_engine(
+        int8_target, unrelated_draft, tmp_path, monkeypatch):
+    """A method that sizes trees from measured costs has them measured when its request is made,
+    not inside its first round (where the request's time and stats would carry them); an engine
+    measures a table once, even one a busy machine keeps from the disk."""
+    from speclm.forward import costs
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
+    measured = []
+
+    def fake(model):
+        measured.append(model)
+        return ForwardCosts({1: 1.0, 8: 1.2}, cpu_share=0.5)  # busy: not stored
+
+    monkeypatch.setattr(costs, "measure", fake)
+    engine = SpecEngine(int8_target, draft=unrelated_draft)
+    engine.request("abc", method="draft", tree="auto")
+    assert measured == [int8_target.model]
+    engine.request("abc", method="draft", tree="auto", temperature=0.8)  # sampling: the draft's too
+    assert measured == [int8_target.model, unrelated_draft.model]
+    for _ in range(2):
+        engine.generate(PROMPTS[:2], method="draft+pld", tree="auto", max_new_tokens=8)
+        engine.generate(PROMPTS[0], method="draft", tree="auto", max_new_tokens=8, temperature=0.8, seed=1)
+    assert len(measured) == 2
+    engine.request("abc", method="draft")  # a chain: nothing to measure
+    assert len(measured) == 2 and not list(tmp_path.glob("costs/*.json"))
+
+
 def test_the_kernels_fingerprint_follows_their_source(tmp_path, monkeypatch):
     """A changed kernel source gives another fingerprint (where the compiled kernels run)."""
     from speclm.quant import kernels

@@ -28,6 +28,7 @@ from functools import cached_property
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from speclm.bench.machine import cpu_name
 from speclm.models.store import model_home
@@ -135,6 +136,8 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     device = _device(model)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    bar = tqdm(total=(repeats + 1) * len(sizes), desc="verification cost", unit="forward", leave=False,
+               disable=None)  # a bar on a terminal only
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(repeats + 1):  # the first pass warms each shape up and is dropped
         for n in sizes:
@@ -144,6 +147,8 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
             sync()
             times[n].append(time.perf_counter() - start)
             kv.truncate([length])
+            bar.update()
+    bar.close()
     share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
     return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()},
                         cpu_share=share if device.type == "cpu" else 1.0)

@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 
-from speclm.defaults import HEAD_METHODS, heads_kind
 from speclm.errors import UsageError
 from speclm.options import GenerationOptions
 
@@ -53,8 +52,7 @@ def build(args, progress: bool = False):
     target = load_model(args.target, quantize=quantize, progress=progress)
     draft = load_model(args.draft, quantize=draft_quantize, progress=progress) if args.draft else None
     engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
-    if options.method in HEAD_METHODS:
-        engine.heads(heads_kind(options.method), options.heads)  # fail at start, not at the first request
+    engine.prepare(options)  # heads and cost tables: at start (a failure too), not in the first request
     policy = engine.adaptive() if args.speculation == "adaptive" else None
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
                           prefill_chunk=args.prefill_chunk, speculation=policy, metrics=Metrics())
