@@ -218,10 +218,13 @@ namespace {
 // fp32(sum x u - 8 sum x) * scale, fused multiply-add in group order, as cpu_kernels.cpp's
 // w4_columns (so the same bits). w: the group's packed weights (K/8, 64, 4) offset to block c0:
 // byte (p, col, j) holds u[col][8p + j] in its low nibble and u[col][8p + 4 + j] in its high one;
-// scales: (K/G, 64) fp16, offset likewise; x32: rows' int8 activations as 4-byte quads.
+// scales: (K/G, 64) fp16, offset likewise; x32: rows' int8 activations as 4-byte quads. `first`:
+// the first sweep over the group's weights fetches each pair's 4 lines PREFETCH ahead (fetching
+// only the lines it read left the others to the hardware prefetcher, measured slower); a later
+// sweep (the second half of 4 rows' blocks, or more rows) fetches the lines it reads, from L2.
 template <int ROWS, int CB>
 void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, int64_t groups, const uint8_t* w,
-                const at::Half* scales, int64_t pairs_per_group, __m256* out) {
+                const at::Half* scales, int64_t pairs_per_group, __m256* out, bool first) {
   for (int i = 0; i < ROWS * CB; ++i) out[i] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -230,8 +233,8 @@ void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, in
     for (int i = 0; i < ROWS * CB; ++i) a[i] = _mm256_setzero_si256();
     for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; ++p) {
       const uint8_t* wp = w + p * 256;
-      _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH), _MM_HINT_T0);
-      if (CB > 2) _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + 64), _MM_HINT_T0);
+      const int lines = first ? 4 : (CB * 32 + 63) / 64;
+      for (int l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + l * 64), _MM_HINT_T0);
       __m256i xa[ROWS], xb[ROWS];
       for (int r = 0; r < ROWS; ++r) {
         xa[r] = _mm256_set1_epi32(x32[r * quad_stride + 2 * p]);
@@ -256,6 +259,20 @@ void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, in
     }
   }
 }
+
+// How a chunk of 1, 2 or 4 rows goes over a column group: its w4_columns and the blocks (of 8) per
+// sweep. All 8 in one sweep up to 2 rows (2 rows spill accumulators and still beat two sweeps);
+// 4 rows in two sweeps of 4 (one sweep of 8 spilled more and was slower).
+// benchmarks/avx2/int4-kernel-ab.txt times these against the sweeps of 4, 2 and 1 blocks before.
+using W4Fn = void (*)(const int32_t*, int64_t, const int32_t*, int64_t, const uint8_t*, const at::Half*, int64_t,
+                      __m256*, bool);
+struct W4Sweeps {
+  W4Fn fn;
+  int blocks;
+};
+constexpr W4Sweeps W4_SWEEPS[5] = {{nullptr, 0}, {w4_columns<1, 8>, 8}, {w4_columns<2, 8>, 8}, {nullptr, 0},
+                                   {w4_columns<4, 4>, 4}};
+constexpr int W4_MOST = 16;  // the most ROWS * CB of a sweep: its fp32 outputs
 
 }  // namespace
 
@@ -294,19 +311,18 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
   const int64_t quad_stride = k / 4, pairs_per_group = group / 8;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
-    __m256 acc[8];
+    __m256 acc[W4_MOST];
     for (int64_t cg = g0; cg < g1; ++cg) {
       const uint8_t* wg = wp + cg * (k / 8) * 256;
       const at::Half* sg = sp + cg * groups * GROUP;
       for (int64_t r0 = 0; r0 < rows;) {
         const int rc = rows - r0 >= 4 ? 4 : (rows - r0 >= 2 ? 2 : 1);
-        const int cb = rc == 1 ? 4 : (rc == 2 ? 2 : 1);
+        const W4Sweeps& sweep = W4_SWEEPS[rc];
+        const int cb = sweep.blocks;
         const int32_t* xr = x32 + r0 * quad_stride;
         const int32_t* sr = xsum.data() + r0 * groups;
         for (int c0 = 0; c0 < 8; c0 += cb) {
-          if (rc == 4) w4_columns<4, 1>(xr, quad_stride, sr, groups, wg + c0 * 32, sg + c0 * BLOCK, pairs_per_group, acc);
-          else if (rc == 2) w4_columns<2, 2>(xr, quad_stride, sr, groups, wg + c0 * 32, sg + c0 * BLOCK, pairs_per_group, acc);
-          else w4_columns<1, 4>(xr, quad_stride, sr, groups, wg + c0 * 32, sg + c0 * BLOCK, pairs_per_group, acc);
+          sweep.fn(xr, quad_stride, sr, groups, wg + c0 * 32, sg + c0 * BLOCK, pairs_per_group, acc, r0 == 0 && c0 == 0);
           for (int c = 0; c < cb; ++c) {
             const int64_t col = cg * GROUP + (c0 + c) * BLOCK;
             if (col >= n) break;
