@@ -67,6 +67,9 @@ TABLE: tuple[Tuned, ...] = (
           "keys at head size 128: L1)", "benchmarks/intel/decode-attention-cpu.txt", "the kernel as built"),
     Tuned("WEIGHT_PREFETCH_BYTES", 2048, "speclm/quant/csrc", "software prefetch distance in the int8 kernel's weight "
           "stream", "benchmarks/epyc/int8-gemm-rows.txt", "the kernel as built; the run without it is not committed"),
+    Tuned("WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW", 1024, "speclm/quant/csrc", "the same distance in the AVX2 int8 kernel "
+          "for one row (a decode step without speculation)", "benchmarks/avx2/int8-prefetch-ab.txt",
+          "1 row: 0.91x the time at 2048, paired (2 and 4 rows, the same code: 0.99-1.03x)"),
 )
 
 _BY_NAME = {t.name: t.value for t in TABLE}
@@ -87,6 +90,7 @@ VNNI_MAX_ROWS: int = _BY_NAME["VNNI_MAX_ROWS"]
 ATTENTION_QUERY_TILE: int = _BY_NAME["ATTENTION_QUERY_TILE"]
 ATTENTION_SLOT_BLOCK: int = _BY_NAME["ATTENTION_SLOT_BLOCK"]
 WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
+WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW: int = _BY_NAME["WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW"]
 
 # --tree's default for `draft` and `draft+pld`: "chain" or "auto" (speclm.proposers.draft_tree). Chain:
 # auto trees measured no faster than chains: 0.97x on the AVX2 machine (benchmarks/avx2/trees-int8-qwen1.5b-60),
@@ -107,6 +111,7 @@ KERNEL_MACROS = {
     "SPECLM_QUERY_TILE": ATTENTION_QUERY_TILE,
     "SPECLM_SLOT_BLOCK": ATTENTION_SLOT_BLOCK,
     "SPECLM_PREFETCH": WEIGHT_PREFETCH_BYTES,
+    "SPECLM_PREFETCH_ONE_ROW": WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW,
 }
 
 

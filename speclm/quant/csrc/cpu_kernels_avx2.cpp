@@ -32,6 +32,7 @@ namespace {
 constexpr int64_t GROUP = 64;  // columns packed together (speclm.quant.vnni_layout, int4_layout)
 constexpr int64_t BLOCK = 8;   // output columns per 256-bit accumulator
 constexpr int64_t PREFETCH = SPECLM_PREFETCH;  // speclm.defaults.WEIGHT_PREFETCH_BYTES
+constexpr int64_t PREFETCH_ONE_ROW = SPECLM_PREFETCH_ONE_ROW;  // the int8 kernel's at 1 row (defaults, likewise)
 
 // One activation row quantized for the int8 dot products: step = max|x| / 127 (returned) and
 // out[i] = round(x[i] / step) (half to even), zero-padded to kp: torch's path in speclm.quant,
@@ -195,7 +196,7 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
           const ChunkPasses& chunk = PASSES[wide4][rc];
           for (int c0 = 0; c0 < 8; c0 += chunk.blocks, ++pass)
             chunk.fn(xr, stride, wt + c0 * 32, tq, acc.data() + r0 * GROUP + c0 * BLOCK,
-                     pass == 0 ? wt + PREFETCH : nullptr, far + pass * tq * far_lines * 64,
+                     pass == 0 ? wt + (rows == 1 ? PREFETCH_ONE_ROW : PREFETCH) : nullptr, far + pass * tq * far_lines * 64,
                      pass < far_passes ? far_lines : 0);
         }
       }
