@@ -180,6 +180,7 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   // a tile's 4 lines per quad spread over its first passes (all of them up to 4), once
   const int far_lines = passes == 1 || wide4 ? 0 : int((4 + passes - 1) / passes);
   const int64_t far_passes = far_lines == 0 ? 0 : (4 + far_lines - 1) / far_lines;
+  const int64_t near_ahead = rows == 1 ? PREFETCH_ONE_ROW : PREFETCH;  // the first pass's prefetch distance
   at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
     std::vector<int32_t> acc(rows * GROUP);
     for (int64_t g = g0; g < g1; ++g) {
@@ -196,7 +197,7 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
           const ChunkPasses& chunk = PASSES[wide4][rc];
           for (int c0 = 0; c0 < 8; c0 += chunk.blocks, ++pass)
             chunk.fn(xr, stride, wt + c0 * 32, tq, acc.data() + r0 * GROUP + c0 * BLOCK,
-                     pass == 0 ? wt + (rows == 1 ? PREFETCH_ONE_ROW : PREFETCH) : nullptr, far + pass * tq * far_lines * 64,
+                     pass == 0 ? wt + near_ahead : nullptr, far + pass * tq * far_lines * 64,
                      pass < far_passes ? far_lines : 0);
         }
       }
@@ -273,7 +274,14 @@ struct W4Sweeps {
 };
 constexpr W4Sweeps W4_SWEEPS[5] = {{nullptr, 0}, {w4_columns<1, 8>, 8}, {w4_columns<2, 8>, 8}, {nullptr, 0},
                                    {w4_columns<4, 4>, 4}};
-constexpr int W4_MOST = 16;  // the most ROWS * CB of a sweep: its fp32 outputs
+// the most ROWS * CB of a sweep (its fp32 outputs), from the table: a wider sweep added there cannot
+// outgrow the caller's array
+constexpr int w4_most() {
+  int most = 0;
+  for (int rows = 1; rows < 5; ++rows) most = std::max(most, rows * W4_SWEEPS[rows].blocks);
+  return most;
+}
+constexpr int W4_MOST = w4_most();
 
 }  // namespace
 
