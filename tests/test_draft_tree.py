@@ -256,6 +256,39 @@ def test_a_kept_cost_table_belongs_to_the_kernels_that_measured_it(tmp_path, mon
     assert len(list(tmp_path.glob("costs/*.json"))) == 2
 
 
+def test_a_new_cost_table_removes_other_builds_tables_unread_for_a_month(tmp_path, monkeypatch):
+    """Each kernel build measures its own table; an upgrade would leave the old build's behind
+    for good. Storing a table removes the other builds' tables of the same model and processor that
+    were not read for STALE_DAYS; a table in use (read recently, as by a second install sharing
+    the folder) and other models' tables stay."""
+    import os
+    import time
+
+    from speclm.forward import costs
+    from speclm.quant import kernels
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
+    monkeypatch.setattr(costs, "measure", lambda model: ForwardCosts({1: 1.0, 2: 1.5}))
+    month = costs.STALE_DAYS * 86400
+    for build in ("build-a", "build-b"):
+        monkeypatch.setattr(kernels, "fingerprint", lambda build=build: build)
+        costs.verification_costs(None, "m")
+    costs.verification_costs(None, "other-model")  # build-b's
+    files = {p.name: p for p in tmp_path.glob("costs/*.json")}
+    assert len(files) == 3
+    old = time.time() - month - 60
+    for p in files.values():
+        os.utime(p, (old, old))
+    monkeypatch.setattr(kernels, "fingerprint", lambda: "build-a")
+    costs.verification_costs(None, "m")  # read: build-a's table is in use again, nothing stored
+    assert len(list(tmp_path.glob("costs/*.json"))) == 3
+    monkeypatch.setattr(kernels, "fingerprint", lambda: "build-c")
+    costs.verification_costs(None, "m")  # stored: build-b's (unread for a month) goes
+    names = sorted(p.name for p in tmp_path.glob("costs/*.json"))
+    assert len(names) == 3 and not any("build-b" in n and n.startswith("m-") for n in names)
+    assert any("build-a" in n for n in names) and any(n.startswith("other-model") for n in names)
+
+
 def test_the_cost_tables_are_measured_before_a_request_runs_and_once_per_engine(
         int8_target, unrelated_draft, tmp_path, monkeypatch):
     """A method that sizes trees from measured costs has them measured when its request is made,

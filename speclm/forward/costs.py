@@ -7,6 +7,9 @@ token's logits are kept, as in a verification). The costs are measured once per 
 weights, thread count and build of the compiled kernels, over a cached 256-token context, and kept in
 `$SPECLM_HOME/costs/<key>.json`, so the trees a model grows do not depend on a timing taken
 during the request (and a sampled request with a seed stays reproducible on this machine). A
+table is touched when read; storing one removes the tables of other kernel builds for the same
+model and processor that nobody read for STALE_DAYS (an upgrade leaves the old build's behind,
+and two installs sharing the folder keep each their own). A
 table measured while other work held the cores (the measuring threads got under BUSY of their
 CPU time) is used for that process only and measured again by the next: its timings say as
 much about the other work as about the model, and every tree sized from the file would
@@ -25,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from glob import escape as glob_escape
 from typing import Callable
 
 import torch
@@ -42,6 +46,7 @@ BUSY = 0.75  # share of the measuring threads' CPU time below which the machine 
 # measured again. Every token's logits: a verification scores each drafted token, so the output
 # projection (151936 x 1536 for Qwen2.5 1.5B) runs for each of them.
 FORM = "all-logits"
+STALE_DAYS = 30  # another build's table unread this long is removed when a new table is stored
 
 
 @dataclass(frozen=True)
@@ -170,14 +175,19 @@ def verification_costs(model, key: str) -> ForwardCosts:
     """This model's ForwardCosts, measured on first use and read from the cache after. key names
     the model and its weights (the thread count and the CPU, or the GPU, and the compiled kernels'
     fingerprint are added here)."""
-    tag = f"{key}-{_processor(model)}-{kernels.fingerprint()}-{FORM}"
-    name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tag)
-    path = model_home() / "costs" / f"{name[:200]}.json"
+    prefix, suffix = _file_name(f"{key}-{_processor(model)}-"), _file_name(f"-{FORM}")
+    path = model_home() / "costs" / f"{(prefix + _file_name(kernels.fingerprint()) + suffix)[:200]}.json"
     try:
         data = json.loads(path.read_text())
-        return ForwardCosts({int(k): float(v) for k, v in data["seconds"].items()})
+        costs = ForwardCosts({int(k): float(v) for k, v in data["seconds"].items()})
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    else:
+        try:
+            os.utime(path)  # read: in use by this build, not stale
+        except OSError:
+            pass  # a read-only home
+        return costs
     print("speclm: measuring this machine's verification cost by tree size (once per model, up to a minute "
           "or so)...", file=sys.stderr, flush=True)
     costs = measure(model)
@@ -191,5 +201,22 @@ def verification_costs(model, key: str) -> ForwardCosts:
         tmp.write_text(json.dumps({"key": key, "seconds": costs.to_dict()}, indent=1))
         tmp.replace(path)
     except OSError:
-        pass  # an unwritable home: measured again next time
+        return costs  # an unwritable home: measured again next time
+    _remove_stale(path, prefix, suffix)
     return costs
+
+
+def _file_name(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
+
+
+def _remove_stale(kept, prefix: str, suffix: str) -> None:
+    """Remove the tables of other kernel builds for kept's model and processor (the files named
+    prefix<fingerprint>suffix.json) that were not read for STALE_DAYS."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for other in kept.parent.glob(f"{glob_escape(prefix)}*{glob_escape(suffix)}.json"):
+        try:
+            if other != kept and other.stat().st_mtime < cutoff:
+                other.unlink()
+        except OSError:
+            pass  # removed by another process meanwhile, or not ours to remove
