@@ -92,17 +92,20 @@ void dot_chunk(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quad
 }
 
 // How a chunk of 1 to 4 rows goes over a tile: its dot_chunk and the blocks (of 8) each pass covers,
-// so that the accumulators fit the 16 registers. PASSES[0]: up to 8 rows in the call, with the L2
-// prefetch; PASSES[1]: above 8 rows (prefill blocks), where the arithmetic dominates: 4 rows in
-// passes of 4 blocks (fewer passes, spilled registers), the prefetch compiled out (the 2-block
-// passes were slower at 64 rows, and so was a run-time far_lines of 0).
+// so that the accumulators fit the 16 registers. PASSES[0]: up to 4 rows in the call, with the L2
+// prefetch; PASSES[1]: 5 to 8 rows, the same but a chunk of 4 rows in 2 passes of 4 blocks (spilled
+// registers, half the passes: 0.92-0.96x the time of 4 passes of 2 at 5-8 rows, paired; at 4 rows
+// alone no faster); PASSES[2]: above 8 rows (prefill blocks), where the arithmetic dominates: 4
+// rows in passes of 4 blocks, the prefetch compiled out (the 2-block passes were slower at 64 rows,
+// and so was a run-time far_lines of 0).
 using ChunkFn = void (*)(const int32_t*, int64_t, const int8_t*, int64_t, int32_t*, const int8_t*, const int8_t*, int);
 struct ChunkPasses {
   ChunkFn fn;
   int blocks;
 };
-constexpr ChunkPasses PASSES[2][5] = {
+constexpr ChunkPasses PASSES[3][5] = {
     {{nullptr, 0}, {dot_chunk<1, 8>, 8}, {dot_chunk<2, 4>, 4}, {dot_chunk<3, 2>, 2}, {dot_chunk<4, 2>, 2}},
+    {{nullptr, 0}, {dot_chunk<1, 8>, 8}, {dot_chunk<2, 4>, 4}, {dot_chunk<3, 2>, 2}, {dot_chunk<4, 4>, 4}},
     {{nullptr, 0}, {dot_chunk<1, 8, false>, 8}, {dot_chunk<2, 4, false>, 4}, {dot_chunk<3, 2, false>, 2},
      {dot_chunk<4, 4, false>, 4}}};
 
@@ -169,12 +172,13 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   // A tile's first pass reads memory, the others L1, and up to 8 rows the first passes prefetch a
   // tile FAR_TILES ahead into L2.
   const bool wide4 = rows > 8;
+  const int table = wide4 ? 2 : rows > 4 ? 1 : 0;  // PASSES's
   std::vector<int64_t> chunk_rows, chunk_start;
   int64_t passes = 0;  // per tile
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows.back()) {
     chunk_start.push_back(r0);
     chunk_rows.push_back(std::min<int64_t>(rows - r0 == 3 && rows > 3 ? 2 : 4, rows - r0));  // 7 rows: 4 + 2 + 1
-    passes += 8 / PASSES[wide4][chunk_rows.back()].blocks;
+    passes += 8 / PASSES[table][chunk_rows.back()].blocks;
   }
   const int64_t chunks = static_cast<int64_t>(chunk_rows.size());
   // a tile's 4 lines per quad spread over its first passes (all of them up to 4), once
@@ -194,7 +198,7 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
         for (int64_t c = 0; c < chunks; ++c) {
           const int64_t r0 = chunk_start[c], rc = chunk_rows[c];
           const int32_t* xr = x32 + r0 * stride + t0;
-          const ChunkPasses& chunk = PASSES[wide4][rc];
+          const ChunkPasses& chunk = PASSES[table][rc];
           for (int c0 = 0; c0 < 8; c0 += chunk.blocks, ++pass)
             chunk.fn(xr, stride, wt + c0 * 32, tq, acc.data() + r0 * GROUP + c0 * BLOCK,
                      pass == 0 ? wt + near_ahead : nullptr, far + pass * tq * far_lines * 64,
