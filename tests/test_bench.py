@@ -256,7 +256,10 @@ def test_bench_records_the_draft_weights(folders, tmp_path, dataset):
     saved = json.loads((out / "results.json").read_text())
     assert saved["config"]["draft_quantize"] == "int4"
     assert all(r["lossless"] is not False for r in saved["runs"])
-    assert "draft weights int4" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "draft weights int4" in text
+    # no cost model (--cost-repeats 0): no v(k) plot, and the report names only the plots written
+    assert not (out / "v_k.png").exists() and "v_k.png" not in text and "`speedup.png`" in text
 
 
 def test_each_method_has_its_own_prefix_cache(folders, tmp_path, capsys):

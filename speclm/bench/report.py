@@ -289,7 +289,8 @@ def markdown(results: dict, summary: dict) -> str:
         lines.append("Every greedy output equals its plain decoding's token for token.")
     else:
         lines.append("Sampling run: outputs are not compared token for token.")
-    lines += ["", "Plots: `speedup.png`, `accepted_per_position.png`, `v_k.png`.", ""]
+    shown = ["speedup.png", "accepted_per_position.png"] + (["v_k.png"] if results.get("cost_model") else [])  # plots()'s
+    lines += ["", "Plots: " + ", ".join(f"`{name}`" for name in shown) + ".", ""]
     return "\n".join(lines)
 
 
