@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -34,17 +35,50 @@ constexpr int64_t BLOCK = 8;   // output columns per 256-bit accumulator
 constexpr int64_t PREFETCH = SPECLM_PREFETCH;  // speclm.defaults.WEIGHT_PREFETCH_BYTES
 constexpr int64_t PREFETCH_ONE_ROW = SPECLM_PREFETCH_ONE_ROW;  // the int8 kernel's at 1 row (defaults, likewise)
 
+// The tail of a row's 8 columns: masked loads and stores of `valid` floats.
+inline __m256i lane_mask(int64_t valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline __m256 load8(const float* p, int64_t valid) {
+  return valid >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(valid));
+}
+
+inline void store8(float* p, __m256 v, int64_t valid) {
+  if (valid >= 8) _mm256_storeu_ps(p, v);
+  else _mm256_maskstore_ps(p, lane_mask(valid), v);
+}
+
 // One activation row quantized for the int8 dot products: step = max|x| / 127 (returned) and
 // out[i] = round(x[i] / step) (half to even), zero-padded to kp: torch's path in speclm.quant,
-// the same operations in the same fp32 roundings.
+// the same operations in the same fp32 roundings, 8 lanes at a time as cpu_kernels.cpp's 16 (a
+// maximum does not depend on the order, and vdivps rounds as the scalar division does); each
+// int32 truncated to its low byte.
 inline float quantize_row(const float* row, int64_t k, int64_t kp, int8_t* out) {
-  float top = 0.0f;
-  for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(row[i]));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8(row + i, k - i)));
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float top = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
   const float s = std::max(top, 1e-12f) / 127.0f;
-  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_roundevenf(row[i] / s)));
+  const __m256 vs = _mm256_set1_ps(s);
+  // byte 0 of each int32 lane, lanes 0-3 in the low 4 bytes of each 128-bit half
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m256 v = _mm256_round_ps(_mm256_div_ps(load8(row + i, k - i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_cvtps_epi32(v), low_bytes);
+    const uint64_t bytes = uint64_t(uint32_t(_mm256_extract_epi32(b, 0))) | uint64_t(uint32_t(_mm256_extract_epi32(b, 4))) << 32;
+    std::memcpy(out + i, &bytes, std::min<int64_t>(8, k - i));
+  }
   for (int64_t i = k; i < kp; ++i) out[i] = 0;
   return s;
 }
+
+// From this many rows (prefill blocks) the activations are quantized on torch's threads, each row
+// alone as before: the same bytes.
+constexpr int64_t QUANTIZE_THREADED_ROWS = 16;
 
 // acc (8 int32 lanes, one per column) += the 4-term dot products of x's quad (broadcast) with
 // each column's 4 int8 weights in w, exactly (see the top of this file).
@@ -112,20 +146,6 @@ constexpr ChunkPasses PASSES[3][5] = {
     {{nullptr, 0}, {dot_chunk<1, 8, false>, 8}, {dot_chunk<2, 4, false>, 4}, {dot_chunk<3, 4, false>, 4},
      {dot_chunk<4, 4, false>, 4}}};
 
-// The tail of a row's 8 columns: masked loads and stores of `valid` floats.
-inline __m256i lane_mask(int64_t valid) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-inline __m256 load8(const float* p, int64_t valid) {
-  return valid >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(valid));
-}
-
-inline void store8(float* p, __m256 v, int64_t valid) {
-  if (valid >= 8) _mm256_storeu_ps(p, v);
-  else _mm256_maskstore_ps(p, lane_mask(valid), v);
-}
-
 // Columns col .. col + valid - 1 of one row: fp32(dot) * wscale * step (+ bias) (+ residual),
 // in that order (speclm.quant.Int8Linear.rows).
 inline void rescale8(__m256i dots, const float* ws, float step, const float* bp, const float* rp, float* out,
@@ -161,7 +181,8 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   std::vector<int8_t> xq(rows * kp);
   std::vector<float> step(rows);
   const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) step[r] = quantize_row(xp + r * k, k, kp, xq.data() + r * kp);
+  speclm_common::for_rows(rows, rows < QUANTIZE_THREADED_ROWS, 8,
+                          [&](int64_t r) { step[r] = quantize_row(xp + r * k, k, kp, xq.data() + r * kp); });
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
 
   at::Tensor y = at::empty({rows, n}, x.options());
@@ -313,7 +334,7 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   std::vector<int32_t> xsum(rows * groups, 0);
   std::vector<float> step(rows);
   const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
+  speclm_common::for_rows(rows, rows < QUANTIZE_THREADED_ROWS, 8, [&](int64_t r) {
     int8_t* out = xq.data() + r * k;
     step[r] = quantize_row(xp + r * k, k, k, out);
     for (int64_t g = 0; g < groups; ++g) {
@@ -321,7 +342,7 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
       for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
       xsum[r * groups + g] = sum;
     }
-  }
+  });
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
