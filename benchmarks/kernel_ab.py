@@ -1,18 +1,20 @@
-"""Paired A/B of one of speclm's GEMM kernels as built against another version of its source: the
+"""Paired A/B of one of speclm's kernels as built against another version of its source: the
 int8 kernel (`linear_rows`, `--kernel int8`) over the GEMMs of one decode step of Qwen2.5-1.5B
-(the default target, 1.54 GB of int8), or the int4 kernel (`linear_rows_w4`, `--kernel int4`) over
-those of Qwen2.5-0.5B (the default draft, 0.25 GB of int4), timed in pairs, the two builds back to
+(the default target, 1.54 GB of int8), the int4 kernel (`linear_rows_w4`, `--kernel int4`) over
+those of Qwen2.5-0.5B (the default draft, 0.25 GB of int4), or the attention (`decode_attention`,
+`--kernel attention`) of a prefill of `rows` tokens through the 1.5B's 28 layers, timed in pairs, the two builds back to
 back in alternating order, and the median of the pairs' ratios reported. On a VM whose memory
 bandwidth drifts by tens of percent within minutes, a ratio taken within a pair is steadier than
 medians taken minutes apart. The two builds' outputs are checked bit for bit first (odd shapes, 1
-to 13 rows, bias and residual).
+to 13 rows, bias and residual; for the attention, 1 to 13 queries after 0 or 37 cached slots,
+the outputs and the cache written).
 
 The other version is a git revision (`--against REV`: its kernel source and common.h, from `git
 show`) or a source file (`--against-source FILE`, its common.h beside it); it is built with the
 same flags as the running build (speclm.quant.kernels), for the instruction set this CPU runs.
 
 Run: .venv/bin/python benchmarks/kernel_ab.py --against d30e361 > benchmarks/avx2/int8-kernel-ab.txt
-`--smoke`: tiny shapes, rows 1 and 3, 3 pairs, one torch thread, both kernels, against the running
+`--smoke`: tiny shapes, rows 1 and 3, 3 pairs, one torch thread, every kernel, against the running
 build's own source.
 """
 from __future__ import annotations
@@ -85,8 +87,48 @@ def other_build(against: str | None, source: str | None, folder: Path):
                               extra_ldflags=kernels.LDFLAGS, build_directory=str(folder), verbose=False)
 
 
+@dataclass
+class AttentionShape:
+    """A model's attention as decode_attention takes it."""
+    layers: int
+    heads: int
+    kv_heads: int
+    dim: int
+
+
+TARGET_ATTENTION = AttentionShape(28, 12, 2, 128)  # Qwen2.5-1.5B
+SMOKE_ATTENTION = AttentionShape(2, 4, 2, 32)
+
+
+def attention_call(shape: AttentionShape, rows: int, start: int = 0):
+    """(module -> (out, keys, values)): a chain of `rows` queries after `start` cached slots (random
+    keys and values), each layer's call on the same inputs and a fresh copy of the cache."""
+    width = (shape.heads + 2 * shape.kv_heads) * shape.dim
+    qkv = torch.randn(rows, width)
+    cap = start + rows
+    angles = torch.arange(cap).float()[:, None] * torch.rand(shape.dim)[None, :]
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    keys, values = torch.randn(1, shape.kv_heads, cap, shape.dim), torch.randn(1, shape.kv_heads, cap, shape.dim)
+
+    def call(module):
+        k, v = keys.clone(), values.clone()
+        out = None
+        for _ in range(shape.layers):
+            out = module.decode_attention(qkv, cos, sin, k, v, [start], [rows], shape.heads, shape.kv_heads,
+                                          shape.dim ** -0.5)
+        return out, k, v
+    return call
+
+
 def check_same_bits(kind: str, a, b) -> None:
     torch.manual_seed(1)
+    if kind == "attention":
+        for start in (0, 37):
+            for rows in range(1, 14):
+                call = attention_call(SMOKE_ATTENTION, rows, start)
+                if not all(torch.equal(x, y) for x, y in zip(call(a), call(b))):
+                    sys.exit(f"kernel_ab.py: the builds' attention differs at {rows} queries after {start} slots")
+        return
     for n, k in CHECK_SHAPES[kind]:
         g = gemm(kind, torch.randint(-127, 128, (n, k)))
         bias = torch.randn(n)
@@ -101,8 +143,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", help="a git revision whose kernel source is the other build")
     parser.add_argument("--against-source", help="a kernel source file (common.h beside it) for the other build")
-    parser.add_argument("--kernel", choices=["int8", "int4"], default="int8",
-                        help="int8: the target's kernel over a 1.5B step; int4: the draft's over a 0.5B step")
+    parser.add_argument("--kernel", choices=["int8", "int4", "attention"], default="int8",
+                        help="int8: the target's kernel over a 1.5B step; int4: the draft's over a 0.5B step; "
+                             "attention: a prefill's attention through the 1.5B's layers")
     parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="row counts, comma-separated")
     parser.add_argument("--pairs", type=int, default=11, help="timed pairs per row count")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, rows 1 and 3, 3 pairs, one thread, both kernels")
@@ -113,15 +156,55 @@ def main():
     kinds = [args.kernel]
     if args.smoke:
         torch.set_num_threads(1)
-        row_counts, pairs, kinds = [1, 3], 3, ["int8", "int4"]
+        row_counts, pairs, kinds = [1, 3], 3, ["int8", "int4", "attention"]
     built = kernels.compiled()
     with tempfile.TemporaryDirectory() as tmp:
         other = other_build(args.against, args.against_source, Path(tmp))
         what = args.against or args.against_source or "the build's own source"
         for kind in kinds:
             check_same_bits(kind, built, other)
+            if kind == "attention":
+                compare_attention(SMOKE_ATTENTION if args.smoke else TARGET_ATTENTION, row_counts, pairs, built, other,
+                                  what)
+                continue
             shapes = SMOKE_STEP if args.smoke else TARGET_STEP if kind == "int8" else DRAFT_LAYERS + DRAFT_HEAD
             compare(kind, shapes, row_counts, pairs, built, other, what)
+
+
+def paired(step, built, other, pairs: int) -> tuple[float, float, float]:
+    """Medians of the other build's times, this build's, and of this / other within each pair."""
+    step(other), step(built)  # warm-up
+    theirs, ours, ratios = [], [], []
+    for i in range(pairs):  # alternating order: neither build always runs first
+        if i % 2:
+            b = step(built)
+            a = step(other)
+        else:
+            a = step(other)
+            b = step(built)
+        theirs.append(a)
+        ours.append(b)
+        ratios.append(b / a)
+    return statistics.median(theirs), statistics.median(ours), statistics.median(ratios)
+
+
+def compare_attention(shape: AttentionShape, row_counts, pairs: int, built, other, what: str) -> None:
+    torch.manual_seed(0)
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__} kernel={kernels.describe()} attention of a "
+          f"prefill, {shape.layers} layers x {shape.heads} heads ({shape.kv_heads} kv) x {shape.dim}; other build: "
+          f"{what}; outputs bit-identical")
+    print(f"| prompt tokens | other ms (median) | this build ms (median) | this / other (median of {pairs} paired ratios) |")
+    print("|---|---|---|---|")
+    for rows in row_counts:
+        call = attention_call(shape, rows)
+
+        def step(module) -> float:
+            t = time.perf_counter()
+            call(module)
+            return time.perf_counter() - t
+
+        a, b, ratio = paired(step, built, other, pairs)
+        print(f"| {rows} | {a * 1e3:.1f} | {b * 1e3:.1f} | {ratio:.2f} |", flush=True)
 
 
 def compare(kind: str, shapes, row_counts, pairs: int, built, other, what: str) -> None:
@@ -141,20 +224,8 @@ def compare(kind: str, shapes, row_counts, pairs: int, built, other, what: str) 
                 g.call(module, xs[g.in_features], None, None)
             return time.perf_counter() - t
 
-        step(other), step(built)  # warm-up
-        theirs, ours, ratios = [], [], []
-        for i in range(pairs):  # alternating order: neither build always runs first
-            if i % 2:
-                b = step(built)
-                a = step(other)
-            else:
-                a = step(other)
-                b = step(built)
-            theirs.append(a)
-            ours.append(b)
-            ratios.append(b / a)
-        print(f"| {rows} | {statistics.median(theirs) * 1e3:.1f} | {statistics.median(ours) * 1e3:.1f} | "
-              f"{statistics.median(ratios):.2f} |", flush=True)
+        a, b, ratio = paired(step, built, other, pairs)
+        print(f"| {rows} | {a * 1e3:.1f} | {b * 1e3:.1f} | {ratio:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ SCRIPTS = {
                                "| 32 | "], False),
     "kernel_ab.py": ([], ["int8 weights=0.00 GB; other build: the build's own source; outputs bit-identical",
                           "int4 weights=0.00 GB; other build: the build's own source; outputs bit-identical",
-                          "| rows | other ms (median) | this build ms (median) |", "| 3 | "], True),
+                          "| rows | other ms (median) | this build ms (median) |", "| 3 | ",
+                          "attention of a prefill, 2 layers x 4 heads (2 kv) x 32; other build: the build's own source",
+                          "| prompt tokens | other ms (median) |"], True),
     "int8_kernels.py": ([], ["| path | k=1 ms | k=4 ms | k=8 ms | k=16 ms | batch-invariant | rel. error vs fp64 |",
                              # speclm's row: timed, and batch-invariant
                              re.compile(r"\| speclm Int8Linear: .*( [0-9.]+ \|){4} yes \|")], False),

@@ -471,10 +471,35 @@ inline float dot(const float* q, const float* k, int64_t dim) {
   return reduce_add8(a);
 }
 
-// acc (dim) += p * v, one FMA per feature.
-inline void weigh(float p, const float* v, int64_t dim, float* acc) {
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + c), _mm256_loadu_ps(acc + c)));
+// dot() of q with 4 keys `apart` floats apart, the 4 chains interleaved (a prefill's queries see
+// hundreds of slots: one chain at a time waits on each FMA's latency); each sum as dot()'s.
+inline void dot4(const float* q, const float* k, int64_t apart, int64_t dim, float* out) {
+  const __m256 q0 = _mm256_loadu_ps(q);
+  __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(k)), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(k + apart));
+  __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(k + 2 * apart)), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(k + 3 * apart));
+  for (int64_t c = 8; c < dim; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + c), a0);
+    a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + apart + c), a1);
+    a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 2 * apart + c), a2);
+    a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 3 * apart + c), a3);
+  }
+  out[0] = reduce_add8(a0), out[1] = reduce_add8(a1), out[2] = reduce_add8(a2), out[3] = reduce_add8(a3);
+}
+
+// acc[c .. c + 8 REGS) = sum over the n slots, in order, of p[j] * value(j)[c ..], one FMA per
+// feature and slot from zero, as a loop of acc += p v per slot gives: the accumulators stay in
+// registers across the slots instead of a store and a load per slot and feature.
+template <int REGS, class Value>
+inline void weigh(const float* p, int64_t n, const Value& value, int64_t c, float* acc) {
+  __m256 a[REGS];
+  for (int i = 0; i < REGS; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pv = _mm256_set1_ps(p[j]);
+    const float* v = value(j) + c;
+    for (int i = 0; i < REGS; ++i) a[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * i), a[i]);
+  }
+  for (int i = 0; i < REGS; ++i) _mm256_storeu_ps(acc + c + 8 * i, a[i]);
 }
 
 }  // namespace
@@ -541,25 +566,30 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       const float* kg = kp + (speclm_common::cache_row(cache_rows, b) * kv_heads + g) * capacity * dim;
       const float* vg = vp + (speclm_common::cache_row(cache_rows, b) * kv_heads + g) * capacity * dim;
       scores.resize(n);
-      for (int64_t j = 0; j < reach; ++j) scores[j] = dot(qh, kg + j * dim, dim) * sc;
+      int64_t j = 0;
+      for (; j + 4 <= reach; j += 4) {
+        dot4(qh, kg + j * dim, dim, dim, scores.data() + j);
+        for (int u = 0; u < 4; ++u) scores[j + u] *= sc;
+      }
+      for (; j < reach; ++j) scores[j] = dot(qh, kg + j * dim, dim) * sc;
       for (int64_t e = 0; e < sees.count; ++e) scores[reach + e] = dot(qh, kg + sees.apart[e] * dim, dim) * sc;
       float top = -INFINITY;  // a maximum does not depend on the order
       for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
       const __m256 vtop = _mm256_set1_ps(top);
       __m256 vsum = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j < n; j += 8) {  // numerators in place, summed in 8 lanes (slot j in lane j % 8)
+      for (j = 0; j < n; j += 8) {  // numerators in place, summed in 8 lanes (slot j in lane j % 8)
         const int64_t valid = std::min<int64_t>(8, n - j);
         const __m256 e = exp256(_mm256_sub_ps(load8(scores.data() + j, valid), vtop));
         store8(scores.data() + j, e, valid);
         vsum = _mm256_add_ps(vsum, valid >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(valid))));
       }
       const float inverse = 1.0f / reduce_add8(vsum);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (j = 0; j < reach; ++j) weigh(scores[j], vg + j * dim, dim, acc.data());
-      for (int64_t e = 0; e < sees.count; ++e) weigh(scores[reach + e], vg + sees.apart[e] * dim, dim, acc.data());  // in order, own last
+      auto value = [&](int64_t j) { return j < reach ? vg + j * dim : vg + sees.apart[j - reach] * dim; };  // in order, own last
+      int64_t c = 0;
+      for (; c + 64 <= dim; c += 64) weigh<8>(scores.data(), n, value, c, acc.data());
+      for (; c < dim; c += 8) weigh<1>(scores.data(), n, value, c, acc.data());
       const __m256 inv = _mm256_set1_ps(inverse);
-      for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + c), inv));
+      for (c = 0; c < dim; c += 8) _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + c), inv));
     }
   });
   return out;
