@@ -2,12 +2,12 @@
 int8 kernel (`linear_rows`, `--kernel int8`) over the GEMMs of one decode step of Qwen2.5-1.5B
 (the default target, 1.54 GB of int8), the int4 kernel (`linear_rows_w4`, `--kernel int4`) over
 those of Qwen2.5-0.5B (the default draft, 0.25 GB of int4), or the attention (`decode_attention`,
-`--kernel attention`) of a prefill of `rows` tokens through the 1.5B's 28 layers, timed in pairs, the two builds back to
-back in alternating order, and the median of the pairs' ratios reported. On a VM whose memory
+`--kernel attention`) of a prefill of `rows` tokens through the 1.5B's 28 layers, timed in pairs,
+the two builds back to back in alternating order, and the median of the pairs' ratios reported. On a VM whose memory
 bandwidth drifts by tens of percent within minutes, a ratio taken within a pair is steadier than
 medians taken minutes apart. The two builds' outputs are checked bit for bit first (odd shapes, 1
-to 13 rows, bias and residual; for the attention, 1 to 13 queries after 0 or 37 cached slots,
-the outputs and the cache written).
+to 13 rows, bias and residual; for the attention, 1 to 13 queries after 0 or 37 cached slots at
+head sizes 32, 96 and 128, the outputs and the cache written).
 
 The other version is a git revision (`--against REV`: its kernel source and common.h, from `git
 show`) or a source file (`--against-source FILE`, its common.h beside it); it is built with the
@@ -20,6 +20,7 @@ build's own source.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import sys
@@ -98,6 +99,7 @@ class AttentionShape:
 
 TARGET_ATTENTION = AttentionShape(28, 12, 2, 128)  # Qwen2.5-1.5B
 SMOKE_ATTENTION = AttentionShape(2, 4, 2, 32)
+CHECK_ATTENTION = [AttentionShape(1, 4, 2, 32), AttentionShape(1, 4, 2, 96), AttentionShape(1, 2, 1, 128)]
 
 
 def attention_call(shape: AttentionShape, rows: int, start: int = 0):
@@ -123,11 +125,11 @@ def attention_call(shape: AttentionShape, rows: int, start: int = 0):
 def check_same_bits(kind: str, a, b) -> None:
     torch.manual_seed(1)
     if kind == "attention":
-        for start in (0, 37):
-            for rows in range(1, 14):
-                call = attention_call(SMOKE_ATTENTION, rows, start)
-                if not all(torch.equal(x, y) for x, y in zip(call(a), call(b))):
-                    sys.exit(f"kernel_ab.py: the builds' attention differs at {rows} queries after {start} slots")
+        for shape, start, rows in itertools.product(CHECK_ATTENTION, (0, 37), range(1, 14)):
+            call = attention_call(shape, rows, start)
+            if not all(torch.equal(x, y) for x, y in zip(call(a), call(b))):
+                sys.exit(f"kernel_ab.py: the builds' attention differs at {rows} queries after {start} slots, "
+                         f"head size {shape.dim}")
         return
     for n, k in CHECK_SHAPES[kind]:
         g = gemm(kind, torch.randint(-127, 128, (n, k)))
