@@ -463,28 +463,26 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 
 namespace {
 
-// q . k over dim features (a multiple of 8): 8 lanes, feature d in lane d % 8, a product then
-// FMAs in feature order, then reduce_add8. Depends on nothing but q and k.
-inline float dot(const float* q, const float* k, int64_t dim) {
-  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-  for (int64_t c = 8; c < dim; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), a);
-  return reduce_add8(a);
-}
-
-// dot() of q with 4 keys `apart` floats apart, the 4 chains interleaved (a prefill's queries see
-// hundreds of slots: one chain at a time waits on each FMA's latency); each sum as dot()'s.
-inline void dot4(const float* q, const float* k, int64_t apart, int64_t dim, float* out) {
+// q . k for N keys `apart` floats apart, over dim features (a multiple of 8): 8 lanes, feature d
+// in lane d % 8, a product then FMAs in feature order, then reduce_add8. Depends on nothing but q
+// and the key: the N chains run interleaved (a prefill's queries see hundreds of slots, and one
+// chain alone waits on each FMA's latency) and each sum is what it is alone.
+template <int N>
+inline void dots(const float* q, const float* k, int64_t apart, int64_t dim, float* out) {
+  __m256 a[N];
   const __m256 q0 = _mm256_loadu_ps(q);
-  __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(k)), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(k + apart));
-  __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(k + 2 * apart)), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(k + 3 * apart));
+  for (int i = 0; i < N; ++i) a[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + i * apart));
   for (int64_t c = 8; c < dim; c += 8) {
     const __m256 qc = _mm256_loadu_ps(q + c);
-    a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + c), a0);
-    a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + apart + c), a1);
-    a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 2 * apart + c), a2);
-    a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 3 * apart + c), a3);
+    for (int i = 0; i < N; ++i) a[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + i * apart + c), a[i]);
   }
-  out[0] = reduce_add8(a0), out[1] = reduce_add8(a1), out[2] = reduce_add8(a2), out[3] = reduce_add8(a3);
+  for (int i = 0; i < N; ++i) out[i] = reduce_add8(a[i]);
+}
+
+inline float dot(const float* q, const float* k, int64_t dim) {  // one key
+  float out;
+  dots<1>(q, k, 0, dim, &out);
+  return out;
 }
 
 // acc[c .. c + 8 REGS) = sum over the n slots, in order, of p[j] * value(j)[c ..], one FMA per
@@ -568,7 +566,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       scores.resize(n);
       int64_t j = 0;
       for (; j + 4 <= reach; j += 4) {
-        dot4(qh, kg + j * dim, dim, dim, scores.data() + j);
+        dots<4>(qh, kg + j * dim, dim, dim, scores.data() + j);
         for (int u = 0; u < 4; ++u) scores[j + u] *= sc;
       }
       for (; j < reach; ++j) scores[j] = dot(qh, kg + j * dim, dim) * sc;
