@@ -2,7 +2,8 @@
 int8 kernel (`linear_rows`, `--kernel int8`) over the GEMMs of one decode step of Qwen2.5-1.5B
 (the default target, 1.54 GB of int8), the int4 kernel (`linear_rows_w4`, `--kernel int4`) over
 those of Qwen2.5-0.5B (the default draft, 0.25 GB of int4), or the attention (`decode_attention`,
-`--kernel attention`) of a prefill of `rows` tokens through the 1.5B's 28 layers, timed in pairs,
+`--kernel attention`) of a prefill of `rows` tokens through the 1.5B's 28 layers (or, with
+`--context C`, of `rows` queries after C cached slots: a decode step or a verification), timed in pairs,
 the two builds back to back in alternating order, and the median of the pairs' ratios reported. On a VM whose memory
 bandwidth drifts by tens of percent within minutes, a ratio taken within a pair is steadier than
 medians taken minutes apart. The two builds' outputs are checked bit for bit first (odd shapes, 1
@@ -102,20 +103,24 @@ SMOKE_ATTENTION = AttentionShape(2, 4, 2, 32)
 CHECK_ATTENTION = [AttentionShape(1, 4, 2, 32), AttentionShape(1, 4, 2, 96), AttentionShape(1, 2, 1, 128)]
 
 
-def attention_call(shape: AttentionShape, rows: int, start: int = 0):
+def attention_call(shape: AttentionShape, rows: int, start: int = 0, fresh: bool = True):
     """(module -> (out, keys, values)): a chain of `rows` queries after `start` cached slots (random
-    keys and values), each layer's call on the same inputs and a fresh copy of the cache."""
+    keys and values), each layer on the same queries and its own cache (as a model's: 28 layers'
+    caches at 2000 slots outgrow the L3 cache, where one cache read 28 times would not). fresh: each
+    call on a copy of the caches (for comparing them); else in place (a call writes the same keys
+    and values each time)."""
     width = (shape.heads + 2 * shape.kv_heads) * shape.dim
     qkv = torch.randn(rows, width)
     cap = start + rows
     angles = torch.arange(cap).float()[:, None] * torch.rand(shape.dim)[None, :]
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
-    keys, values = torch.randn(1, shape.kv_heads, cap, shape.dim), torch.randn(1, shape.kv_heads, cap, shape.dim)
+    caches = [(torch.randn(1, shape.kv_heads, cap, shape.dim), torch.randn(1, shape.kv_heads, cap, shape.dim))
+              for _ in range(shape.layers)]
 
     def call(module):
-        k, v = keys.clone(), values.clone()
-        out = None
-        for _ in range(shape.layers):
+        out = k = v = None
+        for keys, values in caches:
+            k, v = (keys.clone(), values.clone()) if fresh else (keys, values)
             out = module.decode_attention(qkv, cos, sin, k, v, [start], [rows], shape.heads, shape.kv_heads,
                                           shape.dim ** -0.5)
         return out, k, v
@@ -149,6 +154,9 @@ def main():
                         help="int8: the target's kernel over a 1.5B step; int4: the draft's over a 0.5B step; "
                              "attention: a prefill's attention through the 1.5B's layers")
     parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="row counts, comma-separated")
+    parser.add_argument("--context", type=int, default=0,
+                        help="attention: cached slots before the rows (0: a prefill; else a decode step or a "
+                             "verification of `rows` tokens after them)")
     parser.add_argument("--pairs", type=int, default=11, help="timed pairs per row count")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, rows 1 and 3, 3 pairs, one thread, both kernels")
     args = parser.parse_args()
@@ -167,7 +175,7 @@ def main():
             check_same_bits(kind, built, other)
             if kind == "attention":
                 compare_attention(SMOKE_ATTENTION if args.smoke else TARGET_ATTENTION, row_counts, pairs, built, other,
-                                  what)
+                                  what, args.context)
                 continue
             shapes = SMOKE_STEP if args.smoke else TARGET_STEP if kind == "int8" else DRAFT_LAYERS + DRAFT_HEAD
             compare(kind, shapes, row_counts, pairs, built, other, what)
@@ -190,15 +198,17 @@ def paired(step, built, other, pairs: int) -> tuple[float, float, float]:
     return statistics.median(theirs), statistics.median(ours), statistics.median(ratios)
 
 
-def compare_attention(shape: AttentionShape, row_counts, pairs: int, built, other, what: str) -> None:
+def compare_attention(shape: AttentionShape, row_counts, pairs: int, built, other, what: str, context: int = 0) -> None:
     torch.manual_seed(0)
-    print(f"threads={torch.get_num_threads()} torch={torch.__version__} kernel={kernels.describe()} attention of a "
-          f"prefill, {shape.layers} layers x {shape.heads} heads ({shape.kv_heads} kv) x {shape.dim}; other build: "
+    after = f"queries after {context} cached slots" if context else "a prefill"
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__} kernel={kernels.describe()} attention of "
+          f"{after}, {shape.layers} layers x {shape.heads} heads ({shape.kv_heads} kv) x {shape.dim}; other build: "
           f"{what}; outputs bit-identical")
-    print(f"| prompt tokens | other ms (median) | this build ms (median) | this / other (median of {pairs} paired ratios) |")
+    print(f"| {'queries' if context else 'prompt tokens'} | other ms (median) | this build ms (median) | this / other "
+          f"(median of {pairs} paired ratios) |")
     print("|---|---|---|---|")
     for rows in row_counts:
-        call = attention_call(shape, rows)
+        call = attention_call(shape, rows, context, fresh=False)
 
         def step(module) -> float:
             t = time.perf_counter()

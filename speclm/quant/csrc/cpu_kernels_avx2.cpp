@@ -485,28 +485,39 @@ inline float dot(const float* q, const float* k, int64_t dim) {  // one key
   return out;
 }
 
-// acc[c .. c + 8 REGS) = sum over the n slots, in order, of p[j] * value(j)[c ..], one FMA per
-// feature and slot from zero, as a loop of acc += p v per slot gives: the accumulators stay in
-// registers across the slots instead of a store and a load per slot and feature.
-template <int REGS, class Value>
-inline void weigh(const float* p, int64_t n, const Value& value, int64_t c, float* acc) {
+// acc[c .. c + 8 REGS) += p[j] * v_j[c ..] for the slots j0 <= j < j1 in order (v_j = v + j * dim), one
+// FMA per feature and slot: across blocks of slots from acc = 0 the same operations as one loop
+// over all slots, the accumulators held in registers through a block.
+template <int REGS>
+inline void weigh(const float* p, const float* v, int64_t dim, int64_t j0, int64_t j1, int64_t c, float* acc) {
   __m256 a[REGS];
-  for (int i = 0; i < REGS; ++i) a[i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  for (int i = 0; i < REGS; ++i) a[i] = _mm256_loadu_ps(acc + c + 8 * i);
+  for (int64_t j = j0; j < j1; ++j) {
     const __m256 pv = _mm256_set1_ps(p[j]);
-    const float* v = value(j) + c;
-    for (int i = 0; i < REGS; ++i) a[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * i), a[i]);
+    const float* vj = v + j * dim + c;
+    for (int i = 0; i < REGS; ++i) a[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * i), a[i]);
   }
   for (int i = 0; i < REGS; ++i) _mm256_storeu_ps(acc + c + 8 * i, a[i]);
 }
+
+// Every feature of acc (dim floats) over the slots j0 <= j < j1: 64 features at a time, then 8.
+inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0, int64_t j1, float* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= dim; c += 64) weigh<8>(p, v, dim, j0, j1, c, acc);
+  for (; c < dim; c += 8) weigh<1>(p, v, dim, j0, j1, c, acc);
+}
+
+// Slots per block of decode_attention: a block of keys or values (SLOT_BLOCK x D floats, 16 KB at
+// D = 128) stays in the 32 KB L1 cache while every query of the tile goes through it.
+constexpr int64_t SLOT_BLOCK = SPECLM_SLOT_BLOCK;  // speclm.defaults.ATTENTION_SLOT_BLOCK
+constexpr int64_t QUERY_TILE = SPECLM_QUERY_TILE;  // speclm.defaults.ATTENTION_QUERY_TILE
 
 }  // namespace
 
 // cpu_kernels.cpp's decode_attention, same arguments and meaning: rotary on q and k, k and v
 // written to the cache at each row's slots, and each query attending on its own over exactly
 // the slots before it (a tree node: the shared prefix, its ancestors' slots, its own slot; common.h's
-// visible_of), every query's arithmetic its own and in slot order. query_tile: unused here
-// (each query is one task). Returns (B M, H D).
+// visible_of), every query's arithmetic its own and in slot order. Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
@@ -546,48 +557,94 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     }
   }
 
+  // Attention per (row, kv head, share of its queries), as cpu_kernels.cpp's: the queries that read
+  // one kv head (its query heads, of every token of the row) go through its cache together, a
+  // block of slots at a time, so each block of keys and values is read once from memory per tile
+  // of queries instead of once per query (at 2000 slots a kv head's cache no longer fits L2, and a
+  // decode step read it once per query head). Each query's operations are those of the query
+  // alone, in slot order, so the bits do not depend on the tiling or on the other queries.
   at::Tensor out = at::empty({rows, heads * dim}, qkv.options());
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, rows * heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, acc(dim);
+  const int64_t per_head = width * groups;  // queries that read one kv head of one row
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(per_head, (at::get_num_threads() + batch * kv_heads - 1) /
+                                                                              (batch * kv_heads)));
+  at::parallel_for(0, batch * kv_heads * shares, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> who;                 // query index r * heads + h, per query of this task
+    std::vector<speclm_common::Visible> sees;  // the slots each query attends
+    std::vector<float> scores, acc, inverse;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / heads, h = t % heads, b = r / width, i = r % width, g = h / groups;
-      float* oh = op + r * heads * dim + h * dim;
-      if (i >= counts[b]) {  // a padding column
-        std::fill_n(oh, dim, 0.0f);
-        continue;
+      const int64_t share = t % shares, bg = t / shares, b = bg / kv_heads, g = bg % kv_heads;
+      who.clear();
+      sees.clear();
+      for (int64_t m = share; m < per_head; m += shares) {
+        const int64_t i = m / groups, h = g * groups + m % groups, r = b * width + i;
+        if (i >= counts[b]) {  // a padding column
+          std::fill_n(op + r * heads * dim + h * dim, dim, 0.0f);
+          continue;
+        }
+        who.push_back(r * heads + h);
+        sees.push_back(visible(b, i));
       }
-      const speclm_common::Visible sees = visible(b, i);
-      const int64_t reach = sees.reach, n = reach + sees.count;
-      const float* qh = q.data() + (r * heads + h) * dim;
+      const int64_t nq = static_cast<int64_t>(who.size());
+      if (nq == 0) continue;
+      inverse.resize(nq);
       const float* kg = kp + (speclm_common::cache_row(cache_rows, b) * kv_heads + g) * capacity * dim;
       const float* vg = vp + (speclm_common::cache_row(cache_rows, b) * kv_heads + g) * capacity * dim;
-      scores.resize(n);
-      int64_t j = 0;
-      for (; j + 4 <= reach; j += 4) {
-        dots<4>(qh, kg + j * dim, dim, dim, scores.data() + j);
-        for (int u = 0; u < 4; ++u) scores[j + u] *= sc;
+      // Queries in tiles, so that a tile's scores stay in cache through the softmax and the
+      // weighing of values.
+      for (int64_t n0 = 0; n0 < nq; n0 += query_tile) {
+        const int64_t n1 = std::min(nq, n0 + query_tile);
+        int64_t most = 0;  // entries of a query's scores: its leading slots, then those apart
+        for (int64_t n = n0; n < n1; ++n) most = std::max(most, sees[n].reach + sees[n].count);
+        scores.resize((n1 - n0) * most);
+        acc.assign((n1 - n0) * dim, 0.0f);
+        for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // scores q . k_j * scale
+          for (int64_t n = n0; n < n1; ++n) {
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].reach);
+            const float* qh = q.data() + who[n] * dim;
+            float* sn = scores.data() + (n - n0) * most;
+            int64_t j = j0;
+            for (; j + 4 <= j1; j += 4) dots<4>(qh, kg + j * dim, dim, dim, sn + j);
+            for (; j < j1; ++j) sn[j] = dot(qh, kg + j * dim, dim);
+            for (j = j0; j < j1; ++j) sn[j] *= sc;
+          }
+        }
+        for (int64_t n = n0; n < n1; ++n)  // slots apart after the leading ones, in order
+          for (int64_t e = 0; e < sees[n].count; ++e)
+            scores[(n - n0) * most + sees[n].reach + e] = dot(q.data() + who[n] * dim, kg + sees[n].apart[e] * dim, dim) * sc;
+        for (int64_t n = n0; n < n1; ++n) {  // softmax numerators in place, and 1 / their sum
+          float* sn = scores.data() + (n - n0) * most;
+          const int64_t slots = sees[n].reach + sees[n].count;
+          float top = -INFINITY;  // a maximum does not depend on the order
+          for (int64_t j = 0; j < slots; ++j) top = std::max(top, sn[j]);
+          const __m256 vtop = _mm256_set1_ps(top);
+          __m256 vsum = _mm256_setzero_ps();
+          for (int64_t j = 0; j < slots; j += 8) {  // summed in 8 lanes (slot j in lane j % 8)
+            const int64_t valid = std::min<int64_t>(8, slots - j);
+            const __m256 e = exp256(_mm256_sub_ps(load8(sn + j, valid), vtop));
+            store8(sn + j, e, valid);
+            vsum = _mm256_add_ps(vsum, valid >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(valid))));
+          }
+          inverse[n - n0] = 1.0f / reduce_add8(vsum);
+        }
+        for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
+          for (int64_t n = n0; n < n1; ++n) {
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].reach);
+            if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg, dim, j0, j1, acc.data() + (n - n0) * dim);
+          }
+        }
+        for (int64_t n = n0; n < n1; ++n)  // slots apart after, in order, as a plain step's last slots
+          for (int64_t e = 0; e < sees[n].count; ++e)
+            weigh_values(scores.data() + (n - n0) * most + sees[n].reach + e, vg + sees[n].apart[e] * dim, dim, 0, 1,
+                         acc.data() + (n - n0) * dim);
+        for (int64_t n = n0; n < n1; ++n) {
+          float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
+          const __m256 inv = _mm256_set1_ps(inverse[n - n0]);
+          for (int64_t c = 0; c < dim; c += 8)
+            _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + (n - n0) * dim + c), inv));
+        }
       }
-      for (; j < reach; ++j) scores[j] = dot(qh, kg + j * dim, dim) * sc;
-      for (int64_t e = 0; e < sees.count; ++e) scores[reach + e] = dot(qh, kg + sees.apart[e] * dim, dim) * sc;
-      float top = -INFINITY;  // a maximum does not depend on the order
-      for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
-      const __m256 vtop = _mm256_set1_ps(top);
-      __m256 vsum = _mm256_setzero_ps();
-      for (j = 0; j < n; j += 8) {  // numerators in place, summed in 8 lanes (slot j in lane j % 8)
-        const int64_t valid = std::min<int64_t>(8, n - j);
-        const __m256 e = exp256(_mm256_sub_ps(load8(scores.data() + j, valid), vtop));
-        store8(scores.data() + j, e, valid);
-        vsum = _mm256_add_ps(vsum, valid >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(valid))));
-      }
-      const float inverse = 1.0f / reduce_add8(vsum);
-      auto value = [&](int64_t j) { return j < reach ? vg + j * dim : vg + sees.apart[j - reach] * dim; };  // in order, own last
-      int64_t c = 0;
-      for (; c + 64 <= dim; c += 64) weigh<8>(scores.data(), n, value, c, acc.data());
-      for (; c < dim; c += 8) weigh<1>(scores.data(), n, value, c, acc.data());
-      const __m256 inv = _mm256_set1_ps(inverse);
-      for (c = 0; c < dim; c += 8) _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + c), inv));
     }
   });
   return out;
@@ -607,6 +664,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, nogil, "rotary, cache write and per-query attention of one decode forward",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
-        py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = 64,
+        py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE,
         py::arg("cache_rows") = std::vector<int64_t>());
 }
