@@ -126,23 +126,23 @@ void dot_chunk(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quad
 }
 
 // How a chunk of 1 to 4 rows goes over a tile: its dot_chunk and the blocks (of 8) each pass covers,
-// so that the accumulators fit the 16 registers. PASSES[0]: up to 4 rows in the call, with the L2
-// prefetch; PASSES[1]: 5 to 8 rows, the same but a chunk of 4 rows in 2 passes of 4 blocks (spilled
-// registers, half the passes: 0.92-0.96x the time of 4 passes of 2 at 5-8 rows, paired; at 4 rows
-// alone no faster); PASSES[2]: above 8 rows (prefill blocks), where the arithmetic dominates: chunks
-// of 3 rows in passes of 4 blocks, the prefetch compiled out. 12 accumulators, 3 broadcasts, the
-// weights and their absolute values spill only 3 accumulators (a memory operand of vpaddd and a
-// store, off the 2 pipes that multiply): faster than 4 rows x 4 blocks (7 spilled), 4 x 2 or 2 x 8,
-// and than reloading the broadcasts to spill nothing (on Zen 3 a broadcast from memory also takes
-// an arithmetic pipe).
+// so that the accumulators fit the 16 registers. PASSES[0]: up to 8 rows in the call, with the L2
+// prefetch: 3 rows alone as one chunk in 4 passes of 2 blocks (faster than 2 + 1), else chunks of
+// 2 rows in passes of 4 blocks (and a last row in one pass of 8): at 4 to 8 rows faster than chunks
+// of 4 rows, in 4 passes of 2 blocks or 2 passes of 4 (spilled registers), though every pass after a
+// tile's first reads it from L1 (benchmarks/avx2/int8-two-row-chunks-ab.txt). PASSES[1]: above 8
+// rows (prefill blocks), where the arithmetic dominates: chunks of 3 rows in passes of 4 blocks, the
+// prefetch compiled out. 12 accumulators, 3 broadcasts, the weights and their absolute values spill
+// only 3 accumulators (a memory operand of vpaddd and a store, off the 2 pipes that multiply):
+// faster than 4 rows x 4 blocks (7 spilled), 4 x 2 or 2 x 8, and than reloading the broadcasts to
+// spill nothing (on Zen 3 a broadcast from memory also takes an arithmetic pipe).
 using ChunkFn = void (*)(const int32_t*, int64_t, const int8_t*, int64_t, int32_t*, const int8_t*, const int8_t*, int);
 struct ChunkPasses {
   ChunkFn fn;
   int blocks;
 };
-constexpr ChunkPasses PASSES[3][5] = {
-    {{nullptr, 0}, {dot_chunk<1, 8>, 8}, {dot_chunk<2, 4>, 4}, {dot_chunk<3, 2>, 2}, {dot_chunk<4, 2>, 2}},
-    {{nullptr, 0}, {dot_chunk<1, 8>, 8}, {dot_chunk<2, 4>, 4}, {dot_chunk<3, 2>, 2}, {dot_chunk<4, 4>, 4}},
+constexpr ChunkPasses PASSES[2][5] = {
+    {{nullptr, 0}, {dot_chunk<1, 8>, 8}, {dot_chunk<2, 4>, 4}, {dot_chunk<3, 2>, 2}, {nullptr, 0}},
     {{nullptr, 0}, {dot_chunk<1, 8, false>, 8}, {dot_chunk<2, 4, false>, 4}, {dot_chunk<3, 4, false>, 4},
      {dot_chunk<4, 4, false>, 4}}};
 
@@ -191,20 +191,20 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int64_t group_stride = packed.stride(0), stride = kp / 4;
   const float* ws = wscale.data_ptr<float>();
 
-  // Per group of 64 columns, tile by tile of its weights: rows in chunks of 4 (a remainder of 3 as
-  // 2 + 1 where there are more rows: fewer passes), or of 3 above 8 rows (a last 4 as one chunk,
-  // not 3 + 1), each chunk in its PASSES over the tile's columns.
+  // Per group of 64 columns, tile by tile of its weights: rows in chunks of 2 (3 rows as one chunk),
+  // or of 3 above 8 rows (a last 4 as one chunk, not 3 + 1), each chunk in its PASSES over the
+  // tile's columns.
   // A tile's first pass reads memory, the others L1, and up to 8 rows the first passes prefetch a
   // tile FAR_TILES ahead into L2.
   const bool wide4 = rows > 8;
-  const int table = wide4 ? 2 : rows > 4 ? 1 : 0;  // PASSES's
+  const int table = wide4 ? 1 : 0;  // PASSES's
   std::vector<int64_t> chunk_rows, chunk_start;
   int64_t passes = 0;  // per tile
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows.back()) {
     chunk_start.push_back(r0);
     const int64_t left = rows - r0;
     chunk_rows.push_back(wide4 ? (left == 4 ? 4 : std::min<int64_t>(3, left))  // 10 rows: 3 + 3 + 4
-                               : std::min<int64_t>(left == 3 && rows > 3 ? 2 : 4, left));  // 7 rows: 4 + 2 + 1
+                               : std::min<int64_t>(rows == 3 ? 3 : 2, left));  // 7 rows: 2 + 2 + 2 + 1
     passes += 8 / PASSES[table][chunk_rows.back()].blocks;
   }
   const int64_t chunks = static_cast<int64_t>(chunk_rows.size());
