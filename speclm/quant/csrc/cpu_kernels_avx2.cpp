@@ -127,7 +127,7 @@ void dot_chunk(const int32_t* x32, int64_t stride, const int8_t* w, int64_t quad
 
 // How a chunk of 1 to 4 rows goes over a tile: its dot_chunk and the blocks (of 8) each pass covers,
 // so that the accumulators fit the 16 registers. PASSES[0]: up to 8 rows in the call, with the L2
-// prefetch: 3 rows alone as one chunk in 4 passes of 2 blocks (faster than 2 + 1), else chunks of
+// prefetch: 3 rows alone as one chunk in 4 passes of 2 blocks, else chunks of
 // 2 rows in passes of 4 blocks (and a last row in one pass of 8): at 4 to 8 rows faster than chunks
 // of 4 rows, in 4 passes of 2 blocks or 2 passes of 4 (spilled registers), though every pass after a
 // tile's first reads it from L1 (benchmarks/avx2/int8-two-row-chunks-ab.txt). PASSES[1]: above 8
