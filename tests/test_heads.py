@@ -71,6 +71,22 @@ def test_greedy_equals_plain_for_every_tree(target, int8_target, heads_files, st
         assert sum(s.target_forwards for s in stats) <= sum(len(o.token_ids) for o in outs)
 
 
+def test_the_shipped_tree_is_cut_by_the_costs_and_a_file_tree_is_not(target, heads_files, static_tree):
+    """`--tree static` (the tuned tree beside the heads, sized on another machine) verifies only the
+    nodes that pay for their verification on this machine's cost line; a `--tree FILE` is verified
+    whole, whatever the line says. Output stays plain decoding's either way."""
+    engine = SpecEngine(target)
+    engine.forward_costs = lambda: ForwardCosts({n: float(n) for n in (1, 2, 4, 8, 16, 32, 48)})  # no node pays
+    plain = engine.generate(PROMPTS, max_new_tokens=20)
+    cut = engine.generate(PROMPTS, max_new_tokens=20, method="medusa", heads=heads_files["medusa"], tree="static")
+    whole = engine.generate(PROMPTS, max_new_tokens=20, method="medusa", heads=heads_files["medusa"], tree=static_tree)
+    for outs in (cut, whole):
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+    assert sum(o.stats.verified_nodes for o in cut) == 0
+    rounds = sum(o.stats.target_forwards - 1 for o in whole)
+    assert sum(o.stats.verified_nodes for o in whole) > 4 * rounds  # the file's 8 nodes, but near the end
+
+
 def test_trees_are_trees_and_some_are_accepted(target, heads_files, monkeypatch):
     """Random heads still get some nodes accepted (the verifier reads their trees), and each
     round verifies a tree of several nodes (not one token); EAGLE's reach below its first level."""

@@ -3,10 +3,12 @@
 After a round, the target's feature at the last accepted token (the one its logits turned into
 the round's last committed token, the new root) is all the heads read: head i's logits there
 rank the tokens at depth i - 1 below the root. No draft model, no draft prefill, one small
-computation per round. The tree is either static (`--tree FILE`: Medusa's "choices", paths of
-ranks, one rank per depth) or grown (`auto`): the candidates of highest cumulative probability
-(the product of the heads' probabilities along a path), as many as pay for their verification
-by this machine's measured forward costs (speclm.proposers.head_tree).
+computation per round. The tree is either static (Medusa's "choices", paths of ranks, one rank
+per depth) or grown (`auto`): the candidates of highest cumulative probability (the product of the
+heads' probabilities along a path). The target verifies as many of the best candidates as pay for
+their verification by this machine's measured forward costs (speclm.proposers.head_tree), except
+in a tree from `--tree FILE`, which is verified whole. The shipped tuned tree (`static`) was sized
+on one machine; where a verified token costs more, each round cuts it.
 """
 
 from __future__ import annotations
@@ -28,17 +30,19 @@ class MedusaProposer(HeadProposer):
     name = "medusa"
     prompt_hidden = "last"
 
-    def __init__(self, heads, vocab_ids: torch.Tensor, output_head, k: int, choices=None, costs=None):
+    def __init__(self, heads, vocab_ids: torch.Tensor, output_head, k: int, choices=None, costs=None,
+                 whole: bool = False):
         """heads: speclm.heads.modules.MedusaHeads (eval); vocab_ids (V',): target ids of the
         restricted vocabulary; output_head: (R, E) -> (R, V'), the target's head over them; k: the
         deepest draft (<= the heads); choices: a static tree (paths of ranks) or None (grown);
-        costs: the target's ForwardCosts (a grown tree's size; None: MAX_TREE nodes)."""
+        costs: the target's ForwardCosts (how many candidates a round verifies; None: all, up to
+        MAX_TREE); whole: verify a static tree whole, whatever the costs."""
         self.heads, self.ids, self.output_head = heads, vocab_ids, output_head
         self.k = min(k, len(heads.blocks))
         self.choices = [tuple(c) for c in choices] if choices else None
         if self.choices:
             self.k = min(self.k, max(map(len, self.choices)))
-        self.costs = costs
+        self.costs = None if whole and self.choices else costs
         self.max_nodes = len(self.choices) if self.choices else MAX_TREE
         self.features: torch.Tensor | None = None  # (B, E): each row's feature at its root's predecessor
         self._seconds = 0.0
@@ -76,8 +80,7 @@ class MedusaProposer(HeadProposer):
             nodes = self._static(tokens[:, b], top_p[:, b]) if self.choices else self._grown(tokens[:, b], top_p[:, b])
             rows.append(nodes)
         for b, nodes in enumerate(rows):
-            # a static tree is verified whole (within the row's budget)
-            chosen.append(choose(nodes, min(depth, max_tokens[b]), None if self.choices else self.costs, self.max_nodes))
+            chosen.append(choose(nodes, min(depth, max_tokens[b]), self.costs, self.max_nodes))
         self._seconds += time.perf_counter() - t0
         return to_draft(rows, chosen, 1)
 
