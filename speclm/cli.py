@@ -157,8 +157,9 @@ def _add_draft_options(g: argparse.ArgumentParser) -> None:
                    help="draft, draft+pld: the draft's shape each round: chain (one candidate per position), auto (a "
                         "tree grown from the draft's probabilities, its size chosen from this machine's measured "
                         "verification cost) or a JSON file of root paths of ranks such as [[0],[1],[0,0]] "
-                        f"(default {defaults.TREE}); medusa: auto, static (the tuned tree shipped beside its heads; the default "
-                        "where there is one, else auto) or a FILE")
+                        f"(default {defaults.TREE}); medusa: auto, static (the tuned tree shipped beside its heads, cut each "
+                        "round to what pays on this machine; the default where there is one, else auto) or a FILE "
+                        "(verified whole)")
     g.add_argument("--heads", default=None, metavar="FILE",
                    help="medusa, eagle, eagle+pld: a trained heads file (speclm heads train); default: the heads shipped "
                         "for the target")

@@ -119,8 +119,10 @@ KERNEL_MACROS = {
 K_MEDUSA = 4
 K_EAGLE = 6
 # medusa's --tree default: "auto" (grown each round from the heads' probabilities) or "static" (the
-# tuned tree shipped beside the heads, benchmarks/medusa_tree.py; auto where none is there). Static:
-# 1.13x none, the same as auto's, with the first round's heads (benchmarks/epyc/heads-int8-qwen1.5b-60-8979d96)
+# tuned tree shipped beside the heads, benchmarks/medusa_tree.py, cut each round by the cost line; auto
+# where none is there). Static: 1.13x none, the same as auto's, with the first round's heads
+# (benchmarks/epyc/heads-int8-qwen1.5b-60-8979d96, verified whole); on AVX2 1.07x cut, auto 1.09x
+# (benchmarks/avx2/medusa-trees-int8-qwen1.5b-12)
 MEDUSA_TREE = "static"
 
 
