@@ -136,6 +136,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.medusa is None and args.eagle is None:
         ap.error("give --medusa, --eagle or both")
+    if any(w != "full" and not w.isdigit() for w in args.widen.split(",") if w):
+        ap.error(f"--widen takes vocabulary sizes and `full`, comma-separated, not '{args.widen}'")
     set_threads(1 if args.smoke else None)
     engine = SpecEngine(load_model(args.target, quantize="none" if args.smoke else "int8", progress=False))
     medusa = engine.heads("medusa", args.medusa) if args.medusa else None
