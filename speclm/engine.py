@@ -236,8 +236,9 @@ class SpecEngine:
             # the default (static) is the tuned tree beside the heads where one ships, else a grown one
             static = opts.medusa_tree == "static" and (opts.tree is not None or heads.tree_file.is_file())
             choices = heads.static_tree() if static else opts.tree_spec.choices
-            return MedusaProposer(heads.module, heads.vocab_ids, heads.output_head, k, choices=choices, costs=costs,
-                                  whole=not static)  # a --tree FILE: verified whole
+            whole = choices is not None and not static  # a --tree FILE: verified whole, whatever the costs
+            return MedusaProposer(heads.module, heads.vocab_ids, heads.output_head, k, choices=choices,
+                                  costs=None if whole else costs)
         eagle = EagleProposer(heads.module, heads.vocab_ids, heads.output_head, heads.embed, k, costs=costs)
         if opts.method == "eagle":
             return eagle

@@ -30,19 +30,18 @@ class MedusaProposer(HeadProposer):
     name = "medusa"
     prompt_hidden = "last"
 
-    def __init__(self, heads, vocab_ids: torch.Tensor, output_head, k: int, choices=None, costs=None,
-                 whole: bool = False):
+    def __init__(self, heads, vocab_ids: torch.Tensor, output_head, k: int, choices=None, costs=None):
         """heads: speclm.heads.modules.MedusaHeads (eval); vocab_ids (V',): target ids of the
         restricted vocabulary; output_head: (R, E) -> (R, V'), the target's head over them; k: the
         deepest draft (<= the heads); choices: a static tree (paths of ranks) or None (grown);
-        costs: the target's ForwardCosts (how many candidates a round verifies; None: all, up to
-        MAX_TREE); whole: verify a static tree whole, whatever the costs."""
+        costs: the target's ForwardCosts (how many candidates a round verifies; None: all of a static
+        tree, up to MAX_TREE of a grown one)."""
         self.heads, self.ids, self.output_head = heads, vocab_ids, output_head
         self.k = min(k, len(heads.blocks))
         self.choices = [tuple(c) for c in choices] if choices else None
         if self.choices:
             self.k = min(self.k, max(map(len, self.choices)))
-        self.costs = None if whole and self.choices else costs
+        self.costs = costs
         self.max_nodes = len(self.choices) if self.choices else MAX_TREE
         self.features: torch.Tensor | None = None  # (B, E): each row's feature at its root's predecessor
         self._seconds = 0.0
