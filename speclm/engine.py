@@ -123,8 +123,8 @@ class SpecEngine:
 
     def adaptive(self) -> Adaptive:
         """Speculation that adapts each round's draft length to the batch (speclm.spec.adaptive), from
-        this machine's measured forward costs."""
-        return Adaptive(self.forward_costs())
+        this machine's measured forward costs (the target's, and the draft model's where there is one)."""
+        return Adaptive(self.forward_costs(), draft_costs=self.draft_costs() if self.draft is not None else None)
 
     def forward_costs(self) -> ForwardCosts:
         """The target's forward time by tokens read (speclm.forward.costs; measured once per model, then cached)."""

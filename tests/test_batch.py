@@ -359,6 +359,57 @@ def test_adaptive_policy_prices_what_a_draft_has_not_read():
     assert request.tokens_left == 3 and policy.caps(batch)[key] == 0
 
 
+def test_adaptive_policy_prices_a_draft_forward_by_its_forwards_not_by_lookup_rounds():
+    """draft+pld rounds drafted by lookup alone ran no draft forward: their time is not a draft
+    step's (kept as one, a lookup's milliseconds priced the model's forwards and its reading near
+    zero). Those kept before the model first ran are dropped then; a model-free method keeps its
+    proposals' time."""
+    from speclm.spec.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
+    from speclm.options import GenerationOptions
+
+    options = GenerationOptions(method="draft+pld")
+    key = options.proposer_key()
+    policy = Adaptive(ForwardCosts({1: 0.1, 8: 0.13}))
+    _, rows = _policy_batch(1, options)
+    for _ in range(5):
+        policy.observe(rows[0], 4, 4, 0.001, 0, rows=1)  # lookup alone, before the model ever ran
+    policy.observe(rows[0], 6, 3, 6 * 0.02, 6, rows=1)  # the model: 0.02 s a forward
+    assert policy._step_seconds(key, 1) == pytest.approx(0.02)
+    for _ in range(20):
+        policy.observe(rows[0], 4, 4, 0.001, 0, rows=1)  # lookup alone again
+    assert policy._step_seconds(key, 1) == pytest.approx(0.02)
+    pld = GenerationOptions(method="pld")
+    _, lookup_rows = _policy_batch(1, pld)
+    policy.observe(lookup_rows[0], 4, 4, 0.001, 0, rows=1)
+    assert policy._step_seconds(pld.proposer_key(), 1) == pytest.approx(0.001)
+
+
+def test_adaptive_policy_prices_a_draft_model_by_its_cost_line_before_it_runs():
+    """A burst of new requests: a draft model that has not run yet is priced by its measured cost
+    line (its forward for 8 rows, and its reading of the 8 prompts it has not seen), and stays
+    off where the target's verification is dear; without that line it looked free."""
+    from speclm.spec.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
+    from speclm.options import GenerationOptions
+    from speclm.requests import Request
+
+    costs = ForwardCosts({1: 0.1, 8: 0.13, 16: 0.2, 64: 0.6, 512: 4.0})
+    draft_costs = ForwardCosts({1: 0.02, 8: 0.026, 16: 0.04, 64: 0.12, 512: 0.8})
+    options = GenerationOptions(method="draft", max_new_tokens=200)
+    key = options.proposer_key()
+    requests = [Request.of(i, list(range(300)), options, i, None) for i in range(8)]
+    group = _Group(key, requests)
+    group.proposer.unread = lambda contexts: [len(c) for c in contexts]  # nothing read yet
+    batch = type("B", (), {"requests": requests, "groups": {key: group}})()
+    priced = Adaptive(costs, probe=1000, draft_costs=draft_costs)
+    assert priced._step_seconds(key, 8) == pytest.approx(draft_costs(8))
+    rounds = 200 / priced._expected(requests[0], 1, False)
+    assert priced._catch_up(key, group, 1, False) == pytest.approx(8 * draft_costs(300) / rounds)
+    assert priced.caps(batch)[key] == 0
+    assert Adaptive(costs, probe=1000).caps(batch)[key] > 0  # a draft never measured: free
+
+
 def test_adaptive_policy_prices_rounds_as_they_measure():
     """The cost table is one row's: where a batch's drafting rounds take longer than priced and its
     plain rounds less, the measured ratios turn drafting off; a probe round is not timed; sizes not
@@ -427,6 +478,24 @@ def test_a_draft_reading_tokens_it_missed_counts_them_as_its_prefill(int8_pair):
     lookup = DraftLookupProposer(d8.model, k=2, prompt_ratio=1.0)  # the model drafts prompts up to 1x the budget
     lookup.start(2, 256, prompt_lengths=[len(ids), len(ids)], max_new_tokens=[len(ids), 2])
     assert lookup.unread([ids, ids]) == [len(ids), 0]  # the second row is lookup's alone: never read
+
+
+def test_a_draft_counts_the_rows_its_forwards_ran_over(int8_pair):
+    """draft+pld drafts a row that repeats itself by lookup and the other by the model: the model's
+    forwards ran over one row, which is what the adaptive policy's step time is kept for."""
+    from speclm.proposers.draft_lookup import DraftLookupProposer
+    from speclm.sampling import SamplingParams
+
+    t8, d8 = int8_pair
+    repeats = t8.tokenizer("hello world, hello world, hello").input_ids
+    other = t8.tokenizer("The quick brown fox jumps").input_ids
+    proposer = DraftLookupProposer(d8.model, k=2)
+    proposer.start(2, 256)
+    draft = proposer.propose([repeats, other], [2, 2], SamplingParams(), [None, None]).trimmed()
+    assert proposer.lookups == 1 and draft.forwards > 0 and draft.forward_rows == 1
+    both = DraftLookupProposer(d8.model, k=2)
+    both.start(2, 256)
+    assert both.propose([other, other], [2, 2], SamplingParams(), [None, None]).forward_rows == 0  # all rows
 
 
 def test_caches_that_grew_during_a_forward_still_take_prefixes(int8_pair):

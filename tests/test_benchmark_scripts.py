@@ -47,6 +47,10 @@ SCRIPTS = {
     "int4_draft.py": (["--target", "{target}", "--draft", "{draft}"],
                       ["| GEMMs of one 0.5B step, 1 row | speclm int8 ms | speclm int4 ms |",
                        "| draft weights | draft step ms | prefill of 40 tokens ms |", "| int4 | ", " | 1/1 |"], True),
+    "adaptive_ab.py": (["--target", "{target}", "--draft", "{draft}"],
+                       ["| repeat | run | wall s | tokens | tokens/s | rounds | draft model s | of which reading prompts s "
+                        "| identical to none |", re.compile(r"\| 1 \| draft\+pld, this \| .* \| 2/2 \|"),
+                        "this / none "], True),
     "engine_thread.py": (["--model", "{target}"],
                          ["| where | tokens/s (each run) | vs main thread |", "| main thread | ",
                           "| second thread, main thread's OpenMP workers freed | ",

@@ -32,6 +32,7 @@ class Draft:
     lengths: torch.Tensor  # (B,) long; drafted tokens per row, 0 <= lengths[b] <= K
     draft_probs: torch.Tensor | None  # (B, K, V) the distribution each token was drawn from; None: one-hot
     forwards: int = 0  # draft model forwards spent on this proposal
+    forward_rows: int = 0  # the rows those forwards ran over (a draft model's; 0: all B)
     # (B, K) long or None: a second candidate for position j, verified beside tokens[:, j] (a tree
     # whose extra branches are leaves), -1 where none; drawn from draft_probs[:, j] independently
     # of tokens[:, j] (greedy: the draft's second choice). See speclm.spec.verify.
@@ -53,7 +54,8 @@ class Draft:
             alternatives = alternatives.masked_fill(torch.arange(width)[None, :] >= self.lengths[:, None], -1)
             alternatives = alternatives if bool((alternatives >= 0).any()) else None
         parents = self.parents[:, :width] if self.parents is not None else None
-        return Draft(self.tokens[:, :width], self.lengths, probs, self.forwards, alternatives, parents)
+        return Draft(self.tokens[:, :width], self.lengths, probs, self.forwards, self.forward_rows, alternatives,
+                     parents)
 
     def tree(self) -> DraftTree:
         """The draft as the verifier reads it: a chain's node j has parent j - 1; an alternative for
@@ -98,7 +100,7 @@ class Draft:
             return out
 
         return Draft(place(self.tokens, 0), place(self.lengths, 0), place(self.draft_probs, 0.0), self.forwards,
-                     place(self.alternatives, -1), place(self.parents, PAD))
+                     self.forward_rows or len(rows), place(self.alternatives, -1), place(self.parents, PAD))
 
     @staticmethod
     def from_rows(rows: list[list[int]], draft_probs: torch.Tensor | None = None, forwards: int = 0) -> "Draft":
@@ -181,6 +183,7 @@ def mixed_draft(rows: list[list[int]], by_lookup: list[bool], model: Draft, para
     model's or heads' (with its tree's parents and its alternatives). Sampling: the model's rows
     read their distributions from model.draft_probs (B, K', V); lookup rows are one-hot."""
     draft = Draft.from_rows(rows, forwards=model.forwards)
+    draft.forward_rows = model.forward_rows
     if model.parents is not None:  # the model's rows are trees: they keep their parents, lookup rows are chains
         chain = DraftTree.chain(draft.tokens, draft.lengths).parents
         trees = torch.full_like(chain, PAD)  # (B, K): past a model row's nodes, padding

@@ -21,11 +21,16 @@ probe can win; it drafts again when the batch is small enough for its last measu
 What a draft forward costs is measured by the number of rows it drafted for (a forward for 8 rows
 costs more than one for 1), without the time a draft spends reading tokens committed while it sat
 out (its prefill): priced at a burst's width or with a catch-up in it, a draft would look too dear
-to turn on again once the load is gone. That reading is priced apart: a draft model about to draft
+to turn on again once the load is gone. Until a draft model has run, its forward is priced by its
+own measured cost line (`draft_costs`, measured as the target's), not as free. A round that
+`draft+pld` drafted by lookup alone ran no draft forward, and its time (a lookup's) is not kept
+as one: counted as one, it would price the model's forwards and its reading at a fraction of their
+cost, and the policy would turn the draft on for the last rows of a burst, paying to read their
+prompts for the few tokens they have left. That reading is priced apart: a draft model about to draft
 for rows it has not read (a new request's prompt, tokens committed while it was off) costs the
-round a share of reading them (the target's cost of a forward over those tokens, scaled by the
-draft's measured cost against the target's), the share being one over the rounds the request has
-left, over which the reading pays off.
+round a share of reading them (the draft's cost line over those tokens; without one, the
+target's scaled by the draft's measured step against the target's), the share being one over
+the rounds the request has left, over which the reading pays off.
 
 The forward cost table is measured on one row; a round's forward reads B rows of 1 + k tokens
 (each row attending its own context) and the round adds bookkeeping to its forwards, so the
@@ -47,6 +52,9 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+from typing import Callable
+
+from speclm.defaults import DRAFT_METHODS
 from speclm.forward.costs import ForwardCosts, StepTimes
 
 
@@ -61,8 +69,13 @@ class _Rate:
 
 
 class Adaptive:
-    def __init__(self, costs: ForwardCosts, prior: float = 0.6, decay: float = 0.9, probe: int = 32):
+    def __init__(self, costs: ForwardCosts, prior: float = 0.6, decay: float = 0.9, probe: int = 32,
+                 draft_costs: Callable[[int], float] | None = None):
+        """costs: the target's forward seconds by tokens read; draft_costs: the draft model's (None:
+        its forwards are known only once measured here)."""
         self.costs, self.prior, self.decay, self.probe = costs, prior, decay, probe
+        self.draft_costs = draft_costs
+        self._ran_model: set = set()  # group keys whose proposals ran model forwards
         self._rounds = 0
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
         self._step: dict = {}  # group key -> StepTimes by rows drafted for: a draft forward (or proposal, where none)
@@ -93,8 +106,13 @@ class Adaptive:
         rate.gained = d * rate.gained + accepted
         rate.rounds = d * rate.rounds + 1
         key = request.options.proposer_key()
-        step = propose_seconds / max(forwards, 1)  # per draft forward (prompt lookup: per proposal)
-        self._step.setdefault(key, StepTimes()).record(rows, step)
+        if forwards > 0:
+            if key not in self._ran_model:  # proposals without a forward kept before say nothing of one
+                self._ran_model.add(key)
+                self._step[key] = StepTimes()
+            self._step[key].record(rows, propose_seconds / forwards)  # per draft forward
+        elif key not in self._ran_model:  # prompt lookup: per proposal
+            self._step.setdefault(key, StepTimes()).record(rows, propose_seconds)
         old = self._nodes.get(key)  # a tree's verified nodes per row, as its proposer sized them
         self._nodes[key] = drafted if old is None else 0.8 * old + 0.2 * drafted
 
@@ -126,7 +144,10 @@ class Adaptive:
         return (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def _step_seconds(self, key, rows: int) -> float:
-        """Seconds of the group's draft forward for `rows` rows (StepTimes.at); 0 before any."""
+        """Seconds of the group's draft forward for `rows` rows (StepTimes.at); a draft model's
+        before it ran, its cost line's; else 0 before any."""
+        if key.method in DRAFT_METHODS and key not in self._ran_model and self.draft_costs is not None:
+            return self.draft_costs(rows)
         steps = self._step.get(key)
         seconds = steps.at(rows, self.costs) if steps is not None else None
         return seconds or 0.0
@@ -137,12 +158,16 @@ class Adaptive:
         if not own or not hasattr(g.proposer, "unread"):
             return 0.0
         rows = len(g.requests)
-        ratio = self._step_seconds(key, rows) / self.costs(rows)  # the draft's forward against the target's
+        if self.draft_costs is not None:
+            reading = self.draft_costs
+        else:
+            ratio = self._step_seconds(key, rows) / self.costs(rows)  # the draft's forward against the target's
+            reading = lambda n: ratio * self.costs(n)  # noqa: E731
         seconds = 0.0
         for r, unseen in zip(g.requests, g.proposer.unread([r.context for r in g.requests])):
             if unseen > 2:  # more than a round's own: the target's token and a last draft
                 rounds = max(1.0, r.tokens_left / self._expected(r, own, is_tree))
-                seconds += ratio * self.costs(unseen) / rounds
+                seconds += reading(unseen) / rounds
         return seconds
 
     def _tree_width(self, key, g) -> int:

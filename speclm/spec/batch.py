@@ -286,7 +286,8 @@ class Batch:
                 self._count(r, p, i, verdict, t2 - t1, target_spent)
                 if self.speculation is not None:
                     self.speculation.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]),
-                                             p.seconds - p.prefill_seconds, p.draft.forwards, len(p.rows))
+                                             p.seconds - p.prefill_seconds, p.draft.forwards,
+                                             p.draft.forward_rows or len(p.rows))
                 self._commit(r, verdict.committed(i))
                 r.stats.new_tokens = len(r.generated)
                 r.stats.wall_seconds = time.perf_counter() - r.joined_at
