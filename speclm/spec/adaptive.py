@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-
 from typing import Callable
 
 from speclm.defaults import DRAFT_METHODS
