@@ -142,10 +142,13 @@ class Adaptive:
         a = min(self.acceptance(request), 0.999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
 
-    def _step_seconds(self, key, rows: int) -> float:
+    def _step_seconds(self, key, rows: int, group=None) -> float:
         """Seconds of the group's draft forward for `rows` rows (StepTimes.at); a draft model's
-        before it ran, its cost line's; else 0 before any."""
-        if key.method in DRAFT_METHODS and key not in self._ran_model and self.draft_costs is not None:
+        before it ran, its cost line's, where the group has rows it would read and draft for
+        (`draft+pld` rows with long prompts are lookup's alone: those proposals are priced as
+        measured); else 0 before any."""
+        if (key.method in DRAFT_METHODS and key not in self._ran_model and self.draft_costs is not None
+                and (group is None or any(group.proposer.unread([r.context for r in group.requests])))):
             return self.draft_costs(rows)
         steps = self._step.get(key)
         seconds = steps.at(rows, self.costs) if steps is not None else None
@@ -205,7 +208,7 @@ class Adaptive:
                 own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
                 tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
                 if own:
-                    drafting += self._step_seconds(key, len(g.requests)) * own
+                    drafting += self._step_seconds(key, len(g.requests), g) * own
                     catch_up += self._catch_up(key, g, own, is_tree)
                     width = max(width, self._tree_width(key, g) if is_tree else own)
             seconds = self.costs(rows * (1 + width)) + drafting
