@@ -3,13 +3,16 @@ the kernel as built, with its WEIGHT_PREFETCH_BYTES): whole-model int8 GEMM cost
 rows, speclm's compiled kernel (speclm/quant/csrc/cpu_kernels.cpp, or cpu_kernels_avx2.cpp on an AVX2-only
 CPU; activation quantization and rescale included), oneDNN's packed int8 GEMM and `torch._int_mm` (GEMM alone), over weights of
 the shapes of one decode step of Qwen2.5-1.5B (q/k/v and gate/up fused, output head included;
-1.54 GB of int8). Interleaved, best of 2 medians of 5; the weights are far larger than the
-caches, as in a real step. speclm.quant.weights.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS
+1.54 GB of int8). Interleaved, best of 2 (`--rounds`) medians of 5; the weights are far larger than
+the caches, as in a real step. On a CPU with AMX the kernel is timed twice, on its VNNI loop alone and
+on AMX tiles from one row (checked bit for bit against each other first); the median ratio of 21
+pairs of calls, back to back in alternating order, sets speclm.defaults.AMX_MIN_ROWS. speclm.quant.weights.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS
 rows and oneDNN beyond (or, without the compiled kernel, `_int_mm` for one row and oneDNN for
 more). Without the compiled kernels its column reads n/a.
 
 Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/epyc/int8-gemm-rows.txt
-Committed output: benchmarks/epyc/int8-gemm-rows.txt (AMD EPYC machine),
+Committed output: benchmarks/epyc/int8-gemm-rows.txt (AMD EPYC machine), benchmarks/amx/int8-gemm-rows.txt
+(Intel Xeon with AMX),
 benchmarks/intel/int8-gemm-rows-cpu.txt (Intel Xeon machine) and benchmarks/avx2/int8-gemm-rows.txt
 (AVX2-only EPYC, where oneDNN's int8 GEMM is inexact: timed only).
 `--smoke`: the same code path over a tiny model's shapes (hidden size 64), rows 1, 2, 16 and
@@ -18,25 +21,45 @@ benchmarks/intel/int8-gemm-rows-cpu.txt (Intel Xeon machine) and benchmarks/avx2
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
+from speclm.defaults import AMX_MIN_ROWS
 from speclm.quant import kernels
 from speclm.quant.weights import vnni_layout
 
 from gemm_shapes import SMOKE_STEP, TARGET_STEP  # benchmarks/gemm_shapes.py
 from timing import median_ms  # benchmarks/timing.py
 
-ROWS = (1, 2, 4, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 64)
+ROWS = (1, 2, 3, 4, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 48, 64)
 SMOKE_ROWS = (1, 2, 16, 32)
+
+
+def paired_ratio(vnni, amx, compiled, pairs: int) -> float:
+    """Median over `pairs` pairs of (AMX call time / VNNI call time), the two calls back to back in
+    alternating order: steadier than medians taken seconds apart on a VM whose bandwidth drifts."""
+    ratios = []
+    for i in range(pairs):
+        seconds = {}
+        for name in (("vnni", "amx") if i % 2 == 0 else ("amx", "vnni")):
+            compiled.set_amx(0)
+            start = time.perf_counter()
+            (vnni if name == "vnni" else amx)()
+            seconds[name] = time.perf_counter() - start
+        ratios.append(seconds["amx"] / seconds["vnni"])
+    compiled.set_amx(AMX_MIN_ROWS)
+    return statistics.median(ratios)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 4 row counts, 1 repeat, 1 thread")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per row count (best of them)")
     args = parser.parse_args()
     shapes, row_counts = (SMOKE_STEP, SMOKE_ROWS) if args.smoke else (TARGET_STEP, ROWS)
-    rounds, reps = (1, 1) if args.smoke else (2, 5)
+    rounds, reps, pairs = (1, 1, 2) if args.smoke else (args.rounds, 5, 21)
     if args.smoke:
         torch.set_num_threads(1)
     in_features = sorted({s[1] for s in shapes})
@@ -50,8 +73,10 @@ def main():
     vnni = [vnni_layout(w) for w in weights] if compiled is not None else []
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} int8 weights={gigabytes:.2f} GB "
           f"speclm kernel={kernels.describe() or 'n/a'}")
-    print("| rows | speclm kernel ms | onednn.qlinear_pointwise ms | torch._int_mm ms |")
-    print("|---|---|---|---|")
+    amx = compiled is not None and hasattr(compiled, "set_amx") and compiled.set_amx(AMX_MIN_ROWS)
+    print("| rows | speclm kernel ms (VNNI) | speclm kernel ms (AMX) | AMX / VNNI, median of paired calls | "
+          "onednn.qlinear_pointwise ms | torch._int_mm ms |")
+    print("|---|---|---|---|---|---|")
     for rows in row_counts:
         xu = {k: torch.randint(1, 255, (rows, k), dtype=torch.uint8) for k in in_features}
         xs = {k: torch.randint(-127, 128, (rows, k), dtype=torch.int8) for k in in_features}
@@ -71,14 +96,36 @@ def main():
             for w, (packed_w, colsum), s in zip(weights, vnni, scales):
                 compiled.linear_rows(xf[w.shape[1]], packed_w, colsum, s, None)
 
-        a, b, c = [], [], []
+        def speclm_amx():  # the same kernel with its AMX tiles from 1 row, where the CPU has them
+            compiled.set_amx(1)
+            try:
+                speclm_vnni()
+            finally:
+                compiled.set_amx(AMX_MIN_ROWS)
+
+        if amx:  # the same bits either way
+            compiled.set_amx(0)
+            vnni_out = [compiled.linear_rows(xf[w.shape[1]], p, c, s, None) for w, (p, c), s in zip(weights, vnni, scales)]
+            compiled.set_amx(1)
+            amx_out = [compiled.linear_rows(xf[w.shape[1]], p, c, s, None) for w, (p, c), s in zip(weights, vnni, scales)]
+            compiled.set_amx(AMX_MIN_ROWS)
+            assert all(torch.equal(u, v) for u, v in zip(vnni_out, amx_out)), f"AMX differs from VNNI at {rows} rows"
+        a, b, c, d = [], [], [], []
         for _ in range(rounds):  # interleaved: the machine's bandwidth drifts
             if compiled is not None:
+                if amx:
+                    compiled.set_amx(0)  # VNNI alone
                 c.append(median_ms(speclm_vnni, reps=reps))
+                if amx:
+                    d.append(median_ms(speclm_amx, reps=reps))
             a.append(median_ms(onednn, reps=reps))
             b.append(median_ms(int_mm, reps=reps) if rows <= 16 else float("nan"))  # _int_mm re-lays out: slow, skipped
         vnni_ms = f"{min(c):.1f}" if c else "n/a"
-        print(f"| {rows} | {vnni_ms} | {min(a):.1f} | {min(b):.1f} |", flush=True)
+        amx_ms = f"{min(d):.1f}" if d else "n/a"
+        ratio = f"{paired_ratio(speclm_vnni, speclm_amx, compiled, pairs):.2f}" if d else "n/a"
+        print(f"| {rows} | {vnni_ms} | {amx_ms} | {ratio} | {min(a):.1f} | {min(b):.1f} |", flush=True)
+    if amx:
+        compiled.set_amx(AMX_MIN_ROWS)
 
 
 if __name__ == "__main__":

@@ -56,8 +56,8 @@ SCRIPTS = {
                           "| second thread, main thread's OpenMP workers freed | ",
                           "release_openmp_threads: True"], True),
     "fp32_linear_rows.py": ([], ["| rows | F.linear ms | (W x^T)^T ms | F.linear / (W x^T)^T |", "| 16 | "], False),
-    "int8_gemm_rows.py": ([], ["| rows | speclm kernel ms | onednn.qlinear_pointwise ms | torch._int_mm ms |",
-                               "| 32 | "], False),
+    "int8_gemm_rows.py": ([], ["| rows | speclm kernel ms (VNNI) | speclm kernel ms (AMX) | AMX / VNNI, median of "
+                               "paired calls | onednn.qlinear_pointwise ms | torch._int_mm ms |", "| 32 | "], False),
     "kernel_ab.py": ([], ["int8 weights=0.00 GB; other build: the build's own source; outputs bit-identical",
                           "int4 weights=0.00 GB; other build: the build's own source; outputs bit-identical",
                           "| rows | other ms (median) | this build ms (median) |", "| 3 | ",

@@ -7,6 +7,7 @@ import torch
 
 import speclm.quant.weights as quant
 from speclm import SpecEngine
+from speclm.defaults import AMX_MIN_ROWS
 from speclm.quant import kernels
 from speclm.quant.weights import Int8Linear, Int8Slice, quantize_model
 from tiny import loaded, require_compiled_kernels, tiny_model
@@ -252,3 +253,59 @@ def test_compiled_kernels_reject_mismatched_arguments():
     with pytest.raises(RuntimeError, match="n does not match packed"):
         compiled.linear_rows_w4(torch.randn(1, 128), packed, scales, 200, None)
     assert compiled.linear_rows_w4(torch.randn(1, 128), packed, scales, 70, None).shape == (1, 70)
+
+
+def test_amx_tiles_give_the_vnni_loops_bits():
+    """On a CPU with AMX, linear_rows runs AMX_MIN_ROWS rows or more on its tiles: the same int32
+    sums as the VNNI loop, so the same bits, at every row count (one tile of rows, several, a ragged
+    last one), with bias and residual, at the largest activations and weights. Where the features
+    are not whole 64-byte steps the VNNI loop runs. Skipped on CPUs without AMX."""
+    require_compiled_kernels()
+    if not kernels.amx():
+        pytest.skip("no AMX on this CPU (or SPECLM_AMX=0)")
+    compiled = kernels.compiled()
+    assert compiled.linear_rows_path(AMX_MIN_ROWS, 1536) == "amx"  # the comparison below compares two loops
+    assert compiled.linear_rows_path(AMX_MIN_ROWS, 90) == compiled.linear_rows_path(1, 64) == "vnni"
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for in_f, out_f in ((64, 48), (1536, 200), (256, 64)):
+            q, scale = quant.int8_per_channel(torch.randn(out_f, in_f, generator=gen))
+            if in_f == 256:
+                q = torch.full_like(q, -127)  # the largest sums the int32 accumulators see
+            layout, colsum = quant.vnni_layout(q)
+            bias = torch.randn(out_f, generator=gen)
+            for rows in (1, 2, 3, 7, 15, 16, 17, 24, 31, 32):
+                x = torch.randn(rows, in_f, generator=gen) * 3
+                if in_f == 256:
+                    x = x.abs() + 1  # every row's values near its max: u8 near 255 everywhere
+                h = torch.randn(rows, out_f, generator=gen)
+                out = {}
+                for min_rows in (0, 1):  # 0: the VNNI loop alone; 1: AMX from one row
+                    compiled.set_amx(min_rows)
+                    out[min_rows] = (compiled.linear_rows(x, layout, colsum, scale, bias),
+                                     compiled.linear_rows(x, layout, colsum, scale, None, h))
+                for vnni, amx in zip(out[0], out[1]):
+                    assert torch.equal(vnni, amx), (in_f, out_f, rows)
+    finally:
+        compiled.set_amx(AMX_MIN_ROWS)
+
+
+def test_speclm_amx_0_keeps_the_vnni_loop_and_says_so(monkeypatch):
+    """SPECLM_AMX=0: no AMX in the kernel's name or its fingerprint (so measured cost tables are the
+    VNNI loop's own), and linear_rows takes the VNNI loop at every row count."""
+    require_compiled_kernels()
+    if not kernels.amx():
+        pytest.skip("no AMX on this CPU")
+    compiled = kernels.compiled()
+    try:
+        monkeypatch.setenv("SPECLM_AMX", "0")
+        kernels.fingerprint.cache_clear()
+        off = kernels.fingerprint()
+        assert not kernels.amx() and "AMX" not in kernels.describe()
+        assert compiled.linear_rows_path(32, 1536) == "vnni"
+    finally:
+        monkeypatch.delenv("SPECLM_AMX")
+        kernels.fingerprint.cache_clear()
+        assert kernels.amx() and kernels.describe() == "speclm VNNI+AMX"  # and the module's rows set back
+    assert kernels.fingerprint() != off
+    assert compiled.linear_rows_path(AMX_MIN_ROWS, 1536) == "amx"

@@ -142,23 +142,33 @@ class Adaptive:
         a = min(self.acceptance(request), 0.999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
 
-    def _step_seconds(self, key, rows: int, group=None) -> float:
+    @staticmethod
+    def _unread(g) -> list[int] | None:
+        """Per row of the group, the tokens its draft model has not read (None: no draft model)."""
+        return g.proposer.unread([r.context for r in g.requests]) if hasattr(g.proposer, "unread") else None
+
+    def _step_seconds(self, key, rows: int, group=None, unread: list[int] | None = None) -> float:
         """Seconds of the group's draft forward for `rows` rows (StepTimes.at); a draft model's
         before it ran, its cost line's, where the group has rows it would read and draft for
         (`draft+pld` rows with long prompts are lookup's alone: those proposals are priced as
-        measured); else 0 before any."""
-        if (key.method in DRAFT_METHODS and key not in self._ran_model and self.draft_costs is not None
-                and (group is None or any(group.proposer.unread([r.context for r in group.requests])))):
-            return self.draft_costs(rows)
+        measured); else 0 before any. `unread`: the group's _unread, where the caller has it."""
+        if key.method in DRAFT_METHODS and key not in self._ran_model and self.draft_costs is not None:
+            if group is not None and unread is None:
+                unread = self._unread(group)
+            if group is None or any(unread or ()):
+                return self.draft_costs(rows)
         steps = self._step.get(key)
         seconds = steps.at(rows, self.costs) if steps is not None else None
         return seconds or 0.0
 
-    def _catch_up(self, key, g, own: int, is_tree: bool) -> float:
+    def _catch_up(self, key, g, own: int, is_tree: bool, unread: list[int] | None = None) -> float:
         """This round's share of the seconds the group's draft model would spend reading the tokens
-        of its rows it has not seen: each row's over the rounds it has left at this draft length."""
+        of its rows it has not seen: each row's over the rounds it has left at this draft length.
+        `unread`: the group's _unread, where the caller has it."""
         if not own or not hasattr(g.proposer, "unread"):
             return 0.0
+        if unread is None:
+            unread = self._unread(g)
         rows = len(g.requests)
         if self.draft_costs is not None:
             reading = self.draft_costs
@@ -166,7 +176,7 @@ class Adaptive:
             ratio = self._step_seconds(key, rows) / self.costs(rows)  # the draft's forward against the target's
             reading = lambda n: ratio * self.costs(n)  # noqa: E731
         seconds = 0.0
-        for r, unseen in zip(g.requests, g.proposer.unread([r.context for r in g.requests])):
+        for r, unseen in zip(g.requests, unread):
             if unseen > 2:  # more than a round's own: the target's token and a last draft
                 rounds = max(1.0, r.tokens_left / self._expected(r, own, is_tree))
                 seconds += reading(unseen) / rounds
@@ -200,6 +210,7 @@ class Adaptive:
                 width0 = max(width0, self._tree_width(key, g) if key in trees else g.proposer.k)
         longest = max((g.proposer.k for key, g in free if key not in trees), default=0)
         choices = [(k, on) for k in range(longest + 1) for on in ((False, True) if any(key in trees for key, _ in free) else (False,))]
+        unread = {key: self._unread(g) for key, g in free}  # once a round, for every choice priced
         best, best_rate, priced = (0, False), -1.0, None
         for k, tree_on in choices:
             tokens, drafting, catch_up, width = tokens0, 0.0, 0.0, width0
@@ -208,8 +219,8 @@ class Adaptive:
                 own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
                 tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
                 if own:
-                    drafting += self._step_seconds(key, len(g.requests), g) * own
-                    catch_up += self._catch_up(key, g, own, is_tree)
+                    drafting += self._step_seconds(key, len(g.requests), g, unread[key]) * own
+                    catch_up += self._catch_up(key, g, own, is_tree, unread[key])
                     width = max(width, self._tree_width(key, g) if is_tree else own)
             seconds = self.costs(rows * (1 + width)) + drafting
             rate = tokens / (seconds * self.ratio(rows, width > 0) + catch_up)
