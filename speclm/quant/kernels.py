@@ -19,8 +19,8 @@ SPECLM_KERNELS=torch turns the compiled kernels off; SPECLM_KERNELS=avx2 builds 
 a CPU that could run either (to test them there).
 
 On a CPU with AMX (Intel Sapphire Rapids and later) the AVX-512 build's int8 GEMM runs GEMMs of
-AMX_MIN_ROWS rows or more (verification, trees, batches) on AMX tiles: the same int32 sums, so the
-same bits, at a fraction of the VNNI loop's time per row. SPECLM_AMX=0 keeps it on the VNNI loop.
+AMX_MIN_ROWS rows or more (trees' verification, batches) on AMX tiles: the same int32 sums, so the
+same bits, in less time than its VNNI loop takes for that many rows. SPECLM_AMX=0 keeps the VNNI loop.
 """
 
 from __future__ import annotations
@@ -93,8 +93,10 @@ def amx() -> bool:
     """Whether the int8 GEMM runs many rows on AMX tiles here (the CPU has them, Linux granted them,
     SPECLM_AMX is not 0)."""
     module = compiled()
-    # set_amx says whether the CPU and Linux let the tiles run; 0 rows keeps them off
-    return module is not None and hasattr(module, "set_amx") and module.set_amx(_amx_min_rows()) and _amx_min_rows() > 0
+    if module is None or not hasattr(module, "set_amx"):  # the AVX2 build has no tiles
+        return False
+    rows = _amx_min_rows()
+    return module.set_amx(rows) and rows > 0  # set_amx: whether the CPU and Linux let the tiles run
 
 
 def _amx_min_rows() -> int:

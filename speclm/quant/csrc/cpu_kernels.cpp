@@ -6,7 +6,8 @@
 // AVX-512 VNNI. Decoding at batch 1 is bound by reading the weights, and torch's int8 kernels read them
 // slower than the machine can at more than one row (benchmarks/intel/int8-gemm-rows-cpu.txt). Here
 // every 64-byte block of weights is loaded once and multiplied into all the rows (up to
-// CHUNK at a time), so a few rows cost about what one does.
+// CHUNK at a time), so a few rows cost about what one does. On a CPU with AMX, AMX_MIN_ROWS rows
+// or more run on its int8 tiles instead (below), with the same integer sums.
 //
 // The arithmetic is the one speclm.quant's torch kernels do, step for step, so the bits are
 // theirs (tested): each row quantized with its own step max|x| / 127 (round half to even),
@@ -110,12 +111,11 @@ inline float quantize_row(const float* row, int64_t k, int32_t offset, uint8_t* 
   return s;
 }
 
-
 // AMX (Intel's tile unit, Sapphire Rapids on): many rows of linear_rows in int8 tiles. A tile
 // product is the same exact int32 sum of u8 x s8 products as vpdpbusd's, so the result is
 // bit-identical to the VNNI loop's (tested); what changes is the rate: 16 rows x 16 columns x 64 k
-// per instruction, so a verification or a prefill of many rows costs about what reading the
-// weights does. The weights need no other layout: quad q of block c of a group lies at
+// per instruction, so a tree's verification or a batch's forward of 10 to 32 rows costs less than
+// the VNNI loop's arithmetic (benchmarks/amx/int8-gemm-rows.txt). The weights need no other layout: quad q of block c of a group lies at
 // q * 256 + c * 64, so a B tile (16 quads x 16 columns x 4 bytes) is a 64-byte-row load with a
 // 256-byte stride.
 constexpr int64_t AMX_QUADS = 16;  // k-quads per tile step (64 bytes of a row)
@@ -198,9 +198,8 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_group(const uint8_t* xu, i
 
 // The same for two chunks of rows at once (xu, acc: the first; xu1, acc1: the second), tiles
 // configured by amx_configure(m, m1): each weight tile feeds both chunks, two blocks per pass over
-// the group (the second pass reads the group from L2, where the first one's prefetches left it).
-// Two passes over the weights for one chunk each (amx_group twice) ran 24 and 32 rows at about 1.5x
-// the time of 16.
+// the group (the second pass reads the group from L2, where the first one's prefetches left it),
+// rather than amx_group once per chunk, each reading all the group's weights again.
 __attribute__((target("amx-tile,amx-int8"))) void amx_pair(const uint8_t* xu, const uint8_t* xu1, int64_t kp,
                                                            const int8_t* w, int64_t quads, __m512i* acc,
                                                            __m512i* acc1) {
@@ -262,8 +261,8 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int32_t* cs = colsum.data_ptr<int32_t>();
   const float* ws = wscale.data_ptr<float>();
 
-  // AMX where it runs, for enough rows and whole 64-byte steps of k: chunks of at most AMX_ROWS
-  // rows, each a pass over the whole group (the second and later from L2). Else the VNNI loop: rows
+  // AMX where it runs, for enough rows and whole 64-byte steps of k: near-equal chunks of at most
+  // AMX_ROWS rows, two at a time sharing the weight tiles (amx_pair). Else the VNNI loop: rows
   // in near-equal chunks of at most CHUNK; one chunk: a pass over each whole group with the L1
   // prefetch; several: tile by tile, each chunk's steps prefetching its share of a far tile.
   const bool amx = use_amx(rows, kp);
@@ -770,7 +769,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("bias"),
         py::arg("residual") = py::none());
   m.def("set_amx", [](int64_t min_rows) { amx_min_rows = int(min_rows); return amx_supported(); },
-        "linear_rows runs on AMX tiles from min_rows rows (0: never); returns whether AMX runs here",
+        "linear_rows runs on AMX tiles from min_rows rows (0: never); returns whether the CPU and Linux let "
+        "AMX run here",
         py::arg("min_rows"));
   m.def("linear_rows_path", [](int64_t rows, int64_t k) { return use_amx(rows, (k + 3) / 4 * 4) ? "amx" : "vnni"; },
         "which loop linear_rows runs for rows x k", py::arg("rows"), py::arg("k"));
