@@ -10,9 +10,12 @@ pairs of calls, back to back in alternating order, sets speclm.defaults.AMX_MIN_
 rows and oneDNN beyond (or, without the compiled kernel, `_int_mm` for one row and oneDNN for
 more). Without the compiled kernels its column reads n/a.
 
+`--int4` (CPUs with AMX): the int4 kernel (`linear_rows_w4`) over the GEMMs of one step of the 0.5B draft
+(0.25 GB of int4), its AMX path against its VNNI loop, checked bit for bit and paired the same way.
+
 Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/epyc/int8-gemm-rows.txt
 Committed output: benchmarks/epyc/int8-gemm-rows.txt (AMD EPYC machine), benchmarks/amx/int8-gemm-rows.txt
-(Intel Xeon with AMX),
+(Intel Xeon with AMX; `--int4`: benchmarks/amx/int4-gemm-rows.txt),
 benchmarks/intel/int8-gemm-rows-cpu.txt (Intel Xeon machine) and benchmarks/avx2/int8-gemm-rows.txt
 (AVX2-only EPYC, where oneDNN's int8 GEMM is inexact: timed only).
 `--smoke`: the same code path over a tiny model's shapes (hidden size 64), rows 1, 2, 16 and
@@ -28,9 +31,9 @@ import torch
 
 from speclm.defaults import AMX_MIN_ROWS
 from speclm.quant import kernels
-from speclm.quant.weights import vnni_layout
+from speclm.quant.weights import INT4_GROUP, int4_groups, int4_layout, vnni_layout
 
-from gemm_shapes import SMOKE_STEP, TARGET_STEP  # benchmarks/gemm_shapes.py
+from gemm_shapes import DRAFT_HEAD, DRAFT_LAYERS, SMOKE_STEP, TARGET_STEP  # benchmarks/gemm_shapes.py
 from timing import median_ms  # benchmarks/timing.py
 
 ROWS = (1, 2, 3, 4, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 48, 64)
@@ -53,15 +56,48 @@ def paired_ratio(vnni, amx, compiled, pairs: int) -> float:
     return statistics.median(ratios)
 
 
+def int4_rows(compiled, shapes, row_counts, pairs: int) -> None:
+    """--int4: the int4 kernel (linear_rows_w4) over the draft's GEMMs, its AMX path against its VNNI
+    loop, paired as above (CPUs with AMX only)."""
+    torch.manual_seed(0)
+    layers = [int4_layout(*int4_groups(torch.randn(shape), INT4_GROUP)) + (shape[0],) for shape in shapes]
+    gigabytes = sum(p.numel() for p, _, _ in layers) / 1e9
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__} int4 weights={gigabytes:.2f} GB "
+          f"speclm kernel={kernels.describe() or 'n/a'}")
+    print("| rows | AMX / VNNI (int4 kernel), median of paired calls |")
+    print("|---|---|")
+    for rows in row_counts:
+        xf = {k: torch.randn(rows, k) for k in {s[1] for s in shapes}}
+
+        def run():
+            return [compiled.linear_rows_w4(xf[p.shape[1] * 8], p, s, n, None) for p, s, n in layers]
+
+        def amx():
+            compiled.set_amx(1)
+            return run()
+
+        compiled.set_amx(0)
+        vnni_out = run()
+        assert all(torch.equal(u, v) for u, v in zip(vnni_out, amx())), f"AMX differs from VNNI at {rows} rows"
+        print(f"| {rows} | {paired_ratio(run, amx, compiled, pairs):.2f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 4 row counts, 1 repeat, 1 thread")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per row count (best of them)")
+    parser.add_argument("--int4", action="store_true", help="the int4 kernel over the 0.5B draft's GEMMs, AMX "
+                        "against VNNI (CPUs with AMX)")
     args = parser.parse_args()
     shapes, row_counts = (SMOKE_STEP, SMOKE_ROWS) if args.smoke else (TARGET_STEP, ROWS)
     rounds, reps, pairs = (1, 1, 2) if args.smoke else (args.rounds, 5, 21)
     if args.smoke:
         torch.set_num_threads(1)
+    if args.int4:
+        compiled = kernels.compiled()
+        if not kernels.amx():
+            raise SystemExit("--int4 compares the int4 kernel's AMX path with its VNNI loop: no AMX here")
+        return int4_rows(compiled, SMOKE_STEP if args.smoke else DRAFT_LAYERS + DRAFT_HEAD, row_counts, pairs)
     in_features = sorted({s[1] for s in shapes})
     torch.manual_seed(0)
     weights = [torch.randint(-127, 128, shape, dtype=torch.int8) for shape in shapes]

@@ -61,9 +61,9 @@ TABLE: tuple[Tuned, ...] = (
           "4 rows 3.2x faster, 256 rows 1.05x"),
     Tuned("VNNI_MAX_ROWS", 32, "speclm.quant.weights", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
           "on oneDNN's", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
-    Tuned("AMX_MIN_ROWS", 10, "speclm/quant/csrc", "int8 GEMMs of this many rows or more run on AMX tiles where the CPU "
-          "has them (the same integers as the VNNI loop's)", "benchmarks/amx/int8-gemm-rows.txt",
-          "AMX / VNNI time 0.98-1.11 at 1-8 rows, 0.81-1.00 at 10-32, 0.61 at 64"),
+    Tuned("AMX_MIN_ROWS", 10, "speclm/quant/csrc", "int8 and int4 GEMMs of this many rows or more run on AMX tiles where "
+          "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/int8-gemm-rows.txt",
+          "int8 AMX / VNNI time 0.98-1.11 at 1-8 rows, 0.81-1.00 at 10-32, 0.61 at 64 (int4: amx/int4-gemm-rows.txt)"),
     Tuned("ATTENTION_QUERY_TILE", 64, "speclm/quant/csrc", "queries of a kv head per tile in the compiled attention",
           "benchmarks/epyc/prefill-kernels.txt", "969 tokens: 0.60 s against 0.92 s untiled"),
     Tuned("ATTENTION_SLOT_BLOCK", 32, "speclm/quant/csrc", "cached slots per block in the compiled attention (16 KB of "

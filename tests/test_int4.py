@@ -8,6 +8,7 @@ import torch
 
 import speclm.quant.weights as quant
 from speclm import SpecEngine, UsageError
+from speclm.defaults import AMX_MIN_ROWS
 from speclm.quant import kernels
 from speclm.quant.weights import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, quantize_model
 from tiny import loaded, require_compiled_kernels, tiny_model
@@ -174,3 +175,31 @@ def test_an_int4_draft_drafts_further_and_stops_when_unsure_by_default(tok):
     ref = engine.generate(prompt, method="none", max_new_tokens=30)
     for method in ("draft", "draft+pld"):
         assert engine.generate(prompt, method=method, max_new_tokens=30).token_ids == ref.token_ids
+
+
+def test_int4_amx_tiles_give_the_vnni_loops_bits():
+    """On a CPU with AMX the int4 kernel runs AMX_MIN_ROWS rows or more on its tiles (groups of 64
+    features, one tile step each): the same exact sums and the same FMA per group as the VNNI loop,
+    so the same bits at every row count, with bias and residual. Skipped on CPUs without AMX."""
+    if not kernels.amx():
+        pytest.skip("no AMX on this CPU (or SPECLM_AMX=0)")
+    assert INT4_GROUP == 64  # a group is one tile step; other groups keep the VNNI loop
+    compiled = kernels.compiled()
+    gen = torch.Generator().manual_seed(4)
+    try:
+        for in_f, out_f in ((64, 48), (896, 200), (1536, 70)):
+            u, scale = quant.int4_groups(torch.randn(out_f, in_f, generator=gen), INT4_GROUP)
+            packed, scales = quant.int4_layout(u, scale)
+            bias = torch.randn(out_f, generator=gen)
+            for rows in (1, 2, 9, 10, 15, 16, 17, 31, 32, 40):
+                x = torch.randn(rows, in_f, generator=gen) * 3
+                h = torch.randn(rows, out_f, generator=gen)
+                out = {}
+                for min_rows in (0, 1):  # 0: the VNNI loop alone; 1: AMX from one row
+                    compiled.set_amx(min_rows)
+                    out[min_rows] = (compiled.linear_rows_w4(x, packed, scales, out_f, bias),
+                                     compiled.linear_rows_w4(x, packed, scales, out_f, None, h))
+                for vnni, amx in zip(out[0], out[1]):
+                    assert torch.equal(vnni, amx), (in_f, out_f, rows)
+    finally:
+        compiled.set_amx(AMX_MIN_ROWS)

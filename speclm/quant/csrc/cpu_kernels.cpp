@@ -333,7 +333,9 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
 // linear_rows, but signed. Per group, with x the row's int8 values:
 //   sum x w = sum x u - 8 sum x   (exact in int32: vpdpbusd takes u as its unsigned operand)
 // then fp32(that) * the group's scale, accumulated over groups in order; * the row's step, + bias,
-// + residual. Each row is computed alone, so the result does not depend on the other rows.
+// + residual. Each row is computed alone, so the result does not depend on the other rows. On a
+// CPU with AMX, AMX_MIN_ROWS rows or more (a draft's tree levels, batches) take its tiles for the
+// integer sums (w4_columns_amx), the rest unchanged.
 
 // The 64 columns of one column group for ROWS rows: out[r * 4 + c] = sum over groups of
 // scale * (sum x u - 8 sum x) for block c (16 columns). w: the group's packed weights
@@ -381,6 +383,55 @@ inline void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* x
     for (int i = 0; i < ROWS * 4; ++i) out[i] = f[i];
 }
 
+// w4_columns on AMX, for m rows (tiles configured by amx_configure(m, 0)) and groups of 64
+// features (one tile step each): per group the 4 blocks' nibbles are spread into u8 weight tiles
+// (ub, 4 x 16 quads x 64 bytes), tdpbsud takes the rows' signed int8 against them (the same exact
+// sum x u as vpdpbusd's), and the group's fp32 step is the VNNI loop's, with the same FMA, so the
+// bits are the same. out[r * 4 + c] as w4_columns'; x8: the rows' int8 values, k apart.
+__attribute__((target("amx-tile,amx-int8"))) void w4_columns_amx(const int8_t* x8, int64_t k, int64_t m,
+                                                                 const int32_t* xsum, int64_t groups,
+                                                                 const uint8_t* w, const at::Half* scales,
+                                                                 uint8_t* ub, int32_t* sums, __m512* out) {
+  for (int64_t i = 0; i < m * 4; ++i) out[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = 0; p < 8; ++p) {  // 8 byte pairs of quads per 64 features
+      const uint8_t* wp = w + (g * 8 + p) * 256;
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + l * 64), _MM_HINT_T0);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + c * 64);
+        _mm512_store_si512(ub + c * 1024 + 2 * p * 64, _mm512_and_si512(v, low));
+        _mm512_store_si512(ub + c * 1024 + (2 * p + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, x8 + g * 64, k);
+    _tile_loadd(5, ub, 64);
+    _tile_dpbsud(0, 4, 5);
+    _tile_loadd(6, ub + 1024, 64);
+    _tile_dpbsud(1, 4, 6);
+    _tile_loadd(7, ub + 2048, 64);
+    _tile_dpbsud(2, 4, 7);
+    _tile_loadd(5, ub + 3072, 64);
+    _tile_dpbsud(3, 4, 5);
+    _tile_stored(0, sums, 4 * 64);  // sums[r * 64 + c * 16 + j]: row r, block c, column j
+    _tile_stored(1, sums + 16, 4 * 64);
+    _tile_stored(2, sums + 32, 4 * 64);
+    _tile_stored(3, sums + 48, 4 * 64);
+    for (int c = 0; c < 4; ++c) {
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 64 + c * 16)));
+      for (int64_t r = 0; r < m; ++r) {
+        const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums + r * 64 + c * 16),
+                                               _mm512_set1_epi32(8 * xsum[r * groups + g]));
+        out[r * 4 + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), sc, out[r * 4 + c]);
+      }
+    }
+  }
+}
+
 // x (R, K) fp32; packed (N_pad / 64, K / 8, 64, 4) uint8; scales (N_pad / 64, K / G, 64) fp16;
 // n: output features (<= N_pad); bias (n,) fp32 or None; residual (R, n) fp32 or None. Returns (R, n).
 at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
@@ -416,16 +467,27 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   const at::Half* sp = scales.data_ptr<at::Half>();
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
   const int64_t quad_stride = k / 4, pairs_per_group = group / 8, column_groups = packed.size(0);
+  // AMX for enough rows where a group is one tile step (64 features): near-equal chunks of at most
+  // AMX_ROWS rows a pass; else the VNNI loop, up to four rows a pass.
+  const bool amx = group == AMX_QUADS * 4 && use_amx(rows, k);
+  const int64_t amx_chunks = amx ? (rows + AMX_ROWS - 1) / AMX_ROWS : 0;
   at::parallel_for(0, column_groups, 1, [&](int64_t g0, int64_t g1) {
-    __m512 acc[4 * 4];
+    __m512 acc[AMX_ROWS * 4];
+    alignas(64) uint8_t ub[4 * 1024];        // a group's weights as u8 tiles (AMX)
+    alignas(64) int32_t sums[AMX_ROWS * 64];  // a group's tile sums (AMX)
+    int64_t configured = 0;                   // the rows the tiles are configured for, 0: none yet
     for (int64_t cg = g0; cg < g1; ++cg) {
       const uint8_t* wg = wp + cg * (k / 8) * 256;
       const at::Half* sg = sp + cg * groups * GROUP;
-      for (int64_t r0 = 0; r0 < rows;) {  // up to four rows a pass; the weights stay in cache
-        const int rc = rows - r0 >= 4 ? 4 : (rows - r0 >= 2 ? 2 : 1);
+      for (int64_t r0 = 0, c = 0; r0 < rows; ++c) {  // rows a pass; the weights stay in cache
+        const int rc = amx ? int((rows - r0) / (amx_chunks - c))
+                           : rows - r0 >= 4 ? 4 : (rows - r0 >= 2 ? 2 : 1);
         const int32_t* xr = x32 + r0 * quad_stride;
         const int32_t* sr = xsum.data() + r0 * groups;
-        if (rc == 4) w4_columns<4>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
+        if (amx) {
+          if (rc != configured) amx_configure(rc, 0), configured = rc;
+          w4_columns_amx(xq.data() + r0 * k, k, rc, sr, groups, wg, sg, ub, sums, acc);
+        } else if (rc == 4) w4_columns<4>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
         else if (rc == 2) w4_columns<2>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
         else w4_columns<1>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
         for (int c = 0; c < 4; ++c) {
@@ -443,6 +505,7 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
         r0 += rc;
       }
     }
+    if (configured != 0) amx_release();
   });
   return y;
 }
