@@ -8,10 +8,9 @@ import torch
 
 import speclm.quant.weights as quant
 from speclm import SpecEngine, UsageError
-from speclm.defaults import AMX_MIN_ROWS
 from speclm.quant import kernels
 from speclm.quant.weights import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, quantize_model
-from tiny import loaded, require_compiled_kernels, tiny_model
+from tiny import assert_amx_gives_the_vnni_loops_bits, loaded, require_compiled_kernels, tiny_model
 
 N = 40
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
@@ -186,20 +185,13 @@ def test_int4_amx_tiles_give_the_vnni_loops_bits():
     assert INT4_GROUP == 64  # a group is one tile step; other groups keep the VNNI loop
     compiled = kernels.compiled()
     gen = torch.Generator().manual_seed(4)
-    try:
-        for in_f, out_f in ((64, 48), (896, 200), (1536, 70)):
-            u, scale = quant.int4_groups(torch.randn(out_f, in_f, generator=gen), INT4_GROUP)
-            packed, scales = quant.int4_layout(u, scale)
-            bias = torch.randn(out_f, generator=gen)
-            for rows in (1, 2, 9, 10, 15, 16, 17, 31, 32, 40):
-                x = torch.randn(rows, in_f, generator=gen) * 3
-                h = torch.randn(rows, out_f, generator=gen)
-                out = {}
-                for min_rows in (0, 1):  # 0: the VNNI loop alone; 1: AMX from one row
-                    compiled.set_amx(min_rows)
-                    out[min_rows] = (compiled.linear_rows_w4(x, packed, scales, out_f, bias),
-                                     compiled.linear_rows_w4(x, packed, scales, out_f, None, h))
-                for vnni, amx in zip(out[0], out[1]):
-                    assert torch.equal(vnni, amx), (in_f, out_f, rows)
-    finally:
-        compiled.set_amx(AMX_MIN_ROWS)
+    for in_f, out_f in ((64, 48), (896, 200), (1536, 70)):
+        u, scale = quant.int4_groups(torch.randn(out_f, in_f, generator=gen), INT4_GROUP)
+        packed, scales = quant.int4_layout(u, scale)
+        bias = torch.randn(out_f, generator=gen)
+        for rows in (1, 2, 9, 10, 15, 16, 17, 31, 32, 40):
+            x = torch.randn(rows, in_f, generator=gen) * 3
+            h = torch.randn(rows, out_f, generator=gen)
+            assert_amx_gives_the_vnni_loops_bits(lambda: (compiled.linear_rows_w4(x, packed, scales, out_f, bias),
+                                                          compiled.linear_rows_w4(x, packed, scales, out_f, None, h)),
+                                                 (in_f, out_f, rows))

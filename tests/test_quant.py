@@ -10,7 +10,7 @@ from speclm import SpecEngine
 from speclm.defaults import AMX_MIN_ROWS
 from speclm.quant import kernels
 from speclm.quant.weights import Int8Linear, Int8Slice, quantize_model
-from tiny import loaded, require_compiled_kernels, tiny_model
+from tiny import assert_amx_gives_the_vnni_loops_bits, loaded, require_compiled_kernels, tiny_model
 
 N = 40
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
@@ -267,27 +267,20 @@ def test_amx_tiles_give_the_vnni_loops_bits():
     assert compiled.linear_rows_path(AMX_MIN_ROWS, 1536) == "amx"  # the comparison below compares two loops
     assert compiled.linear_rows_path(AMX_MIN_ROWS, 90) == compiled.linear_rows_path(1, 64) == "vnni"
     gen = torch.Generator().manual_seed(3)
-    try:
-        for in_f, out_f in ((64, 48), (1536, 200), (256, 64)):
-            q, scale = quant.int8_per_channel(torch.randn(out_f, in_f, generator=gen))
+    for in_f, out_f in ((64, 48), (1536, 200), (256, 64)):
+        q, scale = quant.int8_per_channel(torch.randn(out_f, in_f, generator=gen))
+        if in_f == 256:
+            q = torch.full_like(q, -127)  # the largest sums the int32 accumulators see
+        layout, colsum = quant.vnni_layout(q)
+        bias = torch.randn(out_f, generator=gen)
+        for rows in (1, 2, 3, 7, 15, 16, 17, 24, 31, 32):
+            x = torch.randn(rows, in_f, generator=gen) * 3
             if in_f == 256:
-                q = torch.full_like(q, -127)  # the largest sums the int32 accumulators see
-            layout, colsum = quant.vnni_layout(q)
-            bias = torch.randn(out_f, generator=gen)
-            for rows in (1, 2, 3, 7, 15, 16, 17, 24, 31, 32):
-                x = torch.randn(rows, in_f, generator=gen) * 3
-                if in_f == 256:
-                    x = x.abs() + 1  # every row's values near its max: u8 near 255 everywhere
-                h = torch.randn(rows, out_f, generator=gen)
-                out = {}
-                for min_rows in (0, 1):  # 0: the VNNI loop alone; 1: AMX from one row
-                    compiled.set_amx(min_rows)
-                    out[min_rows] = (compiled.linear_rows(x, layout, colsum, scale, bias),
-                                     compiled.linear_rows(x, layout, colsum, scale, None, h))
-                for vnni, amx in zip(out[0], out[1]):
-                    assert torch.equal(vnni, amx), (in_f, out_f, rows)
-    finally:
-        compiled.set_amx(AMX_MIN_ROWS)
+                x = x.abs() + 1  # every row's values near its max: u8 near 255 everywhere
+            h = torch.randn(rows, out_f, generator=gen)
+            assert_amx_gives_the_vnni_loops_bits(lambda: (compiled.linear_rows(x, layout, colsum, scale, bias),
+                                                          compiled.linear_rows(x, layout, colsum, scale, None, h)),
+                                                 (in_f, out_f, rows))
 
 
 def test_speclm_amx_0_keeps_the_vnni_loop_and_says_so(monkeypatch):

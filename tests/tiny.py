@@ -64,6 +64,23 @@ def require_compiled_kernels() -> None:
     assert kernels.compiled() is not None, "speclm's CPU kernels did not build"
 
 
+def assert_amx_gives_the_vnni_loops_bits(call, where) -> None:
+    """call() (a tuple of a compiled kernel's outputs) on its VNNI loop alone, then on AMX tiles from
+    one row: the same bits. The kernels' AMX rows are set back to the default after."""
+    from speclm.defaults import AMX_MIN_ROWS
+
+    compiled = kernels.compiled()
+    try:
+        out = []
+        for min_rows in (0, 1):  # 0: the VNNI loop alone; 1: AMX from one row
+            compiled.set_amx(min_rows)
+            out.append(call())
+    finally:
+        compiled.set_amx(AMX_MIN_ROWS)
+    for vnni, amx in zip(*out):
+        assert torch.equal(vnni, amx), where
+
+
 def random_heads(kind: str, model, path, seed: int = 0, std: float = 0.3, heads: int = 3, vocab_ids=None,
                  fuse_layers: tuple[int, ...] = ()) -> str:
     """A file of untrained heads of `kind` for `model` with random weights (std): they propose
