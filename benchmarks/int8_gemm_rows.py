@@ -6,9 +6,10 @@ the shapes of one decode step of Qwen2.5-1.5B (q/k/v and gate/up fused, output h
 1.54 GB of int8). Interleaved, best of 2 (`--rounds`) medians of 5; the weights are far larger than
 the caches, as in a real step. On a CPU with AMX the kernel is timed twice, on its VNNI loop alone and
 on AMX tiles from one row (checked bit for bit against each other first); the median ratio of 21
-pairs of calls, back to back in alternating order, sets speclm.defaults.AMX_MIN_ROWS. speclm.quant.weights.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS
-rows and oneDNN beyond (or, without the compiled kernel, `_int_mm` for one row and oneDNN for
-more). Without the compiled kernels its column reads n/a.
+pairs of calls, back to back in alternating order, sets speclm.defaults.AMX_MIN_ROWS.
+speclm.quant.weights.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS rows and oneDNN beyond
+(or, without the compiled kernel, `_int_mm` for one row and oneDNN for more). Without the compiled
+kernels its column reads n/a.
 
 `--int4` (CPUs with AMX): the int4 kernel (`linear_rows_w4`) over the GEMMs of one step of the 0.5B draft
 (0.25 GB of int4), its AMX path against its VNNI loop, checked bit for bit and paired the same way.
@@ -129,23 +130,20 @@ def main():
         xf = {k: torch.randn(rows, k) for k in in_features}
 
         def speclm_vnni():
-            for w, (packed_w, colsum), s in zip(weights, vnni, scales):
-                compiled.linear_rows(xf[w.shape[1]], packed_w, colsum, s, None)
+            return [compiled.linear_rows(xf[w.shape[1]], packed_w, colsum, s, None)
+                    for w, (packed_w, colsum), s in zip(weights, vnni, scales)]
 
         def speclm_amx():  # the same kernel with its AMX tiles from 1 row, where the CPU has them
             compiled.set_amx(1)
             try:
-                speclm_vnni()
+                return speclm_vnni()
             finally:
                 compiled.set_amx(AMX_MIN_ROWS)
 
         if amx:  # the same bits either way
             compiled.set_amx(0)
-            vnni_out = [compiled.linear_rows(xf[w.shape[1]], p, c, s, None) for w, (p, c), s in zip(weights, vnni, scales)]
-            compiled.set_amx(1)
-            amx_out = [compiled.linear_rows(xf[w.shape[1]], p, c, s, None) for w, (p, c), s in zip(weights, vnni, scales)]
-            compiled.set_amx(AMX_MIN_ROWS)
-            assert all(torch.equal(u, v) for u, v in zip(vnni_out, amx_out)), f"AMX differs from VNNI at {rows} rows"
+            vnni_out = speclm_vnni()
+            assert all(torch.equal(u, v) for u, v in zip(vnni_out, speclm_amx())), f"AMX differs from VNNI at {rows} rows"
         a, b, c, d = [], [], [], []
         for _ in range(rounds):  # interleaved: the machine's bandwidth drifts
             if compiled is not None:

@@ -413,7 +413,7 @@ def test_adaptive_policy_prices_a_draft_model_by_its_cost_line_before_it_runs():
     lookup_group = _Group(lookup.proposer_key(), [Request.of(0, list(range(300)), lookup, 0, None)])
     lookup_group.proposer.unread = lambda contexts: [0] * len(contexts)  # lookup's alone: never read
     priced.observe(lookup_group.requests[0], 4, 4, 0.001, 0, rows=1)
-    assert priced._step_seconds(lookup.proposer_key(), 1, lookup_group) == pytest.approx(0.001)
+    assert priced._step_seconds(lookup.proposer_key(), 1, Adaptive._unread(lookup_group)) == pytest.approx(0.001)
 
 
 def test_adaptive_policy_prices_rounds_as_they_measure():

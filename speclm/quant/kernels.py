@@ -18,9 +18,9 @@ usage error.
 SPECLM_KERNELS=torch turns the compiled kernels off; SPECLM_KERNELS=avx2 builds the AVX2 ones on
 a CPU that could run either (to test them there).
 
-On a CPU with AMX (Intel Sapphire Rapids and later) the AVX-512 build's int8 GEMM runs GEMMs of
-AMX_MIN_ROWS rows or more (trees' verification, batches) on AMX tiles: the same int32 sums, so the
-same bits, in less time than its VNNI loop takes for that many rows. SPECLM_AMX=0 keeps the VNNI loop.
+On a CPU with AMX (Intel Sapphire Rapids and later) the AVX-512 build's int8 and int4 GEMMs run
+AMX_MIN_ROWS rows or more (trees, batches) on AMX tiles: the same int32 sums, so the same bits, in
+less time than their VNNI loops take for that many rows. SPECLM_AMX=0 keeps the VNNI loops.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def describe() -> str:
 
 
 def amx() -> bool:
-    """Whether the int8 GEMM runs many rows on AMX tiles here (the CPU has them, Linux granted them,
-    SPECLM_AMX is not 0)."""
+    """Whether the int8 and int4 GEMMs run many rows on AMX tiles here (the CPU has them, Linux granted
+    them, SPECLM_AMX is not 0)."""
     module = compiled()
     if module is None or not hasattr(module, "set_amx"):  # the AVX2 build has no tiles
         return False

@@ -147,16 +147,14 @@ class Adaptive:
         """Per row of the group, the tokens its draft model has not read (None: no draft model)."""
         return g.proposer.unread([r.context for r in g.requests]) if hasattr(g.proposer, "unread") else None
 
-    def _step_seconds(self, key, rows: int, group=None, unread: list[int] | None = None) -> float:
+    def _step_seconds(self, key, rows: int, unread: list[int] | None = None) -> float:
         """Seconds of the group's draft forward for `rows` rows (StepTimes.at); a draft model's
-        before it ran, its cost line's, where the group has rows it would read and draft for
-        (`draft+pld` rows with long prompts are lookup's alone: those proposals are priced as
-        measured); else 0 before any. `unread`: the group's _unread, where the caller has it."""
-        if key.method in DRAFT_METHODS and key not in self._ran_model and self.draft_costs is not None:
-            if group is not None and unread is None:
-                unread = self._unread(group)
-            if group is None or any(unread or ()):
-                return self.draft_costs(rows)
+        before it ran, its cost line's, unless the group's rows (`unread`: their _unread, where
+        known) have nothing for it to read and draft for (`draft+pld` rows with long prompts are
+        lookup's alone: those proposals are priced as measured); else 0 before any."""
+        if (key.method in DRAFT_METHODS and key not in self._ran_model and self.draft_costs is not None
+                and (unread is None or any(unread))):
+            return self.draft_costs(rows)
         steps = self._step.get(key)
         seconds = steps.at(rows, self.costs) if steps is not None else None
         return seconds or 0.0
@@ -219,7 +217,7 @@ class Adaptive:
                 own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
                 tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
                 if own:
-                    drafting += self._step_seconds(key, len(g.requests), g, unread[key]) * own
+                    drafting += self._step_seconds(key, len(g.requests), unread[key]) * own
                     catch_up += self._catch_up(key, g, own, is_tree, unread[key])
                     width = max(width, self._tree_width(key, g) if is_tree else own)
             seconds = self.costs(rows * (1 + width)) + drafting

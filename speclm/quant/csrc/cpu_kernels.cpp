@@ -832,8 +832,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("bias"),
         py::arg("residual") = py::none());
   m.def("set_amx", [](int64_t min_rows) { amx_min_rows = int(min_rows); return amx_supported(); },
-        "linear_rows runs on AMX tiles from min_rows rows (0: never); returns whether the CPU and Linux let "
-        "AMX run here",
+        "linear_rows and linear_rows_w4 run on AMX tiles from min_rows rows (0: never); returns whether the CPU "
+        "and Linux let AMX run here",
         py::arg("min_rows"));
   m.def("linear_rows_path", [](int64_t rows, int64_t k) { return use_amx(rows, (k + 3) / 4 * 4) ? "amx" : "vnni"; },
         "which loop linear_rows runs for rows x k", py::arg("rows"), py::arg("k"));
