@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from speclm.quant import kernels
+from speclm.runtime import keep_freed_memory
 from speclm.quant.weights import INT4_GROUP, int4_groups, int4_layout, vnni_layout
 
 from gemm_shapes import DRAFT_HEAD, DRAFT_LAYERS, SMOKE_STEP, TARGET_STEP  # benchmarks/gemm_shapes.py
@@ -162,6 +163,7 @@ def main():
     args = parser.parse_args()
     if kernels.compiled() is None:
         sys.exit("kernel_ab.py: speclm's compiled kernels do not run here")
+    keep_freed_memory()  # as the engine runs: many rows' outputs would otherwise be fresh pages every call
     row_counts, pairs = [int(r) for r in args.rows.split(",")], args.pairs
     kinds = [args.kernel]
     if args.smoke:

@@ -60,7 +60,7 @@ TABLE: tuple[Tuned, ...] = (
           "prefill block at most) run as (W x^T)^T, not x W^T", "benchmarks/avx2/fp32-linear-rows.txt",
           "4 rows 3.2x faster, 256 rows 1.05x"),
     Tuned("VNNI_MAX_ROWS", 32, "speclm.quant.weights", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
-          "on oneDNN's", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
+          "on oneDNN's (a VNNI CPU without AMX; elsewhere speclm's kernel runs every row count)", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
     Tuned("AMX_MIN_ROWS", 10, "speclm/quant/csrc", "int8 and int4 GEMMs of this many rows or more run on AMX tiles where "
           "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/int8-gemm-rows.txt",
           "int8 AMX / VNNI time 0.98-1.11 at 1-8 rows, 0.81-1.00 at 10-32, 0.61 at 64 (int4: amx/int4-gemm-rows.txt)"),

@@ -66,6 +66,10 @@ SCRIPTS = {
     "int8_kernels.py": ([], ["| path | k=1 ms | k=4 ms | k=8 ms | k=16 ms | batch-invariant | rel. error vs fp64 |",
                              # speclm's row: timed, and batch-invariant
                              re.compile(r"\| speclm Int8Linear: .*( [0-9.]+ \|){4} yes \|")], False),
+    "int8_prefill_paths.py": (["--target", "{target}"],
+                              ["default path past the VNNI rows: ",
+                               # both paths timed with the same logits, or a CPU where oneDNN is not exact
+                               re.compile(r"\| 90 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| yes \||nothing to compare")], True),
     "int8_model.py": (["--target", "{target}"],
                       ["prompts=2", "fp32: load ", "int8 W8A8 per-row (speclm.quant.weights.Int8Linear, oneDNN): load ",
                        "int8 weight-only, bf16 act. (_weight_int8pack_mm): load ",

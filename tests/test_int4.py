@@ -189,7 +189,7 @@ def test_int4_amx_tiles_give_the_vnni_loops_bits():
         u, scale = quant.int4_groups(torch.randn(out_f, in_f, generator=gen), INT4_GROUP)
         packed, scales = quant.int4_layout(u, scale)
         bias = torch.randn(out_f, generator=gen)
-        for rows in (1, 2, 9, 10, 15, 16, 17, 31, 32, 40):
+        for rows in (1, 2, 9, 10, 15, 16, 17, 31, 32, 40, 100):  # 40, 100: a column group's tiles spread once
             x = torch.randn(rows, in_f, generator=gen) * 3
             h = torch.randn(rows, out_f, generator=gen)
             assert_amx_gives_the_vnni_loops_bits(lambda: (compiled.linear_rows_w4(x, packed, scales, out_f, bias),

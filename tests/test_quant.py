@@ -258,8 +258,9 @@ def test_compiled_kernels_reject_mismatched_arguments():
 def test_amx_tiles_give_the_vnni_loops_bits():
     """On a CPU with AMX, linear_rows runs AMX_MIN_ROWS rows or more on its tiles: the same int32
     sums as the VNNI loop, so the same bits, at every row count (one tile of rows, several, a ragged
-    last one), with bias and residual, at the largest activations and weights. Where the features
-    are not whole 64-byte steps the VNNI loop runs. Skipped on CPUs without AMX."""
+    last one, a prefill block's many pairs of them with its rows quantized on several threads),
+    with bias and residual, at the largest activations and weights. Where the features are not whole
+    64-byte steps the VNNI loop runs. Skipped on CPUs without AMX."""
     require_compiled_kernels()
     if not kernels.amx():
         pytest.skip("no AMX on this CPU (or SPECLM_AMX=0)")
@@ -273,7 +274,7 @@ def test_amx_tiles_give_the_vnni_loops_bits():
             q = torch.full_like(q, -127)  # the largest sums the int32 accumulators see
         layout, colsum = quant.vnni_layout(q)
         bias = torch.randn(out_f, generator=gen)
-        for rows in (1, 2, 3, 7, 15, 16, 17, 24, 31, 32):
+        for rows in (1, 2, 3, 7, 15, 16, 17, 24, 31, 32, 48, 100):
             x = torch.randn(rows, in_f, generator=gen) * 3
             if in_f == 256:
                 x = x.abs() + 1  # every row's values near its max: u8 near 255 everywhere
@@ -281,6 +282,25 @@ def test_amx_tiles_give_the_vnni_loops_bits():
             assert_amx_gives_the_vnni_loops_bits(lambda: (compiled.linear_rows(x, layout, colsum, scale, bias),
                                                           compiled.linear_rows(x, layout, colsum, scale, None, h)),
                                                  (in_f, out_f, rows))
+
+
+def test_int8_layers_keep_a_onednn_copy_only_where_speclms_kernel_has_no_amx(monkeypatch):
+    """A CPU whose compiled kernel runs on AMX tiles gives every row count to it (a prefill block's
+    too: benchmarks/amx/int8-prefill-paths.txt), so int8 layers there hold no second, oneDNN-packed
+    copy of their weights; elsewhere oneDNN takes more than VNNI_MAX_ROWS rows where it is exact."""
+    monkeypatch.setattr(quant, "_onednn_available", lambda: True)
+    for amx in (False, True):
+        monkeypatch.setattr(kernels, "amx", lambda amx=amx: amx)
+        assert quant.onednn_used(True) == (not amx)
+        assert quant.onednn_used(False)  # without a compiled kernel oneDNN takes the many rows
+        assert ("onednn for more" in quant.int8_kernels(compiled=True)) == (not amx)
+    monkeypatch.undo()
+    require_compiled_kernels()
+    if not kernels.amx():
+        pytest.skip("no AMX on this CPU (or SPECLM_AMX=0)")
+    layer = Int8Linear(torch.nn.Linear(256, 96))
+    assert not layer.onednn and "packed" not in layer.__dict__ and layer.kernel_for(256) == "compiled"
+    assert quant.int8_kernels() == "speclm VNNI+AMX"
 
 
 def test_speclm_amx_0_keeps_the_vnni_loop_and_says_so(monkeypatch):

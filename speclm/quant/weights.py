@@ -5,9 +5,9 @@ token's logits must not depend on how many other tokens share the forward. The k
 here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
 activation row quantized to int8 with its own scale, products accumulated in int32 (exact
 integer arithmetic: speclm's compiled kernel (AVX-512 VNNI or AVX2, speclm.quant.kernels) for the few
-rows of a decode step or a verification, and on AVX2 for every row count; oneDNN's int8 GEMM for
-a prefill's many rows where it sums exactly (a CPU with VNNI); `torch._int_mm` where nothing
-compiled runs), then rescaled elementwise. Nothing couples the rows, so the
+rows of a decode step or a verification, and on AVX2 or AMX CPUs for every row count; oneDNN's int8
+GEMM for a prefill's many rows where it sums exactly (a CPU with VNNI and without AMX);
+`torch._int_mm` where nothing compiled runs), then rescaled elementwise. Nothing couples the rows, so the
 result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
 activation scale for the whole batch and is *not* batch-invariant; the weight-only
 `_weight_int8pack_mm` path is invariant but its cost grows with the rows. The measurements
@@ -81,7 +81,7 @@ def int8_kernels(compiled: bool | None = None, onednn: bool | None = None) -> st
     """The int8 GEMM kernels a layer runs (by default: what this process picks), in words; said in
     `generate`'s statistics line and bench reports, since the path decides the speed."""
     compiled = _compiled_kernel() is not None if compiled is None else compiled
-    onednn = _onednn_available() if onednn is None else onednn
+    onednn = onednn_used(compiled) if onednn is None else onednn
     if compiled:
         name = kernels.describe() or "speclm's kernel"
         return f"{name} up to {VNNI_MAX_ROWS} rows, onednn for more" if onednn else name
@@ -136,6 +136,13 @@ def _onednn_available() -> bool:
         print("speclm: oneDNN's int8 GEMM is not exact on this CPU (no VNNI: its u8*s8 pairs saturate); "
               "int8 layers use torch._int_mm and an exact fp32 GEMM instead", file=sys.stderr)
     return False
+
+
+def onednn_used(compiled: bool) -> bool:
+    """Whether int8 layers keep a oneDNN copy of their weights for calls of more than VNNI_MAX_ROWS
+    rows: where it is exact, but not where speclm's kernel runs on AMX tiles, which are as fast at a
+    prefill block's rows (benchmarks/amx/prefill.txt) without a second copy of every weight."""
+    return _onednn_available() and not (compiled and kernels.amx())
 
 
 def _compiled_kernel():
@@ -241,11 +248,12 @@ class Int8Linear(QuantLinear):
     fp32, times the weight scale, times the row's step), so they give the same bits (tested)
     and each call takes the fastest here:
     - up to VNNI_MAX_ROWS rows (decode steps, draft steps, verification), and every row count
-      where oneDNN is not exact: speclm's compiled kernel (AVX-512 VNNI or AVX2,
+      where oneDNN is not exact or the CPU has AMX: speclm's compiled kernel (AVX-512 VNNI or AVX2,
       speclm.quant.kernels), which reads each weight once for all the rows;
     - more rows (prefill): oneDNN's int8 GEMM on the weight packed once
       (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with
-      zero point 128, where it sums exactly (`_onednn_available`: not on a CPU without VNNI);
+      zero point 128, where it sums exactly (`_onednn_available`: not on a CPU without VNNI) and
+      speclm's kernel has no AMX tiles (`onednn_used`);
     - where no compiled kernel runs: `torch._int_mm` for one row (its one-row path streams
       the weight at read bandwidth) and oneDNN for more, or `_int_mm` for every row count
       where oneDNN is not exact.
@@ -262,7 +270,7 @@ class Int8Linear(QuantLinear):
         """Each kernel's copy from the int8 weights q (out, in), or from the compiled kernel's layout."""
         self.wscale = scale  # (out,) fp32
         self.compiled = _compiled_kernel()
-        self.onednn = _onednn_available()
+        self.onednn = onednn_used(self.compiled is not None)
         if self.compiled is not None:
             self.vnni_weight, self.colsum = (layout, colsum) if layout is not None else vnni_layout(q)
         if q is None and (self.compiled is None or self.onednn):

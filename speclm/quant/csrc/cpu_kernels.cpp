@@ -26,6 +26,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -85,6 +88,7 @@ using DotFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, __m512i*
 // the chunks compute from cache (benchmarks/epyc/int8-gemm-rows.txt: up to 12 rows cost about
 // what 1 does). Chunks one after the other over whole groups left the stream idle meanwhile.
 constexpr int CHUNK = 6;
+constexpr int64_t QUANTIZE_PARALLEL = 65536;  // features quantized per task, at least (quantize_grain)
 constexpr int64_t TILE = 32;      // quads per k-tile: 8 KB of a group's weights
 constexpr int64_t FAR_TILES = 8;  // 64 KB ahead: prefetches into L1 alone left the stream waiting
 constexpr DotFn DOTS[CHUNK + 1] = {nullptr, dot_group<1>, dot_group<2>, dot_group<3>,
@@ -110,6 +114,11 @@ inline float quantize_row(const float* row, int64_t k, int32_t offset, uint8_t* 
   }
   return s;
 }
+
+// Rows per task when a call quantizes its rows on torch's threads: a prefill block's rows (each
+// quantized alone, so the same bits) in parallel; a few decode rows on the calling thread, where
+// waking the pool would cost more than the work.
+inline int64_t quantize_grain(int64_t k) { return std::max<int64_t>(1, QUANTIZE_PARALLEL / k); }
 
 // AMX (Intel's tile unit, Sapphire Rapids on): many rows of linear_rows in int8 tiles. A tile
 // product is the same exact int32 sum of u8 x s8 products as vpdpbusd's, so the result is
@@ -227,6 +236,37 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_pair(const uint8_t* xu, co
   }
 }
 
+// One group's 64 columns of y for rc rows from their int32 sums (acc[r * 4 + c]: row r, block c):
+// fp32(sum - 128 colsum) * wscale * step (+ bias) (+ residual), in that order. Row by row, so each
+// row's 4 blocks are 256 contiguous bytes of y; bp, rp: None where absent; rp and yp at row 0.
+inline void store_group(const __m512i* acc, int64_t rc, const float* step, int64_t col0, int64_t n,
+                        const int32_t* cs, const float* ws, const float* bp, const float* rp, float* yp) {
+  const int blocks = int(std::min<int64_t>(4, (n - col0 + BLOCK - 1) / BLOCK));
+  __mmask16 mask[4];
+  __m512i zero_point[4];
+  __m512 scale[4], add[4];
+  for (int c = 0; c < blocks; ++c) {
+    const int64_t col = col0 + c * BLOCK;
+    mask[c] = col + BLOCK <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - col)) - 1);
+    zero_point[c] = _mm512_slli_epi32(_mm512_loadu_si512(cs + col), 7);  // 128 * colsum
+    scale[c] = _mm512_maskz_loadu_ps(mask[c], ws + col);
+    add[c] = bp != nullptr ? _mm512_maskz_loadu_ps(mask[c], bp + col) : _mm512_setzero_ps();
+  }
+  for (int64_t r = 0; r < rc; ++r) {
+    const __m512 row_step = _mm512_set1_ps(step[r]);
+    float* yr = yp + r * n + col0;
+    const float* rr = rp != nullptr ? rp + r * n + col0 : nullptr;
+    for (int c = 0; c < blocks; ++c) {
+      __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r * 4 + c], zero_point[c]));  // int32 -> fp32
+      v = _mm512_mul_ps(v, scale[c]);
+      v = _mm512_mul_ps(v, row_step);
+      if (bp != nullptr) v = _mm512_add_ps(v, add[c]);
+      if (rr != nullptr) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[c], rr + c * BLOCK), v);  // h + f(h)
+      _mm512_mask_storeu_ps(yr + c * BLOCK, mask[c], v);
+    }
+  }
+}
+
 }  // namespace
 
 // x (R, K) fp32; packed (N_pad / 64, K_pad / 4, 64, 4) int8; colsum (N_pad,) int32: each
@@ -246,14 +286,20 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   TORCH_CHECK(k <= kp && kp < k + 4 && n <= packed.size(0) * GROUP && colsum.numel() == packed.size(0) * GROUP, "packed weight does not match x or wscale");
   const float* bp = speclm_common::optional_rows(bias, rows, n, false);
   const float* rp = speclm_common::optional_rows(residual, rows, n, true);
-  const bool has_bias = bp != nullptr, has_residual = rp != nullptr;
+  const bool has_residual = rp != nullptr;
   if (rows == 0) return at::empty({0, n}, x.options());
 
   // Quantize each row: step = max|x| / 127, xu = round(x / step) + 128 (half to even), zero-padded.
-  std::vector<uint8_t> xu(rows * kp, 0);
+  std::unique_ptr<uint8_t[]> xu_buffer(new uint8_t[rows * kp]);  // uninitialized: each row writes its own padding
+  uint8_t* const xu = xu_buffer.get();
   std::vector<float> step(rows);
   const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) step[r] = quantize_row(xp + r * k, k, 128, xu.data() + r * kp);
+  at::parallel_for(0, rows, quantize_grain(k), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      step[r] = quantize_row(xp + r * k, k, 128, xu + r * kp);
+      std::memset(xu + r * kp + k, 0, kp - k);
+    }
+  });
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -282,14 +328,14 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
     int64_t configured = 0;  // the tiles' configuration (amx_configure's m * 64 + m1), 0: none yet
     for (int64_t g = g0; g < g1; ++g) {
       const int8_t* wg = wp + g * group_bytes;
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_si512());
+      if (!amx) std::fill(acc.begin(), acc.end(), _mm512_setzero_si512());  // the tiles store whole sums
       for (int64_t c = 0; amx && c < chunks; c += 2) {  // chunks two at a time, the last alone
         const int64_t m = chunk_rows[c], m1 = c + 1 < chunks ? chunk_rows[c + 1] : 0;
         if (m * 64 + m1 != configured) amx_configure(m, m1), configured = m * 64 + m1;
         if (m1 == 0)
-          amx_group(xu.data() + chunk_start[c] * kp, kp, wg, quads, acc.data() + c * most * 4);
+          amx_group(xu + chunk_start[c] * kp, kp, wg, quads, acc.data() + c * most * 4);
         else
-          amx_pair(xu.data() + chunk_start[c] * kp, xu.data() + chunk_start[c + 1] * kp, kp, wg, quads,
+          amx_pair(xu + chunk_start[c] * kp, xu + chunk_start[c + 1] * kp, kp, wg, quads,
                    acc.data() + c * most * 4, acc.data() + (c + 1) * most * 4);
       }
       for (int64_t t0 = 0; !amx && t0 < quads; t0 += tile) {
@@ -297,29 +343,14 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
         const int8_t* wt = wg + t0 * GROUP * 4;  // prefetches past the group run into the next one's
         for (int64_t c = 0; c < chunks; ++c) {
           const int8_t* far = wt + FAR_TILES * tile * GROUP * 4 + c * tile * far_lines * 64;
-          DOTS[chunk_rows[c]](xu.data() + chunk_start[c] * kp + t0 * 4, kp, wt, tq, acc.data() + c * most * 4,
+          DOTS[chunk_rows[c]](xu + chunk_start[c] * kp + t0 * 4, kp, wt, tq, acc.data() + c * most * 4,
                               chunks == 1 ? wt + PREFETCH : nullptr, far, far_lines);
         }
       }
       for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-        const int64_t r0 = chunk_start[chunk], rc = chunk_rows[chunk];
-        const __m512i* ca = acc.data() + chunk * most * 4;
-        for (int c = 0; c < 4; ++c) {
-          const int64_t col = g * GROUP + c * BLOCK;
-          if (col >= n) break;
-          const __mmask16 mask = col + BLOCK <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - col)) - 1);
-          const __m512i zero_point = _mm512_slli_epi32(_mm512_loadu_si512(cs + col), 7);  // 128 * colsum
-          const __m512 scale = _mm512_maskz_loadu_ps(mask, ws + col);
-          const __m512 add = has_bias ? _mm512_maskz_loadu_ps(mask, bp + col) : _mm512_setzero_ps();
-          for (int64_t r = 0; r < rc; ++r) {
-            __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(ca[r * 4 + c], zero_point));  // int32 -> fp32
-            v = _mm512_mul_ps(v, scale);
-            v = _mm512_mul_ps(v, _mm512_set1_ps(step[r0 + r]));
-            if (has_bias) v = _mm512_add_ps(v, add);
-            if (has_residual) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, rp + (r0 + r) * n + col), v);  // h + f(h)
-            _mm512_mask_storeu_ps(yp + (r0 + r) * n + col, mask, v);
-          }
-        }
+        const int64_t r0 = chunk_start[chunk];
+        store_group(acc.data() + chunk * most * 4, chunk_rows[chunk], step.data() + r0, g * GROUP, n, cs, ws, bp,
+                    has_residual ? rp + r0 * n : nullptr, yp + r0 * n);
       }
     }
     if (configured != 0) amx_release();
@@ -388,14 +419,19 @@ inline void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* x
 // (ub, 4 x 16 quads x 64 bytes), tdpbsud takes the rows' signed int8 against them (the same exact
 // sum x u as vpdpbusd's), and the group's fp32 step is the VNNI loop's, with the same FMA, so the
 // bits are the same. out[r * 4 + c] as w4_columns'; x8: the rows' int8 values, k apart.
+// ub_all: the u8 tiles, 4 KB per group, ub_step bytes apart: 0 (each group's spread in turn into
+// the same 4 KB) or 4096 (the first of many chunks spreads every group of the column group once,
+// `spread`, and the others read them).
 __attribute__((target("amx-tile,amx-int8"))) void w4_columns_amx(const int8_t* x8, int64_t k, int64_t m,
                                                                  const int32_t* xsum, int64_t groups,
                                                                  const uint8_t* w, const at::Half* scales,
-                                                                 uint8_t* ub, int32_t* sums, __m512* out) {
+                                                                 uint8_t* ub_all, int64_t ub_step, bool spread,
+                                                                 int32_t* sums, __m512* out) {
   for (int64_t i = 0; i < m * 4; ++i) out[i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t p = 0; p < 8; ++p) {  // 8 byte pairs of quads per 64 features
+    uint8_t* ub = ub_all + g * ub_step;
+    for (int64_t p = 0; spread && p < 8; ++p) {  // 8 byte pairs of quads per 64 features
       const uint8_t* wp = w + (g * 8 + p) * 256;
       for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + l * 64), _MM_HINT_T0);
       for (int c = 0; c < 4; ++c) {
@@ -451,15 +487,17 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   std::vector<int32_t> xsum(rows * groups, 0);
   std::vector<float> step(rows);
   const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    int8_t* out = xq.data() + r * k;
-    step[r] = quantize_row(xp + r * k, k, 0, reinterpret_cast<uint8_t*>(out));
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
-      xsum[r * groups + g] = sum;
+  at::parallel_for(0, rows, quantize_grain(k), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* out = xq.data() + r * k;
+      step[r] = quantize_row(xp + r * k, k, 0, reinterpret_cast<uint8_t*>(out));
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
+        xsum[r * groups + g] = sum;
+      }
     }
-  }
+  });
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -473,31 +511,38 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int64_t amx_chunks = amx ? (rows + AMX_ROWS - 1) / AMX_ROWS : 0;
   at::parallel_for(0, column_groups, 1, [&](int64_t g0, int64_t g1) {
     __m512 acc[AMX_ROWS * 4];
-    alignas(64) uint8_t ub[4 * 1024];        // a group's weights as u8 tiles (AMX)
+    // the weights as u8 tiles (AMX): a group's 4 KB at a time, or for more than two chunks (a
+    // prefill block) a whole column group's, spread once: two chunks spread them again for less
+    // than writing them out and reading them back costs
+    const int64_t ub_step = amx_chunks > 2 ? 4096 : 0;
+    std::unique_ptr<uint8_t[], void (*)(void*)> ub(
+        amx ? static_cast<uint8_t*>(std::aligned_alloc(64, ub_step ? groups * ub_step : 4096)) : nullptr, std::free);
     alignas(64) int32_t sums[AMX_ROWS * 64];  // a group's tile sums (AMX)
     int64_t configured = 0;                   // the rows the tiles are configured for, 0: none yet
     for (int64_t cg = g0; cg < g1; ++cg) {
       const uint8_t* wg = wp + cg * (k / 8) * 256;
       const at::Half* sg = sp + cg * groups * GROUP;
-      for (int64_t r0 = 0, c = 0; r0 < rows; ++c) {  // rows a pass; the weights stay in cache
-        const int rc = amx ? int((rows - r0) / (amx_chunks - c))
+      for (int64_t r0 = 0, chunk = 0; r0 < rows; ++chunk) {  // rows a pass; the weights stay in cache
+        const int rc = amx ? int((rows - r0) / (amx_chunks - chunk))
                            : rows - r0 >= 4 ? 4 : (rows - r0 >= 2 ? 2 : 1);
         const int32_t* xr = x32 + r0 * quad_stride;
         const int32_t* sr = xsum.data() + r0 * groups;
         if (amx) {
           if (rc != configured) amx_configure(rc, 0), configured = rc;
-          w4_columns_amx(xq.data() + r0 * k, k, rc, sr, groups, wg, sg, ub, sums, acc);
+          w4_columns_amx(xq.data() + r0 * k, k, rc, sr, groups, wg, sg, ub.get(), ub_step, chunk == 0 || !ub_step,
+                         sums, acc);
         } else if (rc == 4) w4_columns<4>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
         else if (rc == 2) w4_columns<2>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
         else w4_columns<1>(xr, quad_stride, sr, groups, wg, sg, pairs_per_group, acc);
-        for (int c = 0; c < 4; ++c) {
-          const int64_t col = cg * GROUP + c * BLOCK;
-          if (col >= n) break;
-          const __mmask16 mask = col + BLOCK <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - col)) - 1);
-          const __m512 add = has_bias ? _mm512_maskz_loadu_ps(mask, bp + col) : _mm512_setzero_ps();
-          for (int r = 0; r < rc; ++r) {
-            __m512 v = _mm512_mul_ps(acc[r * 4 + c], _mm512_set1_ps(step[r0 + r]));
-            if (has_bias) v = _mm512_add_ps(v, add);
+        const int64_t col0 = cg * GROUP;
+        const int blocks = int(std::min<int64_t>(4, (n - col0 + BLOCK - 1) / BLOCK));
+        for (int r = 0; r < rc; ++r) {  // row by row: a row's blocks are contiguous in y
+          const __m512 row_step = _mm512_set1_ps(step[r0 + r]);
+          for (int c = 0; c < blocks; ++c) {
+            const int64_t col = col0 + c * BLOCK;
+            const __mmask16 mask = col + BLOCK <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - col)) - 1);
+            __m512 v = _mm512_mul_ps(acc[r * 4 + c], row_step);
+            if (has_bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + col));
             if (has_residual) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, rp + (r0 + r) * n + col), v);
             _mm512_mask_storeu_ps(yp + (r0 + r) * n + col, mask, v);
           }
