@@ -25,8 +25,8 @@ from speclm.quant import kernels
 from speclm.quant.weights import Int8Linear, Int8Slice, from_vnni_layout, onednn_used
 from speclm.runtime import keep_freed_memory, set_threads, usable_cores
 
-LENGTHS = (238, 700, 969)
-SMOKE_LENGTHS = (20, 90)
+from prefill_kernels import LENGTHS, SMOKE_LENGTHS  # benchmarks/prefill_kernels.py: the same prompt lengths
+
 PATHS = ("speclm kernel", "onednn past VNNI_MAX_ROWS")
 
 
@@ -49,16 +49,21 @@ def add_onednn_copies(layers: list[Int8Linear]) -> None:
             layer.wzero = torch.zeros(layer.out_features, dtype=torch.long)
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="catalog name or model folder (int8)")
     parser.add_argument("--smoke", action="store_true", help="short prompts, 1 round, 1 thread")
-    args = parser.parse_args()
-    lengths, rounds, first_id = (SMOKE_LENGTHS, 1, 100) if args.smoke else (LENGTHS, 5, 1000)
-    set_threads(1 if args.smoke else usable_cores())
-    keep_freed_memory()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     if kernels.compiled() is None:
         raise SystemExit("speclm's compiled kernels do not run here")
+    set_threads(1 if args.smoke else usable_cores())
+    keep_freed_memory()  # as the engine runs
+    lengths = SMOKE_LENGTHS if args.smoke else LENGTHS
+    rounds, first_id = (1, 100) if args.smoke else (5, 1000)
     model = load_model(args.target, quantize="int8", progress=False).model
     layers = int8_layers(model)
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} kernel={kernels.describe()} "
