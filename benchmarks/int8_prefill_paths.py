@@ -22,7 +22,7 @@ from speclm.forward.cache import StaticKV
 from speclm.memory import gib, resident
 from speclm.models.loading import load_model
 from speclm.quant import kernels
-from speclm.quant.weights import Int8Linear, Int8Slice, from_vnni_layout, onednn_used
+from speclm.quant.weights import Int8Linear, Int8Slice, onednn_used
 from speclm.runtime import keep_freed_memory, set_threads, usable_cores
 
 from prefill_kernels import LENGTHS, SMOKE_LENGTHS  # benchmarks/prefill_kernels.py: the same prompt lengths
@@ -38,15 +38,6 @@ def int8_layers(model) -> list[Int8Linear]:
         if isinstance(kernel, Int8Linear):
             found[id(kernel)] = kernel
     return list(found.values())
-
-
-def add_onednn_copies(layers: list[Int8Linear]) -> None:
-    """Give every int8 layer oneDNN's packed weights, as a CPU without AMX loads them."""
-    for layer in layers:
-        if "packed" not in layer.__dict__:
-            q = from_vnni_layout(layer.vnni_weight, layer.out_features, layer.in_features)
-            layer.packed = torch.ops.onednn.qlinear_prepack(q, None)
-            layer.wzero = torch.zeros(layer.out_features, dtype=torch.long)
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +64,8 @@ def main():
               "nothing to compare")
         return
     before = resident()
-    add_onednn_copies(layers)
+    for layer in layers:
+        layer.with_onednn()  # as a CPU without AMX loads it
     after = resident()
     if before and after:
         print(f"oneDNN's packed copies of {len(layers)} int8 layers: resident memory {gib(before.total)} -> "

@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 
 from speclm.quant import kernels
-from speclm.runtime import keep_freed_memory
 from speclm.quant.weights import INT4_GROUP, int4_groups, int4_layout, vnni_layout
+from speclm.runtime import keep_freed_memory
 
 from gemm_shapes import DRAFT_HEAD, DRAFT_LAYERS, SMOKE_STEP, TARGET_STEP  # benchmarks/gemm_shapes.py
 

@@ -301,6 +301,10 @@ def test_int8_layers_keep_a_onednn_copy_only_where_speclms_kernel_has_no_amx(mon
     layer = Int8Linear(torch.nn.Linear(256, 96))
     assert not layer.onednn and "packed" not in layer.__dict__ and layer.kernel_for(256) == "compiled"
     assert quant.int8_kernels() == "speclm VNNI+AMX"
+    x = torch.randn(100, 256)
+    ours = layer.rows(x)
+    assert layer.with_onednn().kernel_for(100) == "onednn" and "packed" in layer.__dict__  # as without AMX
+    assert torch.equal(layer.rows(x), ours)
 
 
 def test_speclm_amx_0_keeps_the_vnni_loop_and_says_so(monkeypatch):

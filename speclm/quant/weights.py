@@ -141,7 +141,7 @@ def _onednn_available() -> bool:
 def onednn_used(compiled: bool) -> bool:
     """Whether int8 layers keep a oneDNN copy of their weights for calls of more than VNNI_MAX_ROWS
     rows: where it is exact, but not where speclm's kernel runs on AMX tiles, which are as fast at a
-    prefill block's rows (benchmarks/amx/prefill.txt) without a second copy of every weight."""
+    prefill block's rows (benchmarks/amx/int8-prefill-paths.txt) without a second copy of every weight."""
     return _onednn_available() and not (compiled and kernels.amx())
 
 
@@ -278,8 +278,7 @@ class Int8Linear(QuantLinear):
         if self.compiled is None:
             self.qweight_t = q.t()  # (in, out) column-major: _int_mm's fast CPU layout
         if self.onednn:
-            self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # opaque blocked layout
-            self.wzero = torch.zeros(self.out_features, dtype=torch.long)
+            self._pack_onednn(q)
         elif self.compiled is None and EXACT_FLOAT_GEMM:
             self.fweight = q.t().float().contiguous()  # (in, out) fp32 of int8 values, for several rows
 
@@ -308,6 +307,19 @@ class Int8Linear(QuantLinear):
         if "fweight" in self.__dict__:
             sub.fweight = self.fweight[:, :n]
         return sub.without_onednn()
+
+    def _pack_onednn(self, q: torch.Tensor) -> None:
+        """oneDNN's copy of the int8 weights q (out, in), in its opaque blocked layout."""
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.wzero = torch.zeros(self.out_features, dtype=torch.long)
+
+    def with_onednn(self) -> "Int8Linear":
+        """The layer as a CPU without AMX holds it: a oneDNN copy of the weights for calls of more
+        than VNNI_MAX_ROWS rows (for comparing the paths: benchmarks/int8_prefill_paths.py)."""
+        if "packed" not in self.__dict__:
+            self._pack_onednn(from_vnni_layout(self.vnni_weight, self.out_features, self.in_features))
+        self.onednn = True
+        return self
 
     def without_onednn(self) -> "Int8Linear":
         """No second, oneDNN-packed copy of the weights, for layers that mostly see a few rows (a
