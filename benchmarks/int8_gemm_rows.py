@@ -12,7 +12,8 @@ speclm.quant.weights.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS rows a
 kernels its column reads n/a.
 
 `--int4` (CPUs with AMX): the int4 kernel (`linear_rows_w4`) over the GEMMs of one step of the 0.5B draft
-(0.25 GB of int4), its AMX path against its VNNI loop, checked bit for bit and paired the same way.
+(0.25 GB of int4), its AMX path against its VNNI loop, checked bit for bit and paired the same way
+(speclm.defaults.AMX_MIN_ROWS_INT4).
 
 Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/epyc/int8-gemm-rows.txt
 Committed output: benchmarks/epyc/int8-gemm-rows.txt (AMD EPYC machine), benchmarks/amx/int8-gemm-rows.txt
@@ -30,7 +31,6 @@ import time
 
 import torch
 
-from speclm.defaults import AMX_MIN_ROWS
 from speclm.quant import kernels
 from speclm.quant.weights import INT4_GROUP, int4_groups, int4_layout, vnni_layout
 
@@ -53,7 +53,7 @@ def paired_ratio(vnni, amx, compiled, pairs: int) -> float:
             (vnni if name == "vnni" else amx)()
             seconds[name] = time.perf_counter() - start
         ratios.append(seconds["amx"] / seconds["vnni"])
-    compiled.set_amx(AMX_MIN_ROWS)
+    kernels.amx()
     return statistics.median(ratios)
 
 
@@ -110,7 +110,7 @@ def main():
     vnni = [vnni_layout(w) for w in weights] if compiled is not None else []
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} int8 weights={gigabytes:.2f} GB "
           f"speclm kernel={kernels.describe() or 'n/a'}")
-    amx = compiled is not None and hasattr(compiled, "set_amx") and compiled.set_amx(AMX_MIN_ROWS)
+    amx = compiled is not None and hasattr(compiled, "set_amx") and kernels.amx()
     print("| rows | speclm kernel ms (VNNI) | speclm kernel ms (AMX) | AMX / VNNI, median of paired calls | "
           "onednn.qlinear_pointwise ms | torch._int_mm ms |")
     print("|---|---|---|---|---|---|")
@@ -138,7 +138,7 @@ def main():
             try:
                 return speclm_vnni()
             finally:
-                compiled.set_amx(AMX_MIN_ROWS)
+                kernels.amx()
 
         if amx:  # the same bits either way
             compiled.set_amx(0)
@@ -159,7 +159,7 @@ def main():
         ratio = f"{paired_ratio(speclm_vnni, speclm_amx, compiled, pairs):.2f}" if d else "n/a"
         print(f"| {rows} | {vnni_ms} | {amx_ms} | {ratio} | {min(a):.1f} | {min(b):.1f} |", flush=True)
     if amx:
-        compiled.set_amx(AMX_MIN_ROWS)
+        kernels.amx()
 
 
 if __name__ == "__main__":

@@ -61,9 +61,13 @@ TABLE: tuple[Tuned, ...] = (
           "4 rows 3.2x faster, 256 rows 1.05x"),
     Tuned("VNNI_MAX_ROWS", 32, "speclm.quant.weights", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
           "on oneDNN's (a VNNI CPU without AMX; elsewhere speclm's kernel runs every row count)", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
-    Tuned("AMX_MIN_ROWS", 10, "speclm/quant/csrc", "int8 and int4 GEMMs of this many rows or more run on AMX tiles where "
-          "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/int8-gemm-rows.txt",
-          "int8 AMX / VNNI time 0.98-1.11 at 1-8 rows, 0.81-1.00 at 10-32, 0.61 at 64 (int4: amx/int4-gemm-rows.txt)"),
+    Tuned("AMX_MIN_ROWS", 2, "speclm/quant/csrc", "int8 GEMMs of this many rows or more run on AMX tiles where "
+          "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/forward-rows.txt",
+          "the target's forward over 2-6 new tokens 0.81-0.97x the VNNI loop's time, 1 token 0.98-1.01x (3 runs); "
+          "the GEMMs alone: amx/int8-gemm-rows.txt"),
+    Tuned("AMX_MIN_ROWS_INT4", 7, "speclm/quant/csrc", "int4 GEMMs (draft models) of this many rows or more run on "
+          "AMX tiles where the CPU has them", "benchmarks/amx/int4-gemm-rows.txt",
+          "AMX / VNNI time 0.96-1.23 at 1-6 rows, 0.67-0.91 from 7 (two runs)"),
     Tuned("ATTENTION_QUERY_TILE", 64, "speclm/quant/csrc", "queries of a kv head per tile in the compiled attention",
           "benchmarks/epyc/prefill-kernels.txt", "969 tokens: 0.60 s against 0.92 s untiled"),
     Tuned("ATTENTION_SLOT_BLOCK", 32, "speclm/quant/csrc", "cached slots per block in the compiled attention (16 KB of "
@@ -91,6 +95,7 @@ PREFILL_ROW_BLOCK: int = _BY_NAME["PREFILL_ROW_BLOCK"]
 FP32_FEW_ROWS: int = _BY_NAME["FP32_FEW_ROWS"]
 VNNI_MAX_ROWS: int = _BY_NAME["VNNI_MAX_ROWS"]
 AMX_MIN_ROWS: int = _BY_NAME["AMX_MIN_ROWS"]
+AMX_MIN_ROWS_INT4: int = _BY_NAME["AMX_MIN_ROWS_INT4"]
 ATTENTION_QUERY_TILE: int = _BY_NAME["ATTENTION_QUERY_TILE"]
 ATTENTION_SLOT_BLOCK: int = _BY_NAME["ATTENTION_SLOT_BLOCK"]
 WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
@@ -116,6 +121,7 @@ KERNEL_MACROS = {
     "SPECLM_SLOT_BLOCK": ATTENTION_SLOT_BLOCK,
     "SPECLM_PREFETCH": WEIGHT_PREFETCH_BYTES,
     "SPECLM_AMX_MIN_ROWS": AMX_MIN_ROWS,
+    "SPECLM_AMX_MIN_ROWS_INT4": AMX_MIN_ROWS_INT4,
     "SPECLM_PREFETCH_ONE_ROW": WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW,
 }
 

@@ -66,17 +66,15 @@ def require_compiled_kernels() -> None:
 
 def assert_amx_gives_the_vnni_loops_bits(call, where) -> None:
     """call() (a tuple of a compiled kernel's outputs) on its VNNI loop alone, then on AMX tiles from
-    one row: the same bits. The kernels' AMX rows are set back to the default after."""
-    from speclm.defaults import AMX_MIN_ROWS
-
+    one row: the same bits. The kernels' AMX rows are set back to the defaults after (kernels.amx)."""
     compiled = kernels.compiled()
     try:
         out = []
-        for min_rows in (0, 1):  # 0: the VNNI loop alone; 1: AMX from one row
+        for min_rows in (0, 1):  # 0: the VNNI loops alone; 1: AMX from one row (int8 and int4)
             compiled.set_amx(min_rows)
             out.append(call())
     finally:
-        compiled.set_amx(AMX_MIN_ROWS)
+        kernels.amx()
     for vnni, amx in zip(*out):
         assert torch.equal(vnni, amx), where
 

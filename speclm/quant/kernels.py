@@ -18,9 +18,10 @@ usage error.
 SPECLM_KERNELS=torch turns the compiled kernels off; SPECLM_KERNELS=avx2 builds the AVX2 ones on
 a CPU that could run either (to test them there).
 
-On a CPU with AMX (Intel Sapphire Rapids and later) the AVX-512 build's int8 and int4 GEMMs run
-AMX_MIN_ROWS rows or more (trees, batches) on AMX tiles: the same int32 sums, so the same bits, in
-less time than their VNNI loops take for that many rows. SPECLM_AMX=0 keeps the VNNI loops.
+On a CPU with AMX (Intel Sapphire Rapids and later) the AVX-512 build's int8 GEMMs run
+AMX_MIN_ROWS rows or more (verification, trees, batches) on AMX tiles, and its int4 GEMMs
+AMX_MIN_ROWS_INT4 rows or more: the same int32 sums, so the same bits, in less time than their
+VNNI loops take for that many rows. SPECLM_AMX=0 keeps the VNNI loops.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import platform
 import sys
 from pathlib import Path
 
-from speclm.defaults import AMX_MIN_ROWS, KERNEL_MACROS
+from speclm.defaults import AMX_MIN_ROWS, AMX_MIN_ROWS_INT4, KERNEL_MACROS
 
 _COMMON = ["-O3",
            "-ffp-contract=off",  # no FMA contraction: the rescale must round as torch's does
@@ -96,11 +97,12 @@ def amx() -> bool:
     if module is None or not hasattr(module, "set_amx"):  # the AVX2 build has no tiles
         return False
     rows = _amx_min_rows()
-    return module.set_amx(rows) and rows > 0  # set_amx: whether the CPU and Linux let the tiles run
+    return module.set_amx(*rows) and rows[0] > 0  # set_amx: whether the CPU and Linux let the tiles run
 
 
-def _amx_min_rows() -> int:
-    return 0 if os.environ.get("SPECLM_AMX", "1") == "0" else AMX_MIN_ROWS
+def _amx_min_rows() -> tuple[int, int]:
+    """(int8, int4) rows from which the kernels take the tiles; 0: never."""
+    return (0, 0) if os.environ.get("SPECLM_AMX", "1") == "0" else (AMX_MIN_ROWS, AMX_MIN_ROWS_INT4)
 
 
 def build() -> tuple[str, tuple[Path, Path], list[str]]:
@@ -153,7 +155,7 @@ def compiled():
         module = cpp_extension.load(name=name, sources=[str(files[0])], extra_cflags=cflags,
                                     extra_ldflags=LDFLAGS, verbose=False)
         if hasattr(module, "set_amx"):
-            module.set_amx(_amx_min_rows())
+            module.set_amx(*_amx_min_rows())
         return module
     except Exception as exc:  # no compiler, a broken toolchain: torch's kernels still work
         lines = str(exc).strip().splitlines()

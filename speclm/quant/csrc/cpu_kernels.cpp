@@ -143,12 +143,16 @@ bool amx_supported() {
   }();
   return ok;
 }
-int amx_min_rows = SPECLM_AMX_MIN_ROWS;  // 0: off (set_amx); speclm.defaults.AMX_MIN_ROWS
+// Rows from which each kernel takes the tiles (0: never; set_amx): speclm.defaults.AMX_MIN_ROWS and
+// AMX_MIN_ROWS_INT4. The int4 kernel spreads nibbles into u8 tiles first, so it needs more rows to gain.
+int amx_min_rows = SPECLM_AMX_MIN_ROWS;
+int amx_min_rows_int4 = SPECLM_AMX_MIN_ROWS_INT4;
 
-// Whether linear_rows runs `rows` rows of kp (padded) features on AMX: enough rows, whole 64-byte
-// steps of k (every model in the catalog; others take the VNNI loop), and the CPU's tiles.
-bool use_amx(int64_t rows, int64_t kp) {
-  return amx_min_rows > 0 && rows >= amx_min_rows && kp % (AMX_QUADS * 4) == 0 && amx_supported();
+// Whether a kernel whose tiles start at min_rows runs `rows` rows of kp (padded) features on AMX:
+// enough rows, whole 64-byte steps of k (every model in the catalog; others take the VNNI loop),
+// and the CPU's tiles.
+bool use_amx(int64_t rows, int64_t kp, int min_rows) {
+  return min_rows > 0 && rows >= min_rows && kp % (AMX_QUADS * 4) == 0 && amx_supported();
 }
 
 struct alignas(64) TileConfig {
@@ -311,7 +315,7 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
   // AMX_ROWS rows, two at a time sharing the weight tiles (amx_pair). Else the VNNI loop: rows
   // in near-equal chunks of at most CHUNK; one chunk: a pass over each whole group with the L1
   // prefetch; several: tile by tile, each chunk's steps prefetching its share of a far tile.
-  const bool amx = use_amx(rows, kp);
+  const bool amx = use_amx(rows, kp, amx_min_rows);
   const int64_t most = amx ? AMX_ROWS : CHUNK;
   const int64_t chunks = (rows + most - 1) / most;
   std::vector<int64_t> chunk_rows(chunks), chunk_start(chunks);
@@ -365,7 +369,7 @@ at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& packed, const a
 //   sum x w = sum x u - 8 sum x   (exact in int32: vpdpbusd takes u as its unsigned operand)
 // then fp32(that) * the group's scale, accumulated over groups in order; * the row's step, + bias,
 // + residual. Each row is computed alone, so the result does not depend on the other rows. On a
-// CPU with AMX, AMX_MIN_ROWS rows or more (a draft's tree levels, batches) take its tiles for the
+// CPU with AMX, AMX_MIN_ROWS_INT4 rows or more (a draft's wide tree levels, batches) take its tiles for the
 // integer sums (w4_columns_amx), the rest unchanged.
 
 // The 64 columns of one column group for ROWS rows: out[r * 4 + c] = sum over groups of
@@ -507,7 +511,7 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int64_t quad_stride = k / 4, pairs_per_group = group / 8, column_groups = packed.size(0);
   // AMX for enough rows where a group is one tile step (64 features): near-equal chunks of at most
   // AMX_ROWS rows a pass; else the VNNI loop, up to four rows a pass.
-  const bool amx = group == AMX_QUADS * 4 && use_amx(rows, k);
+  const bool amx = group == AMX_QUADS * 4 && use_amx(rows, k, amx_min_rows_int4);
   const int64_t amx_chunks = amx ? (rows + AMX_ROWS - 1) / AMX_ROWS : 0;
   at::parallel_for(0, column_groups, 1, [&](int64_t g0, int64_t g1) {
     __m512 acc[AMX_ROWS * 4];
@@ -876,11 +880,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows_w4", &linear_rows_w4, nogil, "int4-weight (W4A8, grouped scales) linear over rows (AVX-512 VNNI)",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("bias"),
         py::arg("residual") = py::none());
-  m.def("set_amx", [](int64_t min_rows) { amx_min_rows = int(min_rows); return amx_supported(); },
-        "linear_rows and linear_rows_w4 run on AMX tiles from min_rows rows (0: never); returns whether the CPU "
-        "and Linux let AMX run here",
-        py::arg("min_rows"));
-  m.def("linear_rows_path", [](int64_t rows, int64_t k) { return use_amx(rows, (k + 3) / 4 * 4) ? "amx" : "vnni"; },
+  m.def("set_amx",
+        [](int64_t min_rows, int64_t int4_min_rows) {
+          amx_min_rows = int(min_rows);
+          amx_min_rows_int4 = int(int4_min_rows < 0 ? min_rows : int4_min_rows);
+          return amx_supported();
+        },
+        "linear_rows runs on AMX tiles from min_rows rows, linear_rows_w4 from int4_min_rows (-1: min_rows; 0: "
+        "never); returns whether the CPU and Linux let AMX run here",
+        py::arg("min_rows"), py::arg("int4_min_rows") = -1);
+  m.def("linear_rows_path", [](int64_t rows, int64_t k) { return use_amx(rows, (k + 3) / 4 * 4, amx_min_rows) ? "amx" : "vnni"; },
         "which loop linear_rows runs for rows x k", py::arg("rows"), py::arg("k"));
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up over rows of gate | up, fp32");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm over rows, fp32", py::arg("x"), py::arg("weight"), py::arg("eps"));
