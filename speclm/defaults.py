@@ -61,13 +61,13 @@ TABLE: tuple[Tuned, ...] = (
           "4 rows 3.2x faster, 256 rows 1.05x"),
     Tuned("VNNI_MAX_ROWS", 32, "speclm.quant.weights", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
           "on oneDNN's (a VNNI CPU without AMX; elsewhere speclm's kernel runs every row count)", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
-    Tuned("AMX_MIN_ROWS", 2, "speclm/quant/csrc", "int8 GEMMs of this many rows or more run on AMX tiles where "
+    Tuned("AMX_MIN_ROWS", 10, "speclm/quant/csrc", "int8 GEMMs of this many rows or more run on AMX tiles where "
           "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/forward-rows.txt",
-          "the target's forward over 2-6 new tokens 0.81-0.97x the VNNI loop's time, 1 token 0.98-1.01x (3 runs); "
-          "the GEMMs alone: amx/int8-gemm-rows.txt"),
-    Tuned("AMX_MIN_ROWS_INT4", 7, "speclm/quant/csrc", "int4 GEMMs (draft models) of this many rows or more run on "
+          "from 2 rows the target's forward over 4-6 tokens took 0.81-0.90x the time alone, but not less after "
+          "draft steps, as in a round"),
+    Tuned("AMX_MIN_ROWS_INT4", 10, "speclm/quant/csrc", "int4 GEMMs (draft models) of this many rows or more run on "
           "AMX tiles where the CPU has them", "benchmarks/amx/int4-gemm-rows.txt",
-          "AMX / VNNI time 0.96-1.23 at 1-6 rows, 0.67-0.91 from 7 (two runs)"),
+          "AMX / VNNI time 0.96-1.23 at 1-6 rows, 0.67-0.91 from 7 (two runs); 7-9 rows not tried end to end"),
     Tuned("ATTENTION_QUERY_TILE", 64, "speclm/quant/csrc", "queries of a kv head per tile in the compiled attention",
           "benchmarks/epyc/prefill-kernels.txt", "969 tokens: 0.60 s against 0.92 s untiled"),
     Tuned("ATTENTION_SLOT_BLOCK", 32, "speclm/quant/csrc", "cached slots per block in the compiled attention (16 KB of "

@@ -66,7 +66,7 @@ SCRIPTS = {
     "int8_kernels.py": ([], ["| path | k=1 ms | k=4 ms | k=8 ms | k=16 ms | batch-invariant | rel. error vs fp64 |",
                              # speclm's row: timed, and batch-invariant
                              re.compile(r"\| speclm Int8Linear: .*( [0-9.]+ \|){4} yes \|")], False),
-    "amx_forward_rows.py": (["--target", "{target}"],
+    "amx_forward_rows.py": (["--target", "{target}", "--draft", "{draft}"],
                             ["AMX_MIN_ROWS=",
                              # both arms timed with the same logits, or a CPU without AMX
                              re.compile(r"\| 3 \|( [0-9.]+ \|){5} yes \||nothing to compare")], True),
