@@ -26,7 +26,8 @@ from speclm.defaults import AMX_MIN_ROWS, AMX_MIN_ROWS_INT4
 from speclm.forward.cache import StaticKV
 from speclm.models.loading import load_model
 from speclm.quant import kernels
-from speclm.runtime import keep_freed_memory, set_threads, usable_cores
+
+from timing import kernel_run  # benchmarks/timing.py
 
 KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 SMOKE_KS = (1, 2, 3)
@@ -47,10 +48,7 @@ def parse_args() -> argparse.Namespace:
 
 def main():
     args = parse_args()
-    if kernels.compiled() is None:
-        raise SystemExit("speclm's compiled kernels do not run here")
-    set_threads(1 if args.smoke else usable_cores())
-    keep_freed_memory()  # as the engine runs
+    kernel_run(args.smoke)
     ks, context, pairs = (SMOKE_KS, 20, 2) if args.smoke else (KS, args.context, args.pairs)
     steps = 1 if args.smoke else args.draft_steps
     compiled = kernels.compiled()

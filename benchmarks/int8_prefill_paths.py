@@ -23,9 +23,9 @@ from speclm.memory import gib, resident
 from speclm.models.loading import load_model
 from speclm.quant import kernels
 from speclm.quant.weights import Int8Linear, Int8Slice, onednn_used
-from speclm.runtime import keep_freed_memory, set_threads, usable_cores
 
 from prefill_kernels import LENGTHS, SMOKE_LENGTHS  # benchmarks/prefill_kernels.py: the same prompt lengths
+from timing import kernel_run  # benchmarks/timing.py
 
 PATHS = ("speclm kernel", "onednn past VNNI_MAX_ROWS")
 
@@ -49,10 +49,7 @@ def parse_args() -> argparse.Namespace:
 
 def main():
     args = parse_args()
-    if kernels.compiled() is None:
-        raise SystemExit("speclm's compiled kernels do not run here")
-    set_threads(1 if args.smoke else usable_cores())
-    keep_freed_memory()  # as the engine runs
+    kernel_run(args.smoke)
     lengths = SMOKE_LENGTHS if args.smoke else LENGTHS
     rounds, first_id = (1, 100) if args.smoke else (5, 1000)
     model = load_model(args.target, quantize="int8", progress=False).model
