@@ -124,5 +124,6 @@ def main():
             print(f"| {k} | {' | '.join(cells)} | {statistics.median(ratios[k]):.2f} | {'yes' if same[k] else 'NO'} |",
                   flush=True)
 
+
 if __name__ == "__main__":
     main()

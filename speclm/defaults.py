@@ -63,8 +63,8 @@ TABLE: tuple[Tuned, ...] = (
           "on oneDNN's (a VNNI CPU without AMX; elsewhere speclm's kernel runs every row count)", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
     Tuned("AMX_MIN_ROWS", 10, "speclm/quant/csrc", "int8 GEMMs of this many rows or more run on AMX tiles where "
           "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/forward-rows.txt",
-          "from 2 rows the target's forward over 4-6 tokens took 0.81-0.90x the time alone, but not less after "
-          "draft steps, as in a round"),
+          "from 2 rows the target's forward over 2-6 tokens took 0.87-1.09x the time alone and 0.97-1.18x after "
+          "draft steps, as in a round, when memory was slow; 0.81-0.97x alone when fast (amx/forward-rows-b18d196.txt)"),
     Tuned("AMX_MIN_ROWS_INT4", 10, "speclm/quant/csrc", "int4 GEMMs (draft models) of this many rows or more run on "
           "AMX tiles where the CPU has them", "benchmarks/amx/int4-gemm-rows.txt",
           "AMX / VNNI time 0.96-1.23 at 1-6 rows, 0.67-0.91 from 7 (two runs); 7-9 rows not tried end to end"),
