@@ -243,7 +243,16 @@ def test_report_of_results_without_the_draft_prefill():
     parts = summary["methods"]["draft"]["all"]["time"]
     assert parts["draft_prefill"] is None and parts["drafting"] == pytest.approx(0.5)
     assert parts["rest"] == pytest.approx(0.1) and parts["target_after_prefill"] == pytest.approx(0.9)
-    assert "| draft | 2.1 | 0.6 (29%) | 0.9 (43%) | – | 0.5 (24%) | 0.1 (5%) |" in report.markdown(results, summary)
+    # each forward after the prefill: 0.9 s over 3 - 1 of them; no `none` run to compare with
+    assert "| draft | 2.1 | 0.6 (29%) | 0.9 (43%) | 450.0 | – | 0.5 (24%) | 0.1 (5%) |" in report.markdown(results, summary)
+    # beside `none`, whose steps after the prefill took (2.1 - 0.4) / (5 - 1) s each: the ratio of the two
+    plain = {**stats, "target_forwards": 5, "draft_forwards": 0, "drafted_tokens": 0, "accepted_tokens": 0,
+             "accepted_per_position": [], "draft_seconds": 0.0, "draft_prefill_seconds": 0.0, "verify_seconds": 2.1,
+             "prefill_seconds": 0.4, "wall_seconds": 2.2}
+    results["runs"].insert(0, {**results["runs"][0], "method": "none", "seconds": 2.2, "stats": plain})
+    text = report.markdown(results, report.summarize(results))
+    assert "| none | 2.2 | 0.4 (18%) | 1.7 (77%) | 425.0 (1.00x) |" in text
+    assert "| draft | 2.1 | 0.6 (29%) | 0.9 (43%) | 450.0 (1.06x) |" in text
 
 
 def test_bench_records_the_draft_weights(folders, tmp_path, dataset):

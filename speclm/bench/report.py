@@ -94,8 +94,12 @@ def _time_parts(stats: list[dict]) -> dict | None:
     total = {key: sum(s[key] for s in stats) for key in ("wall_seconds", "prefill_seconds", "verify_seconds", "draft_seconds")}
     split = all("draft_prefill_seconds" in s for s in stats)
     draft_prefill = sum(s["draft_prefill_seconds"] for s in stats) if split else None
+    later = sum(s["target_forwards"] for s in stats) - len(stats)  # each request's forwards after its prefill
     return {"wall": total["wall_seconds"], "target_prefill": total["prefill_seconds"],
             "target_after_prefill": total["verify_seconds"] - total["prefill_seconds"],
+            # seconds per such forward with its verification: a plain step's for `none`, a chain's or tree's
+            # verification for the others (their ratio is the v(k) the requests met, context included)
+            "per_forward": (total["verify_seconds"] - total["prefill_seconds"]) / later if later > 0 else None,
             "draft_prefill": draft_prefill, "drafting": total["draft_seconds"] - (draft_prefill or 0.0),
             "rest": total["wall_seconds"] - total["verify_seconds"] - total["draft_seconds"]}
 
@@ -221,15 +225,23 @@ def markdown(results: dict, summary: dict) -> str:
     if parts:
         lines += ["", "## Where the time goes (all categories)", "",
                   "Seconds summed over the method's requests, and their share of its wall time.", "",
-                  "| method | wall | target prefill | target forwards after it, with verification | draft model's prefill "
-                  "| drafting (draft steps, lookup) | rest (committing tokens, bookkeeping) |", "|---|---|---|---|---|---|---|"]
+                  "| method | wall | target prefill | target forwards after it, with verification | each of them, ms "
+                  "(x `none`'s) | draft model's prefill | drafting (draft steps, lookup) | rest (committing tokens, "
+                  "bookkeeping) |", "|---|---|---|---|---|---|---|---|"]
+        step = (parts.get("none") or {}).get("per_forward")
         for m, t in parts.items():
             def cell(key):
                 return "–" if t[key] is None else f"{t[key]:.1f} ({t[key] / t['wall']:.0%})" if t["wall"] else "–"
+            each = t.get("per_forward")
+            each = "–" if each is None else f"{each * 1e3:.1f}" + (f" ({each / step:.2f}x)" if step else "")
             lines.append(f"| {m} | {t['wall']:.1f} | {cell('target_prefill')} | {cell('target_after_prefill')} | "
-                         f"{cell('draft_prefill')} | {cell('drafting')} | {cell('rest')} |")
+                         f"{each} | {cell('draft_prefill')} | {cell('drafting')} | {cell('rest')} |")
         lines += ["", "Speculation shortens only the target's forwards after the prefill, and pays for drafting and "
-                  "the draft model's prefill out of what it saves there."]
+                  "the draft model's prefill out of what it saves there. Each of them: the target's forward over a "
+                  "round's tokens (the root and the draft tokens or tree nodes) with its verification, against "
+                  "`none`'s one-token step over the same prompts: what verifying a round's draft really cost in the "
+                  "requests (their contexts and the memory's speed at the time included), beside the cost model's "
+                  "v(k) below, measured over a short cached prompt."]
     lines += _peer_lines(results, methods)
     cats = [x for x in summary["categories"] if x != ALL]
     lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " | mean of the categories |",
