@@ -1,6 +1,7 @@
 """int8 weights (speclm.quant.weights): batch invariance, accuracy, and speculative == plain on int8."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +327,22 @@ def test_speclm_amx_0_keeps_the_vnni_loop_and_says_so(monkeypatch):
         assert kernels.amx() and kernels.describe() == "speclm VNNI+AMX"  # and the module's rows set back
     assert kernels.fingerprint() != off
     assert compiled.linear_rows_path(AMX_MIN_ROWS, 1536) == "amx"
+
+
+def test_far_prefetch_distance_by_vendor_and_environment(monkeypatch, capsys):
+    """The L2 prefetch distance the kernels are built with: FAR_PREFETCH_BYTES on Intel CPUs only (measured
+    there), SPECLM_FAR_PREFETCH's bytes where set, the default with one line on stderr for a value that
+    is not a number; the build's flags carry it (so its own build and cost tables)."""
+    from speclm.defaults import FAR_PREFETCH_BYTES
+
+    monkeypatch.delenv("SPECLM_FAR_PREFETCH", raising=False)
+    intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    assert kernels._far_prefetch() == (FAR_PREFETCH_BYTES if intel else 0)
+    monkeypatch.setenv("SPECLM_FAR_PREFETCH", "0")
+    assert kernels._far_prefetch() == 0
+    monkeypatch.setenv("SPECLM_FAR_PREFETCH", "32768")
+    assert kernels._far_prefetch() == 32768
+    monkeypatch.setenv("SPECLM_FAR_PREFETCH", "64k")
+    assert kernels._far_prefetch() == (FAR_PREFETCH_BYTES if intel else 0)
+    assert "SPECLM_FAR_PREFETCH='64k' is not a number of bytes" in capsys.readouterr().err
+    assert not kernels.enabled() or any(flag.startswith("-DSPECLM_FAR_PREFETCH=") for flag in kernels.build()[2])

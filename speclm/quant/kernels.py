@@ -33,12 +33,30 @@ import platform
 import sys
 from pathlib import Path
 
-from speclm.defaults import AMX_MIN_ROWS, AMX_MIN_ROWS_INT4, KERNEL_MACROS
+from speclm.defaults import AMX_MIN_ROWS, AMX_MIN_ROWS_INT4, FAR_PREFETCH_BYTES, KERNEL_MACROS
+
+
+def _far_prefetch() -> int:
+    """The AVX-512 kernels' L2 prefetch distance for few rows (speclm.defaults.FAR_PREFETCH_BYTES): measured
+    faster on an Intel Xeon, not measured on AMD, so 0 (none) there; SPECLM_FAR_PREFETCH (bytes) sets it."""
+    value = os.environ.get("SPECLM_FAR_PREFETCH", "").strip()
+    if value.isdigit():
+        return int(value)
+    if value:
+        print(f"speclm: SPECLM_FAR_PREFETCH={value!r} is not a number of bytes; using the default", file=sys.stderr)
+    try:
+        vendor = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                       if line.startswith("vendor_id")), "")
+    except OSError:
+        vendor = ""
+    return FAR_PREFETCH_BYTES if vendor == "GenuineIntel" else 0
+
 
 _COMMON = ["-O3",
            "-ffp-contract=off",  # no FMA contraction: the rescale must round as torch's does
            "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp)
-           *(f"-D{name}={value}" for name, value in KERNEL_MACROS.items())]  # tuned sizes (speclm.defaults)
+           *(f"-D{name}={value}" for name, value in KERNEL_MACROS.items()),  # tuned sizes (speclm.defaults)
+           f"-DSPECLM_FAR_PREFETCH={_far_prefetch()}"]
 LDFLAGS = ["-fopenmp"]  # every build's, and the benchmarks' builds of other versions
 # instruction set -> (module name, source, compiler flags, /proc/cpuinfo flags it needs)
 BUILDS = {

@@ -45,6 +45,11 @@ constexpr int64_t BLOCK = 16;   // output columns per 512-bit accumulator
 // Software prefetch this many bytes ahead in the weight stream: the hardware prefetchers alone
 // left the kernel slower, more so at several rows.
 constexpr int64_t PREFETCH = SPECLM_PREFETCH;  // speclm.defaults.WEIGHT_PREFETCH_BYTES
+// Few rows in one pass over the weights (int8 up to CHUNK rows, int4's VNNI loop) also prefetch one
+// line per 256 bytes of weights this far ahead into L2, so the stream from memory runs ahead of
+// the L1 prefetch; the hardware prefetchers fetch the lines between (every line so prefetched
+// cost more than it saved). 0: none. speclm.defaults.FAR_PREFETCH_BYTES on Intel CPUs, 0 elsewhere.
+constexpr int64_t FAR_PREFETCH = SPECLM_FAR_PREFETCH;
 constexpr int64_t GROUP = 64;   // columns packed together: 4 blocks side by side per k-quad
 
 // acc[r * 4 + c] += sum over quads of xu[r, k] * w[block c, k] for the 4 blocks of a group, from
@@ -54,7 +59,8 @@ constexpr int64_t GROUP = 64;   // columns packed together: 4 blocks side by sid
 // wide load per product) the load port held the kernel to about half the multiplier's rate.
 // 4 * ROWS accumulators, 4 weights and a broadcast fit the 32 vector registers up to 6 rows.
 // Prefetch, per quad step: the step's 4 lines PREFETCH bytes ahead into L1 (`near`, when given),
-// and `far_lines` lines, consecutive from `far`, into L2.
+// and `far_lines` lines, consecutive from `far`, into L2; with near given and no far lines, the
+// step's first line FAR_PREFETCH bytes ahead into L2 where FAR_PREFETCH is set.
 
 template <int ROWS, size_t... I>
 inline void dot_group_impl(const uint8_t* xu, int64_t kp, const int8_t* w, int64_t quads, __m512i* acc,
@@ -65,8 +71,11 @@ inline void dot_group_impl(const uint8_t* xu, int64_t kp, const int8_t* w, int64
   const int64_t stride = kp / 4;
   for (int64_t q = 0; q < quads; ++q) {
     const int8_t* wq = w + q * GROUP * 4;
-    if (near != nullptr)
+    if (near != nullptr) {
       for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(near + q * GROUP * 4 + l * 64), _MM_HINT_T0);
+      if (FAR_PREFETCH > 0 && far_lines == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(near - PREFETCH + FAR_PREFETCH + q * GROUP * 4), _MM_HINT_T1);
+    }
     for (int l = 0; l < far_lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(far + (q * far_lines + l) * 64), _MM_HINT_T1);
     const __m512i wv[4] = {_mm512_loadu_si512(wq), _mm512_loadu_si512(wq + 64), _mm512_loadu_si512(wq + 128),
                            _mm512_loadu_si512(wq + 192)};
@@ -391,6 +400,7 @@ inline void w4_columns(const int32_t* x32, int64_t quad_stride, const int32_t* x
     for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; ++p) {
       const uint8_t* wp = w + p * 256;
       for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + l * 64), _MM_HINT_T0);
+      if (FAR_PREFETCH > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + FAR_PREFETCH), _MM_HINT_T1);
       __m512i xa[ROWS], xb[ROWS];
       for (int r = 0; r < ROWS; ++r) {
         xa[r] = _mm512_set1_epi32(x32[r * quad_stride + 2 * p]);
