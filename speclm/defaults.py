@@ -75,9 +75,10 @@ TABLE: tuple[Tuned, ...] = (
     Tuned("WEIGHT_PREFETCH_BYTES", 2048, "speclm/quant/csrc", "software prefetch distance in the int8 kernel's weight "
           "stream", "benchmarks/epyc/int8-gemm-rows.txt", "the kernel as built; the run without it is not committed"),
     Tuned("FAR_PREFETCH_BYTES", 65536, "speclm/quant/csrc", "Intel CPUs (0 elsewhere, not measured on AMD): the "
-          "AVX-512 kernels' few-row GEMMs (int8 up to 6 rows, int4's VNNI loop) also prefetch one line per 256 bytes of "
-          "weights this far ahead into L2; SPECLM_FAR_PREFETCH sets it", "benchmarks/amx/far-prefetch-ab.txt",
-          "int8 GEMMs 0.89-0.98x the time at 1-6 rows, int4 0.90-0.96x (paired)"),
+          "AVX-512 kernels' few-row GEMMs (int8 up to 6 rows and on AMX tiles 10-16, int4's VNNI loop) also prefetch one "
+          "line per 256 bytes of weights this far ahead into L2; SPECLM_FAR_PREFETCH sets it",
+          "benchmarks/amx/far-prefetch-ab.txt", "int8 GEMMs 0.89-0.94x the time at 1-6 rows, 0.91-0.99x at 10-16 (3 runs), "
+          "int4 0.92-0.96x (paired)"),
     Tuned("WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW", 1024, "speclm/quant/csrc", "the same distance in the AVX2 int8 kernel "
           "for one row (a decode step without speculation)", "benchmarks/avx2/int8-prefetch-ab.txt",
           "1 row: 0.91x the time at 2048, paired (2 and 4 rows, the same code: 0.99-1.03x)"),

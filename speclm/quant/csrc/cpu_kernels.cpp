@@ -45,8 +45,8 @@ constexpr int64_t BLOCK = 16;   // output columns per 512-bit accumulator
 // Software prefetch this many bytes ahead in the weight stream: the hardware prefetchers alone
 // left the kernel slower, more so at several rows.
 constexpr int64_t PREFETCH = SPECLM_PREFETCH;  // speclm.defaults.WEIGHT_PREFETCH_BYTES
-// Few rows in one pass over the weights (int8 up to CHUNK rows, int4's VNNI loop) also prefetch one
-// line per 256 bytes of weights this far ahead into L2, so the stream from memory runs ahead of
+// Few rows in one pass over the weights (int8 up to CHUNK rows, int4's VNNI loop, AMX's one chunk of
+// up to 16 rows) also prefetch one line per 256 bytes of weights this far ahead into L2, so the stream from memory runs ahead of
 // the L1 prefetch; the hardware prefetchers fetch the lines between (every line so prefetched
 // cost more than it saved). 0: none. speclm.defaults.FAR_PREFETCH_BYTES on Intel CPUs, 0 elsewhere.
 constexpr int64_t FAR_PREFETCH = SPECLM_FAR_PREFETCH;
@@ -202,6 +202,8 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_group(const uint8_t* xu, i
   for (int64_t q = 0; q < quads; q += AMX_QUADS) {
     const int8_t* wq = w + q * GROUP * 4;
     amx_prefetch(wq);
+    if (FAR_PREFETCH > 0)
+      for (int l = 0; l < AMX_QUADS; ++l) _mm_prefetch(reinterpret_cast<const char*>(wq + FAR_PREFETCH + l * GROUP * 4), _MM_HINT_T1);
     _tile_loadd(4, xu + q * 4, kp);
     _tile_loadd(5, wq, GROUP * 4);
     _tile_dpbusd(0, 4, 5);
