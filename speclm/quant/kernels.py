@@ -44,12 +44,18 @@ def _far_prefetch() -> int:
         return int(value)
     if value:
         print(f"speclm: SPECLM_FAR_PREFETCH={value!r} is not a number of bytes; using the default", file=sys.stderr)
+    return FAR_PREFETCH_BYTES if _cpuinfo("vendor_id") == "GenuineIntel" else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo, "" where there is none."""
     try:
-        vendor = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                       if line.startswith("vendor_id")), "")
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        vendor = ""
-    return FAR_PREFETCH_BYTES if vendor == "GenuineIntel" else 0
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.split(":", 1)[0].strip() == field and ":" in line), "")
 
 
 _COMMON = ["-O3",
@@ -73,11 +79,7 @@ FLAGS = [*_COMMON, *_flags]  # the AVX-512 build's (benchmarks/decode_attention.
 def _cpu_flags() -> tuple[str, ...]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return ()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ()
-    return tuple(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return tuple(_cpuinfo("flags").split())
 
 
 def isa() -> str | None:
