@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="sampling seed; repeat r of every prompt samples with seed + r (default %(default)s)")
     b.add_argument("--repeats", type=int, default=1, help="runs of each method on each prompt (default %(default)s)")
     b.add_argument("--chat", action="store_true", help="apply the target's chat template")
-    b.add_argument("--cost-repeats", type=int, default=5, help="samples per point of the cost model (0: skip it)")
+    b.add_argument("--cost-repeats", type=int, default=defaults.COST_REPEATS,
+                   help="samples per point of the cost model (default %(default)s; 0: skip it)")
     b.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                    help="weights of every method without its own quantize= option: " + QUANTIZE_HELP.removeprefix("the target's weights. "))
     b.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)

@@ -52,6 +52,9 @@ TABLE: tuple[Tuned, ...] = (
           "tokens recur (`pld`: 1)", "benchmarks/epyc/methods-int8-qwen1.5b-d395ee1", "and its run2, other18"),
     Tuned("DRAFT_PROMPT_RATIO", 3.0, "--draft-prompt-ratio", "`draft+pld`: no draft model for prompts longer than "
           "this times max_new_tokens", "benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1", "18 prompts outside the rule's sample"),
+    Tuned("COST_REPEATS", 40, "speclm.forward.costs", "forwards timed per size for the verification-cost table that "
+          "sizes trees, heads' node budgets and adaptive speculation (measured once per model and kernel build)",
+          "benchmarks/amx/cost-table-noise.txt", "v(8) 1.10-1.53, v(16) 1.16-1.66 over 32 tables of 5 forwards; 1.29-1.33, 1.49-1.52 over 4 of 40"),
     Tuned("PREFIX_CACHE_TOKENS", 4096, "--prefix-cache", "keys and values of recent prompts kept per model "
           "(about 230 MB for the 1.5B)", "benchmarks/epyc/prefix-cache.txt", "what a cached chat head saves"),
     Tuned("PREFILL_ROW_BLOCK", 256, "speclm.forward.lean", "a long feed's row-wise work (norms, projections, MLP) runs in "
@@ -96,6 +99,7 @@ NGRAM_MAX: int = _BY_NAME["NGRAM_MAX"]
 NGRAM_MIN_DRAFT_PLD: int = _BY_NAME["NGRAM_MIN_DRAFT_PLD"]
 DRAFT_PROMPT_RATIO: float = _BY_NAME["DRAFT_PROMPT_RATIO"]
 PREFIX_CACHE_TOKENS: int = _BY_NAME["PREFIX_CACHE_TOKENS"]
+COST_REPEATS: int = _BY_NAME["COST_REPEATS"]
 PREFILL_ROW_BLOCK: int = _BY_NAME["PREFILL_ROW_BLOCK"]
 FP32_FEW_ROWS: int = _BY_NAME["FP32_FEW_ROWS"]
 VNNI_MAX_ROWS: int = _BY_NAME["VNNI_MAX_ROWS"]

@@ -259,6 +259,42 @@ def test_a_kept_cost_table_belongs_to_the_kernels_that_measured_it(tmp_path, mon
     assert len(list(tmp_path.glob("costs/*.json"))) == 2
 
 
+def test_a_kept_cost_table_belongs_to_its_count_of_forwards(tmp_path, monkeypatch):
+    """A table timed with another number of forwards per size (an older, noisier default) is
+    measured again instead of read."""
+    from speclm.forward import costs
+
+    assert costs.FORM.endswith(f"-r{costs.REPEATS}")
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
+    measured = []
+
+    def fake(model):
+        measured.append(1)
+        return ForwardCosts({1: 1.0, 2: float(len(measured))})
+
+    monkeypatch.setattr(costs, "measure", fake)
+    monkeypatch.setattr(costs, "FORM", "all-logits-r5")
+    assert costs.verification_costs(None, "m")(2) == 1.0
+    monkeypatch.setattr(costs, "FORM", f"all-logits-r{costs.REPEATS}")
+    assert costs.verification_costs(None, "m")(2) == 2.0 and len(measured) == 2
+    assert costs.verification_costs(None, "m")(2) == 2.0 and len(measured) == 2  # read back
+
+
+def test_a_cost_table_is_the_median_of_its_forwards_after_the_first_pass(monkeypatch):
+    """measure drops the warm-up pass (each shape's first forward allocates) and keeps each size's median."""
+    from speclm.forward import costs
+
+    passes = []
+
+    def fake(model, sizes, count, desc="verification cost"):
+        passes.append(count)
+        return {1: [9.0, 3.0, 1.0, 2.0], 2: [9.0, 4.0, 6.0, 5.0]}, 1.0
+
+    monkeypatch.setattr(costs, "sample", fake)
+    table = costs.measure(None, sizes=(1, 2), repeats=3)
+    assert table.seconds == {1: 2.0, 2: 5.0} and passes == [4]
+
+
 def test_a_new_cost_table_removes_other_builds_tables_unread_for_a_month(tmp_path, monkeypatch):
     """Each kernel build measures its own table; an upgrade would leave the old build's behind
     for good. Storing a table removes the other builds' tables of the same model and processor that

@@ -41,7 +41,7 @@ from speclm.bench.machine import machine_facts
 from speclm.bench.methods import MethodSpec, run_method
 from speclm.bench.peers import describe as describe_peer, make_peer
 from speclm.engine import GenerationOptions, SpecEngine
-from speclm.defaults import DRAFT_METHODS
+from speclm.defaults import COST_REPEATS, DRAFT_METHODS
 from speclm.forward.prefix_cache import DEFAULT_TOKENS, PrefixCaches
 
 SCHEMA_VERSION = 1
@@ -61,7 +61,7 @@ class BenchConfig:
     repeats: int
     chat: bool
     dtype: str = "float32"
-    cost_repeats: int = 5
+    cost_repeats: int = COST_REPEATS
     quantize: str = "none"  # the weights of methods without their own quantize= option
     draft_quantize: str | None = None  # the draft's weights in every method, if not the method's
     prefix_cache: int = DEFAULT_TOKENS  # tokens of recent prompts each model keeps, per method (0: none)

@@ -35,17 +35,18 @@ import torch
 from tqdm.auto import tqdm
 
 from speclm.bench.machine import cpu_name
+from speclm.defaults import COST_REPEATS
 from speclm.models.store import model_home
 from speclm.quant import kernels
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tokens per forward, measured
 CONTEXT = 256  # cached tokens each measured forward attends
-REPEATS = 5
+REPEATS = COST_REPEATS  # forwards timed per size: with 5, two tables minutes apart differed by a third at 8-16 tokens
 BUSY = 0.75  # share of the measuring threads' CPU time below which the machine counts as busy
-# What a measured forward returns, in the cache's file names: a table measured otherwise is
-# measured again. Every token's logits: a verification scores each drafted token, so the output
-# projection (151936 x 1536 for Qwen2.5 1.5B) runs for each of them.
-FORM = "all-logits"
+# What a measured forward returns and how many were timed, in the cache's file names: a table
+# measured otherwise is measured again. Every token's logits: a verification scores each drafted
+# token, so the output projection (151936 x 1536 for Qwen2.5 1.5B) runs for each of them.
+FORM = f"all-logits-r{REPEATS}"
 STALE_DAYS = 30  # another build's table unread this long is removed when a new table is stored
 
 
@@ -126,9 +127,11 @@ class StepTimes:
         return self.seconds[near] * costs(size) / costs(near)
 
 
-def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
-    """Median seconds of forwards over each size, taken in turns (this machine's speed drifts
-    within a minute; in turns a slow spell slows every size alike)."""
+def sample(model, sizes=SIZES, passes: int = REPEATS + 1, desc: str = "verification cost"
+           ) -> tuple[dict[int, list[float]], float]:
+    """Seconds of forwards over each size, `passes` times, taken in turns (this machine's speed
+    drifts within a minute; in turns a slow spell slows every size alike): ({size: [seconds per
+    pass]}, the process's CPU seconds per wall second and thread meanwhile)."""
     from speclm.forward.cache import StaticKV
 
     cfg = getattr(model.config, "text_config", None) or model.config
@@ -141,10 +144,9 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
     device = _device(model)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    bar = tqdm(total=(repeats + 1) * len(sizes), desc="verification cost", unit="forward", leave=False,
-               disable=None)  # a bar on a terminal only
+    bar = tqdm(total=passes * len(sizes), desc=desc, unit="forward", leave=False, disable=None)  # a bar on a terminal only
     wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(repeats + 1):  # the first pass warms each shape up and is dropped
+    for _ in range(passes):
         for n in sizes:
             sync()
             start = time.perf_counter()
@@ -155,8 +157,14 @@ def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
             bar.update()
     bar.close()
     share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
-    return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()},
-                        cpu_share=share if device.type == "cpu" else 1.0)
+    return times, share if device.type == "cpu" else 1.0
+
+
+def measure(model, sizes=SIZES, repeats: int = REPEATS) -> ForwardCosts:
+    """The median of `repeats` forwards over each size (`sample`; a first pass warms each shape
+    up and is dropped)."""
+    times, share = sample(model, sizes, repeats + 1)
+    return ForwardCosts({n: statistics.median(t[1:]) for n, t in times.items()}, cpu_share=share)
 
 
 def _device(model) -> torch.device:
