@@ -41,7 +41,7 @@ from speclm.quant import kernels
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tokens per forward, measured
 CONTEXT = 256  # cached tokens each measured forward attends
-REPEATS = COST_REPEATS  # forwards timed per size: with 5, two tables minutes apart differed by a third at 8-16 tokens
+REPEATS = COST_REPEATS  # forwards timed per size (speclm.defaults): from a few, tables taken minutes apart differ by a third
 BUSY = 0.75  # share of the measuring threads' CPU time below which the machine counts as busy
 # What a measured forward returns and how many were timed, in the cache's file names: a table
 # measured otherwise is measured again. Every token's logits: a verification scores each drafted
