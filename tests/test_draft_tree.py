@@ -237,12 +237,14 @@ def test_a_cost_table_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path, 
     assert costs.verification_costs(None, "m")(2) == 1.5 and shares == [0.5]
 
 
-def test_a_kept_cost_table_belongs_to_the_kernels_that_measured_it(tmp_path, monkeypatch):
+def test_a_kept_cost_table_belongs_to_the_kernels_and_the_count_that_measured_it(tmp_path, monkeypatch):
     """Trees are priced by the kept table; after the compiled kernels change (another build, or
-    none), the table is measured again instead of read."""
+    none), or the forwards timed per size (an older, noisier default), the table is measured
+    again instead of read."""
     from speclm.forward import costs
     from speclm.quant import kernels
 
+    assert costs.FORM.endswith(f"-r{costs.REPEATS}")
     monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
     measured = []
 
@@ -257,27 +259,9 @@ def test_a_kept_cost_table_belongs_to_the_kernels_that_measured_it(tmp_path, mon
     monkeypatch.setattr(kernels, "fingerprint", lambda: "build-b")
     assert costs.verification_costs(None, "m")(2) == 2.0 and len(measured) == 2
     assert len(list(tmp_path.glob("costs/*.json"))) == 2
-
-
-def test_a_kept_cost_table_belongs_to_its_count_of_forwards(tmp_path, monkeypatch):
-    """A table timed with another number of forwards per size (an older, noisier default) is
-    measured again instead of read."""
-    from speclm.forward import costs
-
-    assert costs.FORM.endswith(f"-r{costs.REPEATS}")
-    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
-    measured = []
-
-    def fake(model):
-        measured.append(1)
-        return ForwardCosts({1: 1.0, 2: float(len(measured))})
-
-    monkeypatch.setattr(costs, "measure", fake)
     monkeypatch.setattr(costs, "FORM", "all-logits-r5")
-    assert costs.verification_costs(None, "m")(2) == 1.0
-    monkeypatch.setattr(costs, "FORM", f"all-logits-r{costs.REPEATS}")
-    assert costs.verification_costs(None, "m")(2) == 2.0 and len(measured) == 2
-    assert costs.verification_costs(None, "m")(2) == 2.0 and len(measured) == 2  # read back
+    assert costs.verification_costs(None, "m")(2) == 3.0 and len(measured) == 3
+    assert costs.verification_costs(None, "m")(2) == 3.0 and len(measured) == 3
 
 
 def test_a_cost_table_is_the_median_of_its_forwards_after_the_first_pass(monkeypatch):
