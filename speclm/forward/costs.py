@@ -4,7 +4,8 @@ A tree's node budget trades the tokens it may gain against the time its verifica
 on a CPU that time grows with every node (each is one more row through every weight matrix),
 by how much depends on the machine and the kernels (the output projection included: every
 token's logits are kept, as in a verification). The costs are measured once per model,
-weights, thread count and build of the compiled kernels, over a cached 256-token context, and kept in
+weights, thread count and build of the compiled kernels, over a cached 256-token context (each
+size's median of REPEATS forwards: on a shared VM one forward varies by a third), and kept in
 `$SPECLM_HOME/costs/<key>.json`, so the trees a model grows do not depend on a timing taken
 during the request (and a sampled request with a seed stays reproducible on this machine). A
 table is touched when read; storing one removes the tables of other kernel builds for the same
