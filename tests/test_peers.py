@@ -130,6 +130,43 @@ def test_llama_cpp_peer_runs_and_its_prompt_lookup_is_lossless(tmp_path, dataset
     assert lookup.generate(long, 40, 0.0, 0) == plain.generate(long, 40, 0.0, 0)
 
 
+def test_llama_cpp_amx_trial_turns_extra_buffer_types_off_only_on_a_trap(monkeypatch):
+    monkeypatch.setattr(peers, "_has_amx_kernels", lambda: True)
+    sigill = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+    for script, traps in ((sigill, True), ("raise SystemExit(3)", False), ("pass", False)):
+        monkeypatch.setattr(peers, "_AMX_PROBE", script)
+        peers.llama_cpp_amx_traps.cache_clear()
+        assert peers.llama_cpp_amx_traps("model.gguf", 1) is traps, script
+    monkeypatch.setattr(peers, "_has_amx_kernels", lambda: False)  # a build without AMX kernels runs no trial
+    monkeypatch.setattr(peers, "_AMX_PROBE", sigill)
+    peers.llama_cpp_amx_traps.cache_clear()
+    assert peers.llama_cpp_amx_traps("model.gguf", 1) is False
+    peers.llama_cpp_amx_traps.cache_clear()
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (make peers)")
+def test_llama_cpp_without_extra_buffer_types_where_its_amx_kernels_trap(tmp_path, dataset, monkeypatch):
+    import subprocess
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", layers=2, hidden=128, heads=4, kv_heads=2, merges=("a b",))
+    # the trial script itself runs to its end (an error in it would read as "no trap" everywhere); the
+    # tiny model's fp32 weights take no AMX kernel
+    done = subprocess.run([sys.executable, "-c", peers._AMX_PROBE, str(gguf), "1"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = list(b"the cat sat on the mat")
+    usual = peers.make_peer("llama.cpp", {}, str(gguf), None, 256, 1, (257,), progress=False)
+    monkeypatch.setattr(peers, "llama_cpp_amx_traps", lambda gguf, threads: True)
+    fallback = peers.make_peer("llama.cpp", {}, str(gguf), None, 256, 1, (257,), progress=False)
+    assert fallback.llm.model_params.use_extra_bufts is False and usual.llm.model_params.use_extra_bufts is True
+    assert fallback.generate(ids, 16, 0.0, 0) == usual.generate(ids, 16, 0.0, 0)
+    import llama_cpp.llama_cpp as lib
+
+    assert lib.llama_model_default_params().use_extra_bufts is True  # the wrap ends with the load
+    assert bench_peers(gguf, "none,llama.cpp", dataset, tmp_path / "out") == 0
+    assert "extra buffer types off (its AMX kernels trapped" in (tmp_path / "out" / "report.md").read_text()
+
+
 @pytest.mark.skipif(not (HAS_OPENVINO and OPTIMUM_CLI), reason="openvino-genai or optimum-cli is missing (make peers)")
 def test_openvino_peers_export_once_and_run(tmp_path, dataset, folders, monkeypatch):
     monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))

@@ -24,6 +24,8 @@ pins an older transformers than speclm's, so the export runs in an environment o
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -58,13 +60,15 @@ def settings(name: str, options: dict) -> dict:
     return {**PEER_DEFAULTS.get(name, {}), **options}
 
 
-def describe(name: str, options: dict) -> str:
-    """One line for the report: what ran, at which settings."""
+def describe(name: str, options: dict, engine=None) -> str:
+    """One line for the report: what ran, at which settings (with what `engine`, the loaded peer, had to change)."""
     s = settings(name, options)
+    caveat = f"; {engine.caveat}" if getattr(engine, "caveat", None) else ""
     if name == "llama.cpp":
-        return "llama.cpp (llama-cpp-python), plain decoding on the GGUF file"
+        return "llama.cpp (llama-cpp-python), plain decoding on the GGUF file" + caveat
     if name == "llama.cpp-pld":
-        return f"llama.cpp prompt lookup (LlamaPromptLookupDecoding), num_pred_tokens {s['k']}, max_ngram_size {s['ngram_max']}"
+        return (f"llama.cpp prompt lookup (LlamaPromptLookupDecoding), num_pred_tokens {s['k']}, max_ngram_size {s['ngram_max']}"
+                + caveat)
     weights = f"target weights {s['weights']}"
     if name == "openvino":
         return f"OpenVINO GenAI LLMPipeline, plain decoding, {weights}"
@@ -89,8 +93,64 @@ def check(name: str, options: dict) -> None:
         raise UsageError(f"method {name} needs the {module} package: {INSTALL_HINT}") from None
 
 
+# llama.cpp's AMX kernels (its extra buffer type on CPUs with AMX) ended the process with an
+# invalid-opcode trap at their first tile instruction on a Linux Xeon with AMX, even with the tile
+# permission granted. A trap cannot be caught, so a child process runs them first on the same file.
+_AMX_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_batch=64, n_threads=int(sys.argv[2]), verbose=False)
+prompt = llm.tokenize(b"def add(a, b):\\n    return a + b\\n\\nprint(add(1, 2), add(3, 4))\\n" * 2)
+for _, _ in zip(range(2), llm.generate(prompt, temp=0.0, top_k=1)):  # a batched prefill, then one-token steps
+    pass
+"""
+AMX_CAVEAT = "extra buffer types off (its AMX kernels trapped on this machine in a trial process)"
+
+
+def _has_amx_kernels() -> bool:
+    import llama_cpp
+
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+
+
+@functools.lru_cache(maxsize=None)
+def llama_cpp_amx_traps(gguf: str, threads: int) -> bool:
+    """Whether llama.cpp, as built here with AMX kernels, dies by a signal running `gguf` (in a child
+    process). False where it has no AMX kernels, and where the child fails otherwise: the peer's own
+    load then reports that failure as usual."""
+    if not _has_amx_kernels():
+        return False
+    done = subprocess.run([sys.executable, "-c", _AMX_PROBE, gguf, str(threads)], capture_output=True, timeout=900)
+    return done.returncode < 0
+
+
+@contextlib.contextmanager
+def _without_extra_buffer_types():
+    """Llama() loads its model with use_extra_bufts off (its repacked and AMX layouts; llama-cpp-python
+    passes no argument for it, so its default parameters are wrapped while the model loads)."""
+    import llama_cpp.llama_cpp as lib
+
+    if "use_extra_bufts" not in dict(lib.llama_model_params._fields_):
+        raise UsageError("llama.cpp's AMX kernels trap on this machine and this llama-cpp-python cannot turn them off: "
+                         "rebuild it without them (CMAKE_ARGS='-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8' "
+                         "pip install --no-cache-dir --force-reinstall llama-cpp-python)")
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
 class LlamaCppPeer:
-    """llama.cpp on a GGUF file; with `k`, its prompt-lookup speculative decoding."""
+    """llama.cpp on a GGUF file; with `k`, its prompt-lookup speculative decoding. Where its AMX
+    kernels trap on this machine it runs without extra buffer types, and `caveat` says so."""
 
     def __init__(self, gguf: Path, name: str, options: dict, n_ctx: int, threads: int, eos: tuple[int, ...]):
         from llama_cpp import Llama
@@ -101,8 +161,10 @@ class LlamaCppPeer:
         self.eos = set(eos)
         # logits_all with a draft: llama-cpp-python verifies drafts from every position's logits, but sizes that
         # buffer by its logits_all argument alone (n_batch rows), so a context past 512 tokens overran it
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                         draft_model=draft, logits_all=draft is not None, verbose=bool(os.environ.get("SPECLM_PEER_VERBOSE")))
+        self.caveat = AMX_CAVEAT if llama_cpp_amx_traps(str(gguf), threads) else None
+        with _without_extra_buffer_types() if self.caveat else contextlib.nullcontext():
+            self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                             draft_model=draft, logits_all=draft is not None, verbose=bool(os.environ.get("SPECLM_PEER_VERBOSE")))
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> list[int]:
         if temperature > 0:

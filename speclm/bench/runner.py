@@ -103,7 +103,7 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
         "machine": machine_facts(),
         "resident_after_load": asdict(now) if (now := memory.resident()) else None,
         "config": asdict(config),
-        "peers": {s.label: describe_peer(s.name, s.options) for s in specs if s.is_peer},
+        "peers": {s.label: describe_peer(s.name, s.options, peer_engines[s.label]) for s in specs if s.is_peer},
         "cost_model": None,
         "runs": [],
     }
