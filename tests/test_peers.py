@@ -33,7 +33,7 @@ def test_parse_peer_methods(monkeypatch):
     assert specs[2].options == {"k": 4, "ngram_max": 3}
     assert specs[4].needs_draft and not specs[3].needs_draft
     assert peers.settings("llama.cpp-pld", specs[2].options) == {"k": 4, "ngram_max": 3}
-    assert peers.settings("openvino-pld", {}) == {"k": 5, "ngram_max": 3, "weights": "int8"}  # OpenVINO GenAI's own sample settings
+    assert peers.settings("openvino-pld", {}) == {"k": 5, "ngram_max": 3, "weights": "int8", "precision": "f32"}
     for bad in ("llama.cpp:quantize=int8", "draft:weights=int4", "pld:draft_weights=int8"):
         with pytest.raises(UsageError):
             parse_methods(bad)
@@ -43,6 +43,8 @@ def test_parse_peer_methods(monkeypatch):
     ("llama.cpp", {"weights": "int8"}, "takes no option weights"),
     ("openvino", {"weights": "int3"}, "weights must be one of"),
     ("openvino-pld", {"depth": 2}, "takes no option depth"),
+    ("openvino", {"precision": "fp8"}, "precision must be one of f32, bf16, auto"),
+    ("llama.cpp", {"precision": "f32"}, "takes no option precision"),
 ])
 def test_peer_options_are_checked(method, options, message):
     with pytest.raises(UsageError, match=message):
@@ -56,6 +58,22 @@ def test_missing_engine_package_is_one_line(monkeypatch, capsys, folders, tmp_pa
     assert code == 2 and len(err.splitlines()) == 1
     assert "needs the llama_cpp package" in err and "speclm[peers]" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("options, hint", [({}, "f32"), ({"precision": "bf16"}, "bf16"), ({"precision": "auto"}, None)])
+def test_openvino_activation_precision_reaches_both_models(monkeypatch, tmp_path, options, hint):
+    import types
+
+    made = []
+    fake = types.SimpleNamespace(LLMPipeline=lambda model, device, **props: made.append(("target", props)),
+                                 draft_model=lambda model, device, **props: made.append(("draft", props)))
+    monkeypatch.setitem(sys.modules, "openvino_genai", fake)
+    monkeypatch.setattr(peers, "openvino_model", lambda folder, weights, progress=True: tmp_path / weights)
+    peers.OpenVINOPeer(tmp_path, tmp_path, "openvino-draft", options, 2, (0,), progress=False)
+    assert [m for m, _ in made] == ["draft", "target"]
+    for _, props in made:  # auto leaves OpenVINO its own choice (bf16 where the CPU has AMX)
+        assert props.get("INFERENCE_PRECISION_HINT") == hint and props["INFERENCE_NUM_THREADS"] == 2
+    assert f"activations {options.get('precision', 'f32')}" in peers.describe("openvino-draft", options)
 
 
 class StandIn:

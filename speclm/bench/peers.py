@@ -10,7 +10,8 @@ the bench runs them beside it, each from the same source weights and the same pr
 - `openvino`, `openvino-draft[:k=N]`, `openvino-pld[:k=N,ngram_max=N]`: OpenVINO GenAI's
   `LLMPipeline` on the models exported by optimum-intel from the same weights (int8 weights for
   the target and int4 for the draft by default, as speclm's; `weights=int4|int8|fp16` changes
-  it), with a draft model or prompt lookup.
+  it), with a draft model or prompt lookup. Activations in f32 by default (`precision=f32|bf16|auto`;
+  auto: OpenVINO's own choice, bf16 on CPUs with AMX, which ran it slower there).
 
 Each peer runs at the settings its own project recommends for a CPU unless the method says
 otherwise (`PEER_DEFAULTS`, shown in the report), uses this process's thread count, and keeps
@@ -44,14 +45,17 @@ PLAIN = {m: ("llama.cpp" if m in LLAMA_CPP else "openvino") for m in PEER_METHOD
 #   generally good for gpu, 2 performs better for cpu-only machines"; max_ngram_size 2 is its default.
 # - OpenVINO GenAI's speculative-decoding and prompt-lookup samples: num_assistant_tokens 5, max_ngram_size 3.
 # - OpenVINO's weights: int8 target and int4 draft, as speclm's default pair.
+# - OpenVINO's activations: f32 (INFERENCE_PRECISION_HINT), not its default where the CPU has AMX (bf16):
+#   on a 2-core AMX Xeon f32 decoded 1.5-1.7x faster (benchmarks/amx/openvino-precision.md).
 PEER_DEFAULTS = {
     "llama.cpp-pld": {"k": 2, "ngram_max": 2},
-    "openvino": {"weights": "int8"},
-    "openvino-draft": {"k": 5, "weights": "int8", "draft_weights": "int4"},
-    "openvino-pld": {"k": 5, "ngram_max": 3, "weights": "int8"},
+    "openvino": {"weights": "int8", "precision": "f32"},
+    "openvino-draft": {"k": 5, "weights": "int8", "draft_weights": "int4", "precision": "f32"},
+    "openvino-pld": {"k": 5, "ngram_max": 3, "weights": "int8", "precision": "f32"},
 }
 OPENVINO_WEIGHTS = ("int8", "int4", "fp16")
-OPENVINO_OPTIONS = ("weights", "draft_weights")  # options of the openvino methods alone
+OPENVINO_CHOICES = {"weights": OPENVINO_WEIGHTS, "draft_weights": OPENVINO_WEIGHTS, "precision": ("f32", "bf16", "auto")}
+OPENVINO_OPTIONS = tuple(OPENVINO_CHOICES)  # options of the openvino methods alone
 INSTALL_HINT = "pip install 'speclm[peers]' (or make peers)"
 
 
@@ -69,7 +73,7 @@ def describe(name: str, options: dict, engine=None) -> str:
     if name == "llama.cpp-pld":
         return (f"llama.cpp prompt lookup (LlamaPromptLookupDecoding), num_pred_tokens {s['k']}, max_ngram_size {s['ngram_max']}"
                 + caveat)
-    weights = f"target weights {s['weights']}"
+    weights = f"target weights {s['weights']}, activations {s['precision']}"
     if name == "openvino":
         return f"OpenVINO GenAI LLMPipeline, plain decoding, {weights}"
     if name == "openvino-draft":
@@ -80,9 +84,9 @@ def describe(name: str, options: dict, engine=None) -> str:
 
 def check(name: str, options: dict) -> None:
     """The method's options and its engine's package, before anything is loaded."""
-    for key in OPENVINO_OPTIONS:
-        if key in options and options[key] not in OPENVINO_WEIGHTS:
-            raise UsageError(f"{key} must be one of {', '.join(OPENVINO_WEIGHTS)} in method '{name}'")
+    for key, choices in OPENVINO_CHOICES.items():
+        if key in options and options[key] not in choices:
+            raise UsageError(f"{key} must be one of {', '.join(choices)} in method '{name}'")
     bad = set(options) - {"k", "ngram_max"} - (set(OPENVINO_OPTIONS) if name in OPENVINO else set())
     if bad:
         raise UsageError(f"method {name} takes no option {', '.join(sorted(bad))}")
@@ -191,6 +195,8 @@ class OpenVINOPeer:
 
         s = settings(name, options)
         props = {"INFERENCE_NUM_THREADS": threads}
+        if s["precision"] != "auto":
+            props["INFERENCE_PRECISION_HINT"] = s["precision"]
         model = openvino_model(target_folder, s["weights"], progress)
         if name == "openvino-draft":
             if draft_folder is None:
