@@ -124,7 +124,10 @@ def llama_cpp_amx_traps(gguf: str, threads: int) -> bool:
     load then reports that failure as usual."""
     if not _has_amx_kernels():
         return False
-    done = subprocess.run([sys.executable, "-c", _AMX_PROBE, gguf, str(threads)], capture_output=True, timeout=900)
+    try:
+        done = subprocess.run([sys.executable, "-c", _AMX_PROBE, gguf, str(threads)], capture_output=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"llama.cpp's trial run of its AMX kernels on {gguf} did not end in 15 minutes") from None
     return done.returncode < 0
 
 
@@ -136,7 +139,8 @@ def _without_extra_buffer_types():
 
     if "use_extra_bufts" not in dict(lib.llama_model_params._fields_):
         raise UsageError("llama.cpp's AMX kernels trap on this machine and this llama-cpp-python cannot turn them off: "
-                         "rebuild it without them (CMAKE_ARGS='-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8' "
+                         "rebuild it without them (CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+                         "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" "
                          "pip install --no-cache-dir --force-reinstall llama-cpp-python)")
     default = lib.llama_model_default_params
 
