@@ -155,6 +155,7 @@ def test_llama_cpp_amx_trial_turns_extra_buffer_types_off_only_on_a_trap(monkeyp
         monkeypatch.setattr(peers, "_AMX_PROBE", script)
         peers.llama_cpp_amx_traps.cache_clear()
         assert peers.llama_cpp_amx_traps("model.gguf", 1) is traps, script
+
     def hangs(*args, **kwargs):
         raise peers.subprocess.TimeoutExpired(args[0], kwargs["timeout"])
 
