@@ -1,18 +1,21 @@
 """Which int8 GEMM a prefill's many rows should take: speclm's compiled kernel at every row count
-(the default on CPUs with AMX: speclm.quant.weights.onednn_used) against oneDNN's past
-VNNI_MAX_ROWS rows (the default on other CPUs with VNNI). For prompts of 238, 700 and 969
-tokens (256-row blocks: PREFILL_ROW_BLOCK), the int8 target's prefill seconds on each path, the
-two interleaved (median of 5 rounds, and the median of each round's ratio: the machine's bandwidth
-drifts between rounds); the logits of both, compared bit for bit; and what oneDNN's
-packed copies of the weights add to the process's resident memory.
+(the default wherever it runs: speclm.quant.weights.onednn_used) against oneDNN's past
+VNNI_MAX_ROWS rows (SPECLM_ONEDNN=1). For prompts of 238, 700 and 969 tokens (256-row blocks:
+PREFILL_ROW_BLOCK), the int8 target's prefill seconds on each path, the two interleaved (median of
+5 rounds, and the median of each round's ratio: the machine's bandwidth drifts between rounds); the
+logits of both, compared bit for bit; and what oneDNN's packed copies of the weights add to the
+process's resident memory.
 
 Run: .venv/bin/python benchmarks/int8_prefill_paths.py > benchmarks/amx/int8-prefill-paths.txt
-Committed output: benchmarks/amx/int8-prefill-paths.txt (Intel Xeon with AMX).
+Committed output: benchmarks/amx/int8-prefill-paths.txt (Intel Xeon with AMX), and
+benchmarks/amx/int8-prefill-paths-vnni.txt: the same machine as a VNNI CPU without AMX, run with
+`SPECLM_AMX=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI` (speclm's VNNI loop, oneDNN without its AMX code).
 `--smoke --target FOLDER`: a tiny model, prompts of 20 and 90 tokens, 1 round, one torch thread.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -54,15 +57,17 @@ def main():
     rounds, first_id = (1, 100) if args.smoke else (5, 1000)
     model = load_model(args.target, quantize="int8", progress=False).model
     layers = int8_layers(model)
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} kernel={kernels.describe()} "
-          f"default path past the VNNI rows: {'onednn' if onednn_used(True) else 'speclm kernel'}")
+          f"default path past the VNNI rows: {'onednn' if onednn_used(True) else 'speclm kernel'}"
+          + (f" ONEDNN_MAX_CPU_ISA={isa}" if isa else ""))
     if not onednn_used(compiled=False):  # without speclm's kernel oneDNN runs wherever it is exact
         print("oneDNN's int8 GEMM does not sum exactly on this CPU: speclm's kernel runs every row count, "
               "nothing to compare")
         return
     before = resident()
     for layer in layers:
-        layer.with_onednn()  # as a CPU without AMX loads it
+        layer.with_onednn()  # as SPECLM_ONEDNN=1 loads it
     after = resident()
     if before and after:
         print(f"oneDNN's packed copies of {len(layers)} int8 layers: resident memory {gib(before.total)} -> "

@@ -62,8 +62,8 @@ TABLE: tuple[Tuned, ...] = (
     Tuned("FP32_FEW_ROWS", 256, "speclm.forward.lean", "fp32 CPU weights: linear layers over up to this many rows (a "
           "prefill block at most) run as (W x^T)^T, not x W^T", "benchmarks/avx2/fp32-linear-rows.txt",
           "4 rows 3.2x faster, 256 rows 1.05x"),
-    Tuned("VNNI_MAX_ROWS", 32, "speclm.quant.weights", "int8 GEMMs of up to this many rows run on speclm's kernel, more "
-          "on oneDNN's (a VNNI CPU without AMX; elsewhere speclm's kernel runs every row count)", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
+    Tuned("VNNI_MAX_ROWS", 32, "speclm.quant.weights", "with SPECLM_ONEDNN=1, int8 GEMMs of up to this many rows run on "
+          "speclm's kernel, more on oneDNN's (by default speclm's kernel runs every row count)", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
     Tuned("AMX_MIN_ROWS", 10, "speclm/quant/csrc", "int8 GEMMs of this many rows or more run on AMX tiles where "
           "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/forward-rows.txt",
           "from 2 rows the target's forward over 2-6 tokens took 0.87-1.09x the time alone and 0.97-1.18x after "

@@ -285,27 +285,39 @@ def test_amx_tiles_give_the_vnni_loops_bits():
                                                  (in_f, out_f, rows))
 
 
-def test_int8_layers_keep_a_onednn_copy_only_where_speclms_kernel_has_no_amx(monkeypatch):
-    """A CPU whose compiled kernel runs on AMX tiles gives every row count to it (a prefill block's
-    too: benchmarks/amx/int8-prefill-paths.txt), so int8 layers there hold no second, oneDNN-packed
-    copy of their weights; elsewhere oneDNN takes more than VNNI_MAX_ROWS rows where it is exact."""
+def test_int8_layers_keep_a_onednn_copy_only_where_no_compiled_kernel_runs_or_when_asked(monkeypatch):
+    """speclm's compiled kernel takes every row count, a prefill block's too, about as fast as oneDNN
+    (benchmarks/amx/int8-prefill-paths*.txt), so int8 layers hold no second, oneDNN-packed copy of
+    their weights unless SPECLM_ONEDNN=1 asks for it; without a compiled kernel oneDNN takes more
+    than one row where it is exact. Either path gives the same bits."""
     monkeypatch.setattr(quant, "_onednn_available", lambda: True)
-    for amx in (False, True):
-        monkeypatch.setattr(kernels, "amx", lambda amx=amx: amx)
-        assert quant.onednn_used(True) == (not amx)
+    for asked in (None, "0", "1"):
+        if asked is None:
+            monkeypatch.delenv("SPECLM_ONEDNN", raising=False)
+        else:
+            monkeypatch.setenv("SPECLM_ONEDNN", asked)
+        assert quant.onednn_used(True) == (asked == "1")
         assert quant.onednn_used(False)  # without a compiled kernel oneDNN takes the many rows
-        assert ("onednn for more" in quant.int8_kernels(compiled=True)) == (not amx)
+        assert ("onednn for more" in quant.int8_kernels(compiled=True)) == (asked == "1")
+    monkeypatch.setattr(quant, "_onednn_available", lambda: False)  # a CPU where it is not exact
+    assert not quant.onednn_used(True) and not quant.onednn_used(False)
     monkeypatch.undo()
     require_compiled_kernels()
-    if not kernels.amx():
-        pytest.skip("no AMX on this CPU (or SPECLM_AMX=0)")
-    layer = Int8Linear(torch.nn.Linear(256, 96))
+    monkeypatch.delenv("SPECLM_ONEDNN", raising=False)
+    linear = torch.nn.Linear(256, 96)
+    layer = Int8Linear(linear)
     assert not layer.onednn and "packed" not in layer.__dict__ and layer.kernel_for(256) == "compiled"
-    assert quant.int8_kernels() == "speclm VNNI+AMX"
+    assert "onednn" not in quant.int8_kernels()
+    if not quant._onednn_available():
+        pytest.skip("oneDNN's int8 GEMM is not exact on this CPU")
     x = torch.randn(100, 256)
     ours = layer.rows(x)
-    assert layer.with_onednn().kernel_for(100) == "onednn" and "packed" in layer.__dict__  # as without AMX
+    assert layer.with_onednn().kernel_for(100) == "onednn" and "packed" in layer.__dict__  # SPECLM_ONEDNN=1's
     assert torch.equal(layer.rows(x), ours)
+    monkeypatch.setenv("SPECLM_ONEDNN", "1")
+    asked = Int8Linear(linear)
+    assert asked.onednn and "packed" in asked.__dict__ and asked.kernel_for(100) == "onednn"
+    assert torch.equal(asked.rows(x), ours)
 
 
 def test_speclm_amx_0_keeps_the_vnni_loop_and_says_so(monkeypatch):

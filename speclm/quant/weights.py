@@ -4,10 +4,9 @@ Speculative output equals plain output only if the target's forward is batch-inv
 token's logits must not depend on how many other tokens share the forward. The kernel kept
 here is W8A8 with *per-row* scales: weights int8 per output channel (symmetric), each
 activation row quantized to int8 with its own scale, products accumulated in int32 (exact
-integer arithmetic: speclm's compiled kernel (AVX-512 VNNI or AVX2, speclm.quant.kernels) for the few
-rows of a decode step or a verification, and on AVX2 or AMX CPUs for every row count; oneDNN's int8
-GEMM for a prefill's many rows where it sums exactly (a CPU with VNNI and without AMX);
-`torch._int_mm` where nothing compiled runs), then rescaled elementwise. Nothing couples the rows, so the
+integer arithmetic: speclm's compiled kernel (AVX-512 VNNI or AVX2, speclm.quant.kernels) for every
+row count; where it does not run, `torch._int_mm` for one row and oneDNN's int8 GEMM for more where
+it sums exactly (a CPU with VNNI)), then rescaled elementwise. Nothing couples the rows, so the
 result is bit-identical at any batch width. torch's `quantize_dynamic` uses one
 activation scale for the whole batch and is *not* batch-invariant; the weight-only
 `_weight_int8pack_mm` path is invariant but its cost grows with the rows. The measurements
@@ -21,6 +20,7 @@ here, the file in speclm.models.qcache); oneDNN's packed copy is opaque and made
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -140,9 +140,13 @@ def _onednn_available() -> bool:
 
 def onednn_used(compiled: bool) -> bool:
     """Whether int8 layers keep a oneDNN copy of their weights for calls of more than VNNI_MAX_ROWS
-    rows: where it is exact, but not where speclm's kernel runs on AMX tiles, which are as fast at a
-    prefill block's rows (benchmarks/amx/int8-prefill-paths.txt) without a second copy of every weight."""
-    return _onednn_available() and not (compiled and kernels.amx())
+    rows: where it is exact and speclm's compiled kernel does not run, or where SPECLM_ONEDNN=1 asks
+    for it. speclm's kernel takes a prefill block's rows about as fast (0.82-0.88x oneDNN's time on
+    AMX tiles, 0.96-1.12x on the VNNI loop: benchmarks/amx/int8-prefill-paths*.txt) without a second
+    copy of every weight, which would double the int8 model's resident weights."""
+    if compiled and os.environ.get("SPECLM_ONEDNN", "0") != "1":
+        return False
+    return _onednn_available()
 
 
 def _compiled_kernel():
@@ -150,8 +154,6 @@ def _compiled_kernel():
     return kernels.compiled()
 
 
-# Up to VNNI_MAX_ROWS rows speclm's kernel is faster than oneDNN's; beyond, the GEMM is
-# compute-bound and oneDNN's blocking wins.
 _GROUP = 64  # output columns the kernel packs side by side (speclm/quant/csrc/cpu_kernels.cpp)
 
 
@@ -247,17 +249,18 @@ class Int8Linear(QuantLinear):
     Three kernels compute the same int32 dot products and the same fp32 rescale (int32 ->
     fp32, times the weight scale, times the row's step), so they give the same bits (tested)
     and each call takes the fastest here:
-    - up to VNNI_MAX_ROWS rows (decode steps, draft steps, verification), and every row count
-      where oneDNN is not exact or the CPU has AMX: speclm's compiled kernel (AVX-512 VNNI or AVX2,
-      speclm.quant.kernels), which reads each weight once for all the rows;
-    - more rows (prefill): oneDNN's int8 GEMM on the weight packed once
-      (`onednn.qlinear_pointwise`, what torch's x86 int8 path uses), u8 activations with
-      zero point 128, where it sums exactly (`_onednn_available`: not on a CPU without VNNI) and
-      speclm's kernel has no AMX tiles (`onednn_used`);
+    - every row count (decode steps, draft steps, verification, prefill blocks): speclm's compiled
+      kernel (AVX-512 VNNI, AMX tiles or AVX2, speclm.quant.kernels), which reads each weight once
+      for all the rows;
+    - more than VNNI_MAX_ROWS rows where no compiled kernel runs, or SPECLM_ONEDNN=1 asks for it
+      (`onednn_used`): oneDNN's int8 GEMM on the weight packed once (`onednn.qlinear_pointwise`,
+      what torch's x86 int8 path uses), u8 activations with zero point 128, where it sums exactly
+      (`_onednn_available`: not on a CPU without VNNI);
     - where no compiled kernel runs: `torch._int_mm` for one row (its one-row path streams
       the weight at read bandwidth) and oneDNN for more, or `_int_mm` for every row count
       where oneDNN is not exact.
-    Each kernel has its own copy of the int8 weights (measured in benchmarks/intel/int8-gemm-rows-cpu.txt).
+    Each kernel that runs keeps its own layout of the int8 weights: one copy where the compiled
+    kernel runs, two with SPECLM_ONEDNN=1 (benchmarks/epyc/int8-gemm-rows.txt times them by rows).
     """
 
     def __init__(self, *linears: nn.Linear):
