@@ -317,7 +317,7 @@ class Int8Linear(QuantLinear):
         self.wzero = torch.zeros(self.out_features, dtype=torch.long)
 
     def with_onednn(self) -> "Int8Linear":
-        """The layer as a CPU without AMX holds it: a oneDNN copy of the weights for calls of more
+        """The layer as SPECLM_ONEDNN=1 holds it: a oneDNN copy of the weights for calls of more
         than VNNI_MAX_ROWS rows (for comparing the paths: benchmarks/int8_prefill_paths.py)."""
         if "packed" not in self.__dict__:
             self._pack_onednn(from_vnni_layout(self.vnni_weight, self.out_features, self.in_features))
