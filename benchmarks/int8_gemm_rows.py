@@ -7,8 +7,8 @@ the shapes of one decode step of Qwen2.5-1.5B (q/k/v and gate/up fused, output h
 the caches, as in a real step. On a CPU with AMX the kernel is timed twice, on its VNNI loop alone and
 on AMX tiles from one row (checked bit for bit against each other first); the median ratio of 21
 pairs of calls, back to back in alternating order, sets speclm.defaults.AMX_MIN_ROWS.
-speclm.quant.weights.Int8Linear takes speclm's kernel up to VNNI_MAX_ROWS rows and oneDNN beyond
-(or, without the compiled kernel, `_int_mm` for one row and oneDNN for more). Without the compiled
+speclm.quant.weights.Int8Linear takes speclm's kernel at every row count (with SPECLM_ONEDNN=1, up to
+VNNI_MAX_ROWS rows and oneDNN beyond; without the compiled kernel, `_int_mm` for one row and oneDNN for more). Without the compiled
 kernels its column reads n/a.
 
 `--int4` (CPUs with AMX): the int4 kernel (`linear_rows_w4`) over the GEMMs of one step of the 0.5B draft

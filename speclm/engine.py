@@ -258,9 +258,10 @@ class SpecEngine:
 
 
 def _compiled_kernels_only(module) -> None:
-    """Drop the oneDNN-packed second copy of a head's int8 weights where speclm's compiled kernel
-    runs every row count: the same bits (speclm.quant.weights), the head's bytes halved; only the
-    prompt's one pass through an EAGLE head reads more than a few rows."""
+    """Drop the oneDNN-packed second copy of a head's int8 weights that SPECLM_ONEDNN=1 adds (by
+    default there is none): speclm's compiled kernel runs every row count, the same bits
+    (speclm.quant.weights), the head's bytes halved; only the prompt's one pass through an EAGLE
+    head reads more than a few rows."""
     from speclm.quant.weights import Int8Linear, Int8Slice
 
     for m in module.modules():

@@ -215,15 +215,20 @@ def test_int8_eagle_keeps_the_token_embedding(int8_target, tmp_path):
     assert isinstance(module.fuse, PartsLinear) and not any(isinstance(p, torch.nn.Linear) for p in module.fuse.parts)
 
 
-def test_int8_heads_hold_one_copy_of_their_weights(int8_target, tmp_path):
+def test_int8_heads_hold_one_copy_of_their_weights(int8_target, tmp_path, monkeypatch):
     """Heads on an int8 target keep only the compiled kernel's copy of each weight (no second,
-    oneDNN-packed one), and their weights come straight from the file (no randomly initialised
-    module first): what keeps EAGLE within the issue's memory bound (benchmarks/heads_memory.py).
-    Their drafts are unchanged: the greedy test above runs them."""
+    oneDNN-packed one, even where SPECLM_ONEDNN=1 gives the target's layers one), and their weights
+    come straight from the file (no randomly initialised module first): what keeps EAGLE within the
+    issue's memory bound (benchmarks/heads_memory.py). Their drafts are unchanged: the greedy test
+    above runs them."""
     from speclm.engine import LoadedHeads
+    from speclm.quant import weights as quant
     from speclm.quant.weights import Int8Linear, Int8Slice
 
     require_compiled_kernels()
+    monkeypatch.setenv("SPECLM_ONEDNN", "1")
+    monkeypatch.setattr(quant, "_onednn_available", lambda: True)  # layers built here would pack oneDNN's copy
+    assert Int8Linear(torch.nn.Linear(64, 64)).onednn
     for kind in ("medusa", "eagle"):
         path = random_heads(kind, int8_target.model, tmp_path / f"{kind}.safetensors")
         module = LoadedHeads.load(path, kind, int8_target).module

@@ -142,7 +142,7 @@ def onednn_used(compiled: bool) -> bool:
     """Whether int8 layers keep a oneDNN copy of their weights for calls of more than VNNI_MAX_ROWS
     rows: where it is exact and speclm's compiled kernel does not run, or where SPECLM_ONEDNN=1 asks
     for it. speclm's kernel takes a prefill block's rows about as fast (0.82-0.88x oneDNN's time on
-    AMX tiles, 0.96-1.12x on the VNNI loop: benchmarks/amx/int8-prefill-paths*.txt) without a second
+    AMX tiles, 0.96-1.15x on the VNNI loop: benchmarks/amx/int8-prefill-paths*.txt) without a second
     copy of every weight, which would double the int8 model's resident weights."""
     if compiled and os.environ.get("SPECLM_ONEDNN", "0") != "1":
         return False
@@ -248,7 +248,7 @@ class Int8Linear(QuantLinear):
 
     Three kernels compute the same int32 dot products and the same fp32 rescale (int32 ->
     fp32, times the weight scale, times the row's step), so they give the same bits (tested)
-    and each call takes the fastest here:
+    and the choice between them is one of speed and memory:
     - every row count (decode steps, draft steps, verification, prefill blocks): speclm's compiled
       kernel (AVX-512 VNNI, AMX tiles or AVX2, speclm.quant.kernels), which reads each weight once
       for all the rows;
