@@ -9,7 +9,7 @@ whole prompts; in later repeats the prompts are in the prefix cache of each mode
 them, so what differs is the policies' rounds. Per run: wall time, tokens/s, rounds, the draft model's seconds in its forwards and of those its seconds
 reading what it had not read (prompts; its prefill), and outputs identical to `none`'s.
 
-Run: .venv/bin/python benchmarks/adaptive_ab.py --against HEAD --rows 8 --repeats 5 > benchmarks/avx2/adaptive-ab.txt
+Run: .venv/bin/python benchmarks/adaptive_ab.py --against HEAD --rows 8 --repeats 5 > adaptive-ab.txt (record: benchmarks/avx2/records.md#adaptive-ab)
 `--smoke --target FOLDER --draft FOLDER`: the same code path on tiny models, 2 prompts, 2 rows,
 2 repeats, 4 new tokens, one torch thread, against the running source.
 """

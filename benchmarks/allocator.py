@@ -7,8 +7,8 @@ should match. Printed: each prompt's two prefill times and the mean ratio none /
 prompt of the first round left out: it follows nothing), with glibc's default malloc settings
 (SPECLM_MALLOC=system) and with speclm.keep_freed_memory(), each in its own process.
 
-Run: .venv/bin/python benchmarks/allocator.py > benchmarks/epyc/allocator.txt
-Committed output: benchmarks/epyc/allocator.txt (AMD EPYC machine).
+Run: .venv/bin/python benchmarks/allocator.py > allocator.txt
+Committed output: benchmarks/epyc/records.md#allocator (AMD EPYC machine).
 `--smoke --target FOLDER`: the same code path on 2 short prompts, 1 round, 8 new tokens, one
 torch thread (tests/test_benchmark_scripts.py runs it on a tiny model).
 """

@@ -9,8 +9,8 @@ int4 draft model (as in a `draft` round, where the draft's weights pass through 
 between the target's forwards). Each k's logits are checked bit for bit between the two first:
 the tiles' integer sums are the VNNI loop's.
 
-Run: .venv/bin/python benchmarks/amx_forward_rows.py > benchmarks/amx/forward-rows.txt
-Committed output: benchmarks/amx/forward-rows.txt (Intel Xeon with AMX).
+Run: .venv/bin/python benchmarks/amx_forward_rows.py > forward-rows.txt
+Committed output: benchmarks/amx/records.md#forward-rows (Intel Xeon with AMX).
 `--smoke --target FOLDER --draft FOLDER`: tiny models, a 20-token prompt, k 1-3, 2 pairs, one
 draft step, one torch thread.
 """

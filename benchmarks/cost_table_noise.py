@@ -10,7 +10,7 @@ block gives the table R would have measured, v(n) = T(n) / T(1) from its medians
 gives, for each R, the lowest and highest v(n) over the blocks, and beside them the table of
 all passes together.
 
-Run: .venv/bin/python benchmarks/cost_table_noise.py > benchmarks/amx/cost-table-noise.txt
+Run: .venv/bin/python benchmarks/cost_table_noise.py > cost-table-noise.txt
 `--smoke --target FOLDER`: the same code path on a tiny model, 4 sizes, 7 passes.
 """
 from __future__ import annotations

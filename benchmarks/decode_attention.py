@@ -9,8 +9,8 @@ the layers). `--source FILE` builds that version of the kernel file instead (for
 another revision's: `git show REV:speclm/quant/csrc/cpu_kernels.cpp > /tmp/k.cpp`); its output is
 checked bit for bit against the installed kernel's. Needs speclm's compiled kernels.
 
-Run: .venv/bin/python benchmarks/decode_attention.py [--source FILE] >> benchmarks/intel/decode-attention-cpu.txt
-Committed output: benchmarks/intel/decode-attention-cpu.txt (Intel Xeon machine; one table per kernel version).
+Run: .venv/bin/python benchmarks/decode_attention.py [--source FILE] >> decode-attention-cpu.txt
+Committed output: benchmarks/intel/records.md#decode-attention-cpu (Intel Xeon machine; one table per kernel version).
 `--smoke`: the same code path at one tiny shape (2 heads, 1 kv head, head size 32), contexts 10
 and 40, 1 repeat, one torch thread.
 """

@@ -24,11 +24,12 @@ Predicted decode speedup = output tokens after the first / summed round costs. P
   leaves (speclm's `--alternatives S`);
 - prompt lookup with its k, n-gram range, and k set by the length of the n-gram that matched.
 
-Run: .venv/bin/python benchmarks/draft_policy.py benchmarks/epyc/reference-int8-qwen1.5b-b82b9b2/results.json \
+Run (the first and last runs are in git: `git show 44a4c5c:PATH > FILE`):
+    .venv/bin/python benchmarks/draft_policy.py 44a4c5c:benchmarks/epyc/reference-int8-qwen1.5b-b82b9b2/results.json \
          benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1/results.json \
          benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/results.json \
-         benchmarks/epyc/alternatives-int8-qwen1.5b-73caf26/results.json > benchmarks/epyc/draft-policy.txt
-Committed output: benchmarks/epyc/draft-policy.txt (AMD EPYC machine).
+         44a4c5c:benchmarks/epyc/alternatives-int8-qwen1.5b-73caf26/results.json > draft-policy.txt
+Committed output: benchmarks/epyc/records.md#draft-policy (AMD EPYC machine).
 `--smoke`: one torch thread; the run's size is that of the results.json files given
 (tests/test_benchmark_scripts.py passes a tiny model's `speclm bench` run).
 """

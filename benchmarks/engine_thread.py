@@ -2,7 +2,7 @@
 engine thread), before and after the main thread's OpenMP workers are freed
 (speclm.runtime.release_openmp_threads).
 
-Run: .venv/bin/python benchmarks/engine_thread.py --model qwen2.5-coder-1.5b > benchmarks/intel/engine-thread.txt
+Run: .venv/bin/python benchmarks/engine_thread.py --model qwen2.5-coder-1.5b > engine-thread.txt
 `--smoke --model FOLDER`: the same code path on a tiny model, 8 tokens.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ over weights of the shapes of one decode step of Qwen2.5-1.5B (q/k/v and gate/up
 included, the embedding table aside: 6.2 GB of fp32). A speculative round's verification and a draft step
 are such forwards of 1 to a few dozen rows. Interleaved, best of 2 medians of 3.
 
-Run: .venv/bin/python benchmarks/fp32_linear_rows.py > benchmarks/avx2/fp32-linear-rows.txt
+Run: .venv/bin/python benchmarks/fp32_linear_rows.py > fp32-linear-rows.txt
 `--smoke`: the same code path over a tiny model's shapes, rows 1, 2 and 16, 1 repeat, one thread.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ Each line: resident memory after loading, its growth while loading the heads or 
 peak during the request; the request is Spec-Bench's first mt_bench prompt in the chat template,
 128 new tokens, greedy.
 
-Run: .venv/bin/python benchmarks/heads_memory.py > benchmarks/epyc/heads-memory.txt
+Run: .venv/bin/python benchmarks/heads_memory.py > heads-memory.txt
 `--smoke --target FOLDER --medusa FILE --eagle FILE`: the same on a tiny model, 8 new tokens, one
 thread, without the draft's line.
 """

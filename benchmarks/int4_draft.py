@@ -9,8 +9,8 @@ weights do to acceptance: tokens per target forward of `draft` (k = 3, no confid
 qwen2.5-coder-1.5b target over 2 Spec-Bench prompts per task kind (chat, 64 new tokens),
 every output checked against plain decoding. Needs speclm's compiled kernels.
 
-Run: .venv/bin/python benchmarks/int4_draft.py > benchmarks/intel/int4-draft-cpu.txt
-Committed output: benchmarks/intel/int4-draft-cpu.txt (Intel Xeon machine; one section per run).
+Run: .venv/bin/python benchmarks/int4_draft.py > int4-draft-cpu.txt
+Committed output: benchmarks/intel/records.md#int4-draft-cpu (Intel Xeon machine; one section per run).
 `--smoke --target FOLDER --draft FOLDER`: the same code path on a tiny model's GEMM shapes,
 a 30-token cache, a 40-token prefill and 1 qa prompt with 8 new tokens, 1 repeat each, one torch thread.
 """

@@ -15,11 +15,10 @@ kernels its column reads n/a.
 (0.25 GB of int4), its AMX path against its VNNI loop, checked bit for bit and paired the same way
 (speclm.defaults.AMX_MIN_ROWS_INT4).
 
-Run: .venv/bin/python benchmarks/int8_gemm_rows.py > benchmarks/epyc/int8-gemm-rows.txt
-Committed output: benchmarks/epyc/int8-gemm-rows.txt (AMD EPYC machine), benchmarks/amx/int8-gemm-rows.txt
-(Intel Xeon with AMX; `--int4`: benchmarks/amx/int4-gemm-rows.txt),
-benchmarks/intel/int8-gemm-rows-cpu.txt (Intel Xeon machine) and benchmarks/avx2/int8-gemm-rows.txt
-(AVX2-only EPYC, where oneDNN's int8 GEMM is inexact: timed only).
+Run: .venv/bin/python benchmarks/int8_gemm_rows.py > int8-gemm-rows.txt
+Committed output: benchmarks/epyc/records.md#int8-gemm-rows (AMD EPYC machine), with `--int4`
+benchmarks/amx/records.md#int4-gemm-rows (Intel Xeon with AMX). On AVX2-only CPUs oneDNN's int8 GEMM is
+inexact: timed only.
 `--smoke`: the same code path over a tiny model's shapes (hidden size 64), rows 1, 2, 16 and
 32, 1 repeat, one torch thread.
 """

@@ -2,13 +2,13 @@
 int8 weight-only with bf16 activations): the CPU int8 paths on a real target, all through
 transformers' forward and DynamicCache (the kernels compare on equal terms; speclm's own forward
 is leaner): cost of a forward over k new tokens (v(k)), and agreement of the next-token argmax
-with fp32 (teacher-forced on Spec-Bench prompts). The per-layer picture is in int8_kernels.py; a
+with fp32 (teacher-forced on Spec-Bench prompts). A
 single layer fits in the L3 cache and flatters the kernels, so the choice is made on whole-model
 numbers.
 
 Run: .venv/bin/python benchmarks/int8_model.py [--target NAME_OR_FOLDER] [--modes fp32,w8a8,int8pack] \
-         > benchmarks/intel/int8-model-cpu.txt
-Committed output: benchmarks/intel/int8-model-cpu.txt (Intel Xeon machine).
+         > int8-model-cpu.txt
+Committed output: benchmarks/intel/records.md#int8-model-cpu (Intel Xeon machine).
 `--smoke --target FOLDER`: the same code path on a tiny model, 2 short prompts, 1 timed
 forward per k, one torch thread.
 """

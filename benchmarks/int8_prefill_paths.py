@@ -6,9 +6,9 @@ PREFILL_ROW_BLOCK), the int8 target's prefill seconds on each path, the two inte
 logits of both, compared bit for bit; and what oneDNN's packed copies of the weights add to the
 process's resident memory.
 
-Run: .venv/bin/python benchmarks/int8_prefill_paths.py > benchmarks/amx/int8-prefill-paths.txt
-Committed output: benchmarks/amx/int8-prefill-paths.txt (Intel Xeon with AMX), and
-benchmarks/amx/int8-prefill-paths-vnni.txt: the same machine as a VNNI CPU without AMX, run with
+Run: .venv/bin/python benchmarks/int8_prefill_paths.py > int8-prefill-paths.txt
+Committed output: benchmarks/amx/records.md#int8-prefill-paths (Intel Xeon with AMX), and
+benchmarks/amx/records.md#int8-prefill-paths-vnni: the same machine as a VNNI CPU without AMX, run with
 `SPECLM_AMX=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI` (speclm's VNNI loop, oneDNN without its AMX code).
 `--smoke --target FOLDER`: a tiny model, prompts of 20 and 90 tokens, 1 round, one torch thread.
 """

@@ -14,7 +14,7 @@ The other version is a git revision (`--against REV`: its kernel source and comm
 show`) or a source file (`--against-source FILE`, its common.h beside it); it is built with the
 same flags as the running build (speclm.quant.kernels), for the instruction set this CPU runs.
 
-Run: .venv/bin/python benchmarks/kernel_ab.py --against d30e361 > benchmarks/avx2/int8-kernel-ab.txt
+Run: .venv/bin/python benchmarks/kernel_ab.py --against d30e361 > int8-kernel-ab.txt
 `--smoke`: tiny shapes, rows 1 and 3, 3 pairs, one torch thread, every kernel, against the running
 build's own source.
 """

@@ -17,7 +17,7 @@ draft), each phase in a fresh process, memory read from /proc (speclm.memory):
    path's (fp32 model quantized in memory), bit for bit, and greedy outputs on one prompt per task
    kind.
 
-Run: .venv/bin/python benchmarks/load_memory.py [--reference-home ~/.cache/speclm] > benchmarks/avx2/load-memory.txt
+Run: .venv/bin/python benchmarks/load_memory.py [--reference-home ~/.cache/speclm] > load-memory.txt
 `--smoke --target FOLDER --draft FOLDER`: the same phases on tiny models, 8 new tokens, one thread
 (tests/test_benchmark_scripts.py).
 """

@@ -6,7 +6,7 @@ the tree keeps the most valuable paths, as many as pay for their verification by
 measured forward costs: N maximising (1 + summed path values) / (target forward over 1 + N tokens).
 
 Run: .venv/bin/python benchmarks/medusa_tree.py --data DATA --heads runs/medusa/heads.safetensors \
-         --out speclm/data/heads/qwen2.5-coder-1.5b/medusa-tree.json > benchmarks/epyc/medusa-tree.txt
+         --out speclm/data/heads/qwen2.5-coder-1.5b/medusa-tree.json > medusa-tree.txt
 `--smoke --data DIR --heads FILE --target FOLDER`: the same code path on a tiny model's data.
 """
 from __future__ import annotations

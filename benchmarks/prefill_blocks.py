@@ -3,8 +3,8 @@ speclm's lean forward on int8 qwen2.5-coder-1.5b by prompt length, with the row-
 in blocks of 64, 128 or 256 rows (speclm.forward.lean.ROW_BLOCK) or over the whole prompt at once.
 Best of 2, variants interleaved.
 
-Run: .venv/bin/python benchmarks/prefill_blocks.py > benchmarks/intel/prefill-cpu.txt
-Committed output: benchmarks/intel/prefill-cpu.txt (Intel Xeon machine).
+Run: .venv/bin/python benchmarks/prefill_blocks.py > prefill-cpu.txt
+Committed output: benchmarks/intel/records.md#prefill-cpu (Intel Xeon machine).
 `--smoke --target FOLDER`: the same code path on a tiny model, prompts of 100 and 150 tokens, 1 round,
 one torch thread.
 """

@@ -6,8 +6,8 @@ queries, the scores in cache) against one tile of all a kv head's queries (whose
 MB for a 700-token prompt, go to memory and back). Median of 3, variants interleaved. Needs
 speclm's compiled kernels.
 
-Run: .venv/bin/python benchmarks/prefill_kernels.py > benchmarks/epyc/prefill-kernels.txt
-Committed output: benchmarks/epyc/prefill-kernels.txt (AMD EPYC machine).
+Run: .venv/bin/python benchmarks/prefill_kernels.py > prefill-kernels.txt
+Committed output: benchmarks/epyc/records.md#prefill-kernels (AMD EPYC machine).
 `--smoke --target FOLDER --draft FOLDER`: the same code path on tiny models, prompts of 20 and
 90 tokens, 1 round, one torch thread.
 """

@@ -8,8 +8,8 @@ what the prefix cache costs and spares, on int8 qwen2.5-coder-1.5b and the int4 
    from the cache: its prefill time against reading it whole, both per-query.
 Median of 3, variants interleaved, on fresh caches. Needs speclm's compiled kernels (int4 draft).
 
-Run: .venv/bin/python benchmarks/prefix_cache.py > benchmarks/epyc/prefix-cache.txt
-Committed output: benchmarks/epyc/prefix-cache.txt (AMD EPYC machine).
+Run: .venv/bin/python benchmarks/prefix_cache.py > prefix-cache.txt
+Committed output: benchmarks/epyc/records.md#prefix-cache (AMD EPYC machine).
 `--smoke --target FOLDER --draft FOLDER`: the same code path on tiny models, prompts of 30 and
 90 tokens, 1 round, one torch thread.
 """

@@ -11,7 +11,7 @@ The server is started by this script (`speclm serve --port 0`, the same weights 
 sides hold the same models; they never run at the same time.
 
 Run: .venv/bin/python benchmarks/serve_overhead.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-         --per-category 2 > benchmarks/avx2/serve-overhead.txt
+         --per-category 2 > serve-overhead.txt
 `--smoke --target FOLDER --draft FOLDER`: the same code path on tiny models, 2 prompts of 8 tokens,
 one torch thread.
 """

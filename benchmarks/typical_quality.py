@@ -7,7 +7,7 @@ seeds, for each method given; the log-likelihood is read from one target forward
 output. Identical-output rate is not the measure here: sampled outputs differ run to run.
 
 Run: .venv/bin/python benchmarks/typical_quality.py --target qwen2.5-coder-1.5b --per-category 2 \
-         --temperature 0.7 > benchmarks/avx2/typical-quality.txt
+         --temperature 0.7 > typical-quality.txt
 `--smoke --target FOLDER --heads FILE`: the same code path on a tiny model, 2 prompts of 8 tokens,
 one torch thread.
 """

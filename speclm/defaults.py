@@ -33,57 +33,57 @@ class Tuned:
 
 TABLE: tuple[Tuned, ...] = (
     Tuned("K_DRAFT", 2, "--k", "`draft`, `draft+pld`: tokens drafted per round (fp32 or int8 draft)",
-          "benchmarks/intel/cpu-fp32-qwen1.5b-1x6-k2", "k=2 1.17x; k=4 0.92x in cpu-fp32-qwen1.5b-1x6"),
+          "benchmarks/intel/cpu-fp32-qwen1.5b-1x6-k2", "k=2 1.17x; k=4 0.92x (44a4c5c:benchmarks/intel/cpu-fp32-qwen1.5b-1x6)"),
     Tuned("K_DRAFT_INT4", 6, "--k", "the same with an int4 draft",
           "benchmarks/intel/int4-draft-k-cpu", "k=6 at confidence 0.6: 1.39x; k=4: 1.31x"),
     Tuned("CONFIDENCE_INT4", 0.6, "--confidence", "int4 draft: a round stops after a token drafted below this "
-          "probability (else 0: never)", "benchmarks/epyc/draft-policy.txt", "replayed over three runs"),
+          "probability (else 0: never)", "benchmarks/epyc/records.md#draft-policy", "replayed over three runs"),
     Tuned("ALTERNATIVES_INT4", 0.6, "--alternatives", "int4 draft: such a token gets its second choice verified "
-          "beside it (else 0: never)", "benchmarks/epyc/draft-policy.txt", "measured in alternatives-int8-qwen1.5b-73caf26"),
+          "beside it (else 0: never)", "benchmarks/epyc/records.md#draft-policy", "replayed on a run with alternatives (44a4c5c:benchmarks/epyc/alternatives-int8-qwen1.5b-73caf26)"),
     Tuned("DRAFT_VOCAB", 65536, "--draft-vocab", "`draft`, `draft+pld`: the draft scores this many lowest ids + the "
           "prompt's + EOS (0: all)", "benchmarks/epyc/reference-int8-qwen1.5b", "draft:vocab=0 beside it; c 0.182 -> 0.166"),
     Tuned("K_PLD", 2, "--k", "`pld`: tokens looked up per round, fp32 weights",
-          "benchmarks/intel/cpu-fp32-qwen1.5b-1x6-k2", "k=2 1.21x; k=4 0.97x"),
+          "benchmarks/intel/cpu-fp32-qwen1.5b-1x6-k2", "k=2 1.21x; k=4 0.97x (44a4c5c:benchmarks/intel/cpu-fp32-qwen1.5b-1x6)"),
     Tuned("K_PLD_QUANTIZED", 4, "--k", "`pld` on int8 or int4 weights, and `draft+pld`'s lookup there",
           "benchmarks/intel/reference-cpu-int8-qwen1.5b-d6f1c9f", "k=4 1.28x, k=6 1.22x"),
     Tuned("NGRAM_MAX", 3, "--ngram-max", "`pld`, `draft+pld`: longest trailing n-gram matched",
-          "benchmarks/epyc/draft-policy.txt", "n-grams 2-3 and 1-5 within a few percent"),
+          "benchmarks/epyc/records.md#draft-policy", "n-grams 2-3 and 1-5 within a few percent"),
     Tuned("NGRAM_MIN_DRAFT_PLD", 2, "--ngram-min", "`draft+pld`: a row drafts by lookup when this many trailing "
-          "tokens recur (`pld`: 1)", "benchmarks/epyc/methods-int8-qwen1.5b-d395ee1", "and its run2, other18"),
+          "tokens recur (`pld`: 1)", "benchmarks/epyc/methods-int8-qwen1.5b-d395ee1", "draft+pld at 2: 1.42x none, draft 1.30x, pld 1.20x (18 prompts)"),
     Tuned("DRAFT_PROMPT_RATIO", 3.0, "--draft-prompt-ratio", "`draft+pld`: no draft model for prompts longer than "
-          "this times max_new_tokens", "benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1", "18 prompts outside the rule's sample"),
+          "this times max_new_tokens", "benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1", "18 prompts outside the rule's sample: draft+pld 1.54x none, draft 1.31x, pld 1.35x"),
     Tuned("COST_REPEATS", 40, "speclm.forward.costs", "forwards timed per size for the verification-cost table that "
           "sizes trees, heads' node budgets and adaptive speculation (measured once per model and kernel build)",
-          "benchmarks/amx/cost-table-noise.txt", "v(8) 1.10-1.53, v(16) 1.16-1.66 over 32 tables of 5 forwards; 1.29-1.33, 1.49-1.52 over 4 of 40"),
+          "benchmarks/amx/records.md#cost-table-noise", "v(8) 1.10-1.53, v(16) 1.16-1.66 over 32 tables of 5 forwards; 1.29-1.33, 1.49-1.52 over 4 of 40"),
     Tuned("PREFIX_CACHE_TOKENS", 4096, "--prefix-cache", "keys and values of recent prompts kept per model "
-          "(about 230 MB for the 1.5B)", "benchmarks/epyc/prefix-cache.txt", "what a cached chat head saves"),
+          "(about 230 MB for the 1.5B)", "benchmarks/epyc/records.md#prefix-cache", "what a cached chat head saves"),
     Tuned("PREFILL_ROW_BLOCK", 256, "speclm.forward.lean", "a long feed's row-wise work (norms, projections, MLP) runs in "
-          "blocks of this many rows", "benchmarks/intel/prefill-cpu.txt", "1000 tokens: 5.2 s against 6.9 s unblocked"),
+          "blocks of this many rows", "benchmarks/intel/records.md#prefill-cpu", "1000 tokens: 5.2 s against 6.9 s unblocked"),
     Tuned("FP32_FEW_ROWS", 256, "speclm.forward.lean", "fp32 CPU weights: linear layers over up to this many rows (a "
-          "prefill block at most) run as (W x^T)^T, not x W^T", "benchmarks/avx2/fp32-linear-rows.txt",
+          "prefill block at most) run as (W x^T)^T, not x W^T", "benchmarks/avx2/records.md#fp32-linear-rows",
           "4 rows 3.2x faster, 256 rows 1.05x"),
     Tuned("VNNI_MAX_ROWS", 32, "speclm.quant.weights", "with SPECLM_ONEDNN=1, int8 GEMMs of up to this many rows run on "
-          "speclm's kernel, more on oneDNN's (by default speclm's kernel runs every row count)", "benchmarks/epyc/int8-gemm-rows.txt", "faster up to 32 rows, even at 64"),
+          "speclm's kernel, more on oneDNN's (by default speclm's kernel runs every row count)", "benchmarks/epyc/records.md#int8-gemm-rows", "faster up to 32 rows, even at 64"),
     Tuned("AMX_MIN_ROWS", 10, "speclm/quant/csrc", "int8 GEMMs of this many rows or more run on AMX tiles where "
-          "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/forward-rows.txt",
+          "the CPU has them (the same integers as the VNNI loop's)", "benchmarks/amx/records.md#forward-rows",
           "from 2 rows the target's forward over 2-6 tokens took 0.87-1.09x the time alone and 0.97-1.18x after "
-          "draft steps, as in a round, when memory was slow; 0.81-0.97x alone when fast (amx/forward-rows-b18d196.txt)"),
+          "draft steps, as in a round, when memory was slow; 0.81-0.97x alone when fast (44a4c5c:benchmarks/amx/forward-rows-b18d196.txt)"),
     Tuned("AMX_MIN_ROWS_INT4", 10, "speclm/quant/csrc", "int4 GEMMs (draft models) of this many rows or more run on "
-          "AMX tiles where the CPU has them", "benchmarks/amx/int4-gemm-rows.txt",
+          "AMX tiles where the CPU has them", "benchmarks/amx/records.md#int4-gemm-rows",
           "AMX / VNNI time 0.96-1.23 at 1-6 rows, 0.67-0.91 from 7 (two runs); 7-9 rows not tried end to end"),
     Tuned("ATTENTION_QUERY_TILE", 64, "speclm/quant/csrc", "queries of a kv head per tile in the compiled attention",
-          "benchmarks/epyc/prefill-kernels.txt", "969 tokens: 0.60 s against 0.92 s untiled"),
+          "benchmarks/epyc/records.md#prefill-kernels", "969 tokens: 0.60 s against 0.92 s untiled"),
     Tuned("ATTENTION_SLOT_BLOCK", 32, "speclm/quant/csrc", "cached slots per block in the compiled attention (16 KB of "
-          "keys at head size 128: L1)", "benchmarks/intel/decode-attention-cpu.txt", "the kernel as built"),
+          "keys at head size 128: L1)", "benchmarks/intel/records.md#decode-attention-cpu", "the kernel as built"),
     Tuned("WEIGHT_PREFETCH_BYTES", 2048, "speclm/quant/csrc", "software prefetch distance in the int8 kernel's weight "
-          "stream", "benchmarks/epyc/int8-gemm-rows.txt", "the kernel as built; the run without it is not committed"),
+          "stream", "benchmarks/epyc/records.md#int8-gemm-rows", "the kernel as built; the run without it is not committed"),
     Tuned("FAR_PREFETCH_BYTES", 65536, "speclm/quant/csrc", "Intel CPUs (0 elsewhere, not measured on AMD): the "
           "AVX-512 kernels' few-row GEMMs (int8 up to 6 rows and on AMX tiles 10-16, int4's VNNI loop) also prefetch one "
           "line per 256 bytes of weights this far ahead into L2; SPECLM_FAR_PREFETCH sets it",
-          "benchmarks/amx/far-prefetch-ab.txt", "int8 GEMMs 0.89-0.94x the time at 1-6 rows, 0.91-0.99x at 10-16 (3 runs), "
+          "benchmarks/amx/records.md#far-prefetch-ab", "int8 GEMMs 0.89-0.94x the time at 1-6 rows, 0.91-0.99x at 10-16 (3 runs), "
           "int4 0.92-0.96x (paired)"),
     Tuned("WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW", 1024, "speclm/quant/csrc", "the same distance in the AVX2 int8 kernel "
-          "for one row (a decode step without speculation)", "benchmarks/avx2/int8-prefetch-ab.txt",
+          "for one row (a decode step without speculation)", "benchmarks/avx2/records.md#int8-prefetch-ab",
           "1 row: 0.91x the time at 2048, paired (2 and 4 rows, the same code: 0.99-1.03x)"),
 )
 
@@ -111,15 +111,14 @@ WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW: int = _BY_NAME["WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW"]
 FAR_PREFETCH_BYTES: int = _BY_NAME["FAR_PREFETCH_BYTES"]
 
-# --tree's default for `draft` and `draft+pld`: "chain" or "auto" (speclm.proposers.draft_tree). Chain:
-# auto trees measured no faster than chains: 0.97x on the AVX2 machine (benchmarks/avx2/trees-int8-qwen1.5b-60),
-# 0.99x on the Intel Xeon (benchmarks/intel/trees-int8-qwen1.5b-30), 0.92x-0.96x on the AVX-512 EPYC
-# (benchmarks/epyc/trees-int8-qwen1.5b-12-b7a5034)
+# --tree's default for `draft` and `draft+pld`: "chain" or "auto" (speclm.proposers.draft_tree). Chain: auto trees
+# accepted more tokens per forward and ran no faster on any CPU measured (docs/methods.md#draft-trees---tree has the
+# four runs); on the reference AVX-512 EPYC 0.98x the chain (benchmarks/epyc/kernel-int8-qwen1.5b-60)
 TREE = "chain"
 
 # fp32 CPU weights: rows -> the rows a linear layer's GEMM runs over, zero rows added (speclm.forward.lean). MKL's
 # (W x^T)^T over 4 rows cost what 1 row does on the AVX2 machine, over 3 rows 1.45x; 13-15 rows 1.6-2.0x
-# 16 rows' (benchmarks/avx2/fp32-linear-rows.txt, the padded column)
+# 16 rows' (benchmarks/avx2/records.md#fp32-linear-rows, the padded column)
 FP32_PADDED_ROWS = {2: 4, 3: 4, 13: 16, 14: 16, 15: 16}
 
 # --k's bound: acceptance decays with draft position (the tuned k are 2-6), so more drafts only widen verification
@@ -139,11 +138,10 @@ KERNEL_MACROS = {
 # medusa, eagle: the deepest draft (levels below the root): Medusa's heads (4 trained), EAGLE's levels
 K_MEDUSA = 4
 K_EAGLE = 6
-# medusa's --tree default: "auto" (grown each round from the heads' probabilities) or "static" (the
-# tuned tree shipped beside the heads, benchmarks/medusa_tree.py, cut each round by the cost line; auto
-# where none is there). Static: 1.13x none, the same as auto's, with the first round's heads
-# (benchmarks/epyc/heads-int8-qwen1.5b-60-8979d96, verified whole); on AVX2 1.07x cut, auto 1.09x
-# (benchmarks/avx2/medusa-trees-int8-qwen1.5b-12)
+# medusa's --tree default: "auto" (grown each round from the heads' probabilities) or "static" (the tuned tree
+# shipped beside the heads, made by benchmarks/medusa_tree.py: benchmarks/epyc/records.md#medusa-tree; cut each round
+# by the cost line; auto where none is there). Static: 1.13x none, the same as auto (4.96 nodes verified a forward
+# each; benchmarks/epyc/heads-int8-qwen1.5b-60-8979d96)
 MEDUSA_TREE = "static"
 
 

@@ -101,12 +101,12 @@ def keep_freed_memory() -> bool:
     and freed large blocks to the kernel, so the next request's prefill takes page faults (the
     kernel zeroes each page) writing them again, and more so after anything that freed much
     memory, such as transformers' `generate` in a benchmark, whose next method's prefill ran
-    slower than the others' (benchmarks/epyc/allocator.txt, from benchmarks/allocator.py).
+    slower than the others' (benchmarks/epyc/records.md#allocator, from benchmarks/allocator.py).
     Blocks up to 32 MB (glibc's largest mmap threshold) now come from the heap, and the heap's
     free top is trimmed only beyond KEPT_FREE_BYTES. Freed blocks below other allocations are
     not at the top, so no threshold returns them: the engine calls bound_freed_memory after each
     request, which keeps resident memory bounded in a long-running process
-    (benchmarks/avx2/load-memory.txt's soak).
+    (benchmarks/avx2/records.md#load-memory's soak).
     Returns whether it applied: not off glibc, nor with SPECLM_MALLOC=system.
     """
     if os.environ.get("SPECLM_MALLOC", "keep") == "system":

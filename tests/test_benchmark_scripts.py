@@ -45,9 +45,6 @@ SCRIPTS = {
                          "| policy | ", "| confidence 0.6, alternatives below 0.6 (speclm's default since) |",
                          "`draft+pld` (the draft model with confidence 0.5, k 6;",
                          "Prompt lookup (n-grams 1-3, k 4 unless named):"], False),
-    "draft_vocab_coverage.py": (["{results}"],
-                                ["| N lowest ids | share of tokens | with the prompt's tokens and EOS |",
-                                 "| 65536 | 1.0000 | 1.0000 |"], False),
     "int4_draft.py": (["--target", "{target}", "--draft", "{draft}"],
                       ["| GEMMs of one 0.5B step, 1 row | speclm int8 ms | speclm int4 ms |",
                        "| draft weights | draft step ms | prefill of 40 tokens ms |", "| int4 | ", " | 1/1 |"], True),
@@ -67,9 +64,6 @@ SCRIPTS = {
                           "| rows | other ms (median) | this build ms (median) |", "| 3 | ",
                           "attention of a prefill, 2 layers x 4 heads (2 kv) x 32; other build: the build's own source",
                           "| prompt tokens | other ms (median) |"], True),
-    "int8_kernels.py": ([], ["| path | k=1 ms | k=4 ms | k=8 ms | k=16 ms | batch-invariant | rel. error vs fp64 |",
-                             # speclm's row: timed, and batch-invariant
-                             re.compile(r"\| speclm Int8Linear: .*( [0-9.]+ \|){4} yes \|")], False),
     "amx_forward_rows.py": (["--target", "{target}", "--draft", "{draft}"],
                             ["AMX_MIN_ROWS=",
                              # both arms timed with the same logits, or a CPU without AMX
@@ -109,20 +103,8 @@ SCRIPTS = {
     "eagle_levels.py": (["--target", "{target}", "--eagle", "{eagle}", "--per-category", "1", "--min-prob", "0.0,0.5"],
                         ["# EAGLE's MIN_PROB on 6 Spec-Bench prompts", "| run | tokens/s | speedup vs none |",
                          "| none | ", "| eagle, MIN_PROB 0.0 | ", "| eagle, MIN_PROB 0.5 | "], False),
-    "heads_accuracy.py": (["--target", "{target}", "--medusa", "{medusa}", "--eagle", "{eagle}", "--data", "{data}",
-                           "--widen", "full"],
-                          ["| prompts | count | response tokens | in vocabulary | medusa h1 top-1 |",
-                           "| Spec-Bench qa | 1 | ", "| Spec-Bench, all | 2 | ", "| held out of ",
-                           "| Spec-Bench, all: vocabulary | ids |", "| own | ", "| full | "], False),
-    "medusa2.py": (["--target", "{target}", "--heads", "{medusa}", "--data", "{data}"],
-                   ["| heads | target | head 1 top-1 |", "| one | original | ", "| two | tuned (LoRA) | ",
-                    "mean KL(original || tuned)"], False),
     "medusa_tree.py": (["--target", "{target}", "--heads", "{medusa}", "--data", "{data}"],
                        ["| head | rank 0 | rank 1 |", "| 3 | ", "tree: "], False),
-    "prompt_lengths.py": (["--target", "{target}"],
-                          ["chat template; draft+pld's cut at 128 new tokens: ",
-                           "| task kind | prompts | min | 10th pct | median | 90th pct | max | above the cut |",
-                           "| summarization | 2 | "], False),
 }
 
 
@@ -138,7 +120,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("benchmark-models")
     tok = byte_tokenizer()
     target = tiny_model(len(tok), seed=0)
-    target.config.max_position_embeddings = 8192  # every Spec-Bench prompt fits at a byte a token (prompt_lengths.py)
+    target.config.max_position_embeddings = 8192  # every Spec-Bench prompt fits at a byte a token
     from speclm.heads.data import build
     from speclm.heads.sources import Prompt
 

@@ -134,7 +134,7 @@ def test_int4_draft_and_int4_target_keep_output_exact(tok, k):
 def test_int4_logits_follow_fp32(tok):
     """Sanity of the int4 weights on a tiny random model (whose weights are all noise, the
     hardest case for 15 levels): its logits stay far nearer fp32's than another model's do.
-    What int4 does to a real draft's acceptance is measured in benchmarks/intel/int4-draft-cpu.txt."""
+    What int4 does to a real draft's acceptance is measured in benchmarks/intel/records.md#int4-draft-cpu."""
     model = tiny_model(len(tok), seed=0)
     ids = torch.tensor([tok(PROMPTS[2]).input_ids])
     with torch.inference_mode():

@@ -287,7 +287,7 @@ def test_amx_tiles_give_the_vnni_loops_bits():
 
 def test_int8_layers_keep_a_onednn_copy_only_where_no_compiled_kernel_runs_or_when_asked(monkeypatch):
     """speclm's compiled kernel takes every row count, a prefill block's too, about as fast as oneDNN
-    (benchmarks/amx/int8-prefill-paths*.txt), so int8 layers hold no second, oneDNN-packed copy of
+    (benchmarks/amx/records.md#int8-prefill-paths, #int8-prefill-paths-vnni), so int8 layers hold no second, oneDNN-packed copy of
     their weights unless SPECLM_ONEDNN=1 asks for it; without a compiled kernel oneDNN takes more
     than one row where it is exact. Either path gives the same bits."""
     monkeypatch.setattr(quant, "_onednn_available", lambda: True)

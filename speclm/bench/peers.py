@@ -46,7 +46,7 @@ PLAIN = {m: ("llama.cpp" if m in LLAMA_CPP else "openvino") for m in PEER_METHOD
 # - OpenVINO GenAI's speculative-decoding and prompt-lookup samples: num_assistant_tokens 5, max_ngram_size 3.
 # - OpenVINO's weights: int8 target and int4 draft, as speclm's default pair.
 # - OpenVINO's activations: f32 (INFERENCE_PRECISION_HINT), not its default where the CPU has AMX (bf16):
-#   on a 2-core AMX Xeon f32 decoded 1.5-1.7x faster (benchmarks/amx/openvino-precision.md).
+#   on a 2-core AMX Xeon f32 decoded 1.5-1.7x faster (benchmarks/amx/records.md#openvino-precision).
 PEER_DEFAULTS = {
     "llama.cpp-pld": {"k": 2, "ngram_max": 2},
     "openvino": {"weights": "int8", "precision": "f32"},

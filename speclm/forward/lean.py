@@ -55,7 +55,7 @@ def supports(model) -> bool:
 def _few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for x (R, in). Over up to FP32_FEW_ROWS rows on a CPU as (W x^T)^T: on the AVX2
     machine torch's MKL runs x W^T over 2 to 11 rows at 1.5-3.2x the cost of W x^T, which reads the
-    weights once (benchmarks/avx2/fp32-linear-rows.txt). Zero rows pad 2-3 rows to 4 and 13-15 to
+    weights once (benchmarks/avx2/records.md#fp32-linear-rows). Zero rows pad 2-3 rows to 4 and 13-15 to
     16, MKL's cheap shapes there: 4 rows cost what 1 does, 3 rows 1.45x; 13-15 rows 1.6-2.0x 16 rows'.
     The same fp32 products, summed as MKL chooses for the shape: fp32 stays exact up to near-ties."""
     rows = x.shape[0]

@@ -95,7 +95,7 @@ class _IndexedTensor:
 
 def write_index(path: Path) -> None:
     """Record a GGUF's architecture and its tensors' types, shapes and offsets beside it. gguf's
-    reader parses every metadata field to find them: 11.5 s for the catalog's 1.5B (benchmarks/avx2/load-none.txt), whose
+    reader parses every metadata field to find them: 11.5 s for the catalog's 1.5B (benchmarks/avx2/records.md#load-none), whose
     tokenizer alone is some 300,000 fields, at every load; the index is read in milliseconds."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import read_field

@@ -37,7 +37,7 @@ BRANCH = 4  # children kept per run candidate
 MAX_TREE = 48
 # a level is grown only while its likeliest candidate has at least this cumulative probability: its
 # children, at most that likely, would rarely repay the level's cost. On 12 Spec-Bench prompts
-# (benchmarks/epyc/eagle-levels.txt): 0.02 ran 1.10x none, 0.1 1.15x, 0.2 1.19x, 0.35 1.20x
+# (benchmarks/epyc/records.md#eagle-levels): 0.02 ran 1.10x none, 0.1 1.15x, 0.2 1.19x, 0.35 1.20x
 MIN_PROB = 0.2
 
 

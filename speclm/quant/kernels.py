@@ -2,7 +2,7 @@
 AVX-512 VNNI, speclm/quant/csrc/cpu_kernels_avx2.cpp on one with AVX2, FMA and F16C only.
 
 torch's int8 kernels read the weights of a decode step slower than this CPU can at more than
-one row (benchmarks/intel/int8-gemm-rows-cpu.txt), which is what speculation needs: a k-token
+one row (benchmarks/epyc/records.md#int8-gemm-rows), which is what speculation needs: a k-token
 verification that costs about one step; and a decode step's few rows make every small aten op
 (an RMSNorm is several) cost more than its arithmetic. On an AVX2-only CPU torch has no fast
 exact int8 kernel at all (speclm.quant.weights). The kernels are built with torch's own extension

@@ -142,7 +142,7 @@ def onednn_used(compiled: bool) -> bool:
     """Whether int8 layers keep a oneDNN copy of their weights for calls of more than VNNI_MAX_ROWS
     rows: where it is exact and speclm's compiled kernel does not run, or where SPECLM_ONEDNN=1 asks
     for it. speclm's kernel takes a prefill block's rows about as fast (0.82-0.88x oneDNN's time on
-    AMX tiles, 0.96-1.15x on the VNNI loop: benchmarks/amx/int8-prefill-paths*.txt) without a second
+    AMX tiles, 0.96-1.15x on the VNNI loop: benchmarks/amx/records.md#int8-prefill-paths and its -vnni section) without a second
     copy of every weight, which would double the int8 model's resident weights."""
     if compiled and os.environ.get("SPECLM_ONEDNN", "0") != "1":
         return False
@@ -260,7 +260,7 @@ class Int8Linear(QuantLinear):
       the weight at read bandwidth) and oneDNN for more, or `_int_mm` for every row count
       where oneDNN is not exact.
     Each kernel that runs keeps its own layout of the int8 weights: one copy where the compiled
-    kernel runs, two with SPECLM_ONEDNN=1 (benchmarks/epyc/int8-gemm-rows.txt times them by rows).
+    kernel runs, two with SPECLM_ONEDNN=1 (benchmarks/epyc/records.md#int8-gemm-rows times them by rows).
     """
 
     def __init__(self, *linears: nn.Linear):
@@ -379,7 +379,7 @@ class Int8Linear(QuantLinear):
 
 # int4 weights: symmetric per output channel and group of this many input features. As the
 # 0.5B draft of the int8 1.5B (chat, Spec-Bench, k = 3): 2.797 tokens per target forward against
-# 2.840 with int8 weights (benchmarks/intel/int4-draft-cpu.txt).
+# 2.840 with int8 weights (benchmarks/intel/records.md#int4-draft-cpu).
 INT4_GROUP = 64
 
 

@@ -36,7 +36,7 @@ The forward cost table is measured on one row; a round's forward reads B rows of
 (each row attending its own context) and the round adds bookkeeping to its forwards, so the
 table alone can price a drafting round too low and a plain one too high (on the 2-core AVX-512
 EPYC the policy drafted at 4 rows and served 0.88x the tokens/s of not drafting:
-benchmarks/epyc/serve-int8-qwen1.5b-12). Each round's measured seconds (the draft's
+the serving run of a864972). Each round's measured seconds (the draft's
 reading of unread tokens left out) are therefore kept against its predicted seconds, as a decayed
 ratio per batch size and per drafting or not (`timed`), and every candidate's price is scaled by
 its ratio (`ratio`).
