@@ -11,7 +11,7 @@
 """
 
 from speclm.spec.batch import Batch
-from speclm.defaults import METHODS
+from speclm.methods import NAMES as METHODS
 from speclm.engine import Completion, GenerationOptions, SpecEngine, TextStream
 from speclm.requests import Request
 from speclm.errors import PullError, SpeclmError, UsageError

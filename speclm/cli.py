@@ -9,7 +9,8 @@ import sys
 
 from speclm.errors import PullError, SpeclmError, StoreError, UsageError
 from speclm import defaults
-from speclm.defaults import DRAFT_METHODS, METHODS, PREFIX_CACHE_TOKENS
+from speclm.defaults import PREFIX_CACHE_TOKENS
+from speclm.methods import DRAFT_MODEL, HEADS, NAMES as METHODS, REGISTRY, help_text, needing, taking
 from speclm.runtime import QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES, keep_freed_memory, set_threads, weights_for
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
@@ -36,12 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
-    g.add_argument("--method", choices=list(METHODS), default="none",
-                   help="none: plain decoding; draft: a draft model proposes; pld: prompt lookup proposes; "
-                        "draft+pld: prompt lookup where the context repeats itself, else the draft model; "
-                        "medusa, eagle: trained heads on the target itself propose a tree (--heads); "
-                        "eagle+pld: prompt lookup where the context repeats itself, else eagle's tree")
-    g.add_argument("--draft", help="draft model for --method draft and draft+pld (same tokenizer as the target)")
+    g.add_argument("--method", choices=list(METHODS), default="none", help=help_text())
+    g.add_argument("--draft", help=f"draft model for --method {', '.join(needing(DRAFT_MODEL))} (same tokenizer as the target)")
     _add_decoding_options(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -57,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft, draft+pld, hf-assisted and openvino-draft")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], lookahead[:w=N,n=N,g=N], self[:k=N,layers=auto|N|skip:I-J+K], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
                         "llama.cpp, llama.cpp-pld[:k=N,ngram_max=N], openvino, openvino-draft[:k=N], openvino-pld[:k=N,ngram_max=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
@@ -83,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", default="qwen2.5-coder-1.5b", help="target model (default %(default)s)")
     d.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model (default %(default)s)")
     d.add_argument("--prompt", default=DEMO_PROMPT, help="the prompt (default: a short Python task)")
-    d.add_argument("--k", type=int, default=None, help=defaults.k_help("draft"))
+    d.add_argument("--k", type=int, default=None, help=defaults.k_help(draft_model_only=True))
     d.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated (default %(default)s)")
     d.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto", help=QUANTIZE_HELP)
     d.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
@@ -146,7 +143,7 @@ def _add_decoding_options(g: argparse.ArgumentParser) -> None:
 
 def _add_draft_options(g: argparse.ArgumentParser) -> None:
     """How each method proposes (generate's and serve's)."""
-    g.add_argument("--k", type=int, default=None, help=defaults.k_help(None))
+    g.add_argument("--k", type=int, default=None, help=defaults.k_help())
     g.add_argument("--confidence", type=float, default=None,
                    help="draft: stop a round's drafting after a token the draft gave less probability than this "
                         f"(0: never; default {defaults.CONFIDENCE_INT4:g} with an int4 draft, else 0)")
@@ -155,29 +152,45 @@ def _add_draft_options(g: argparse.ArgumentParser) -> None:
                         f"than this (a tree whose extra branches are leaves; 0: never; default {defaults.ALTERNATIVES_INT4:g} "
                         "with an int4 draft, else 0)")
     g.add_argument("--tree", default=None, metavar="{chain,auto,FILE}",
-                   help="draft, draft+pld: the draft's shape each round: chain (one candidate per position), auto (a "
+                   help=f"{', '.join(n for n in taking('tree') if REGISTRY[n].needs == DRAFT_MODEL)}: the draft's shape each round: chain (one candidate per position), auto (a "
                         "tree grown from the draft's probabilities, its size chosen from this machine's measured "
                         "verification cost) or a JSON file of root paths of ranks such as [[0],[1],[0,0]] "
-                        f"(default {defaults.TREE}); medusa: auto, static (the tuned tree shipped beside its heads, cut each "
+                        f"(default {defaults.TREE}); {', '.join(n for n in taking('tree') if REGISTRY[n].needs == HEADS)}: auto, static (the tuned tree shipped beside its heads, cut each "
                         "round to what pays on this machine; the default where there is one, else auto) or a FILE "
                         "(verified whole)")
     g.add_argument("--heads", default=None, metavar="FILE",
-                   help="medusa, eagle, eagle+pld: a trained heads file (speclm heads train); default: the heads shipped "
+                   help=f"{', '.join(taking('heads'))}: a trained heads file (speclm heads train); default: the heads shipped "
                         "for the target")
     g.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
-                   help="medusa, eagle, eagle+pld: exact (default: lossless) or typical, Medusa's typical acceptance: LOSSY at "
+                   help=f"{', '.join(taking('acceptance'))}: exact (default: lossless) or typical, Medusa's typical acceptance: LOSSY at "
                         "temperature > 0, its output no longer follows the target's distribution")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
                         f"(0: the whole vocabulary; default {defaults.DRAFT_VOCAB})")
     g.add_argument("--ngram-max", type=int, default=defaults.NGRAM_MAX,
-                   help="pld, draft+pld, eagle+pld: longest n-gram matched (default %(default)s)")
+                   help=f"{', '.join(taking('ngram_max'))}: longest n-gram matched (default %(default)s)")
     g.add_argument("--ngram-min", type=int, default=None,
-                   help=f"pld, draft+pld, eagle+pld: shortest n-gram matched (default {defaults.ngram_min('pld')} for pld, "
-                        f"{defaults.ngram_min('draft+pld')} for the others)")
+                   help=f"{', '.join(taking('ngram_min'))}: shortest n-gram matched (default "
+                        f"{', '.join(f'{n} {REGISTRY[n].ngram_min}' for n in taking('ngram_min'))})")
+    g.add_argument("--lookahead", type=_lookahead_shape, default=None, metavar="W,N,G",
+                   help=f"{', '.join(taking('lookahead'))}: the lookahead window W, n-gram size N and n-grams verified "
+                        f"per round G (default {defaults.LOOKAHEAD_WINDOW},{defaults.LOOKAHEAD_NGRAM},"
+                        f"{defaults.LOOKAHEAD_GUESSES}); a target forward reads up to 1 + W (N - 1) + G (N - 1) tokens")
+    g.add_argument("--layers", default=None, metavar="auto|N|skip:I,J-K",
+                   help=f"{', '.join(taking('layers'))}: the target's layers that draft: auto (default: chosen by a "
+                        "calibration on this machine, cached), N (the first N layers, then the final norm and head) or "
+                        "skip:I,J-K (every layer but these)")
     g.add_argument("--draft-prompt-ratio", type=float, default=defaults.DRAFT_PROMPT_RATIO,
                    help="draft+pld: prompt lookup alone (no draft model) for prompts longer than this times "
                         "--max-new-tokens (default %(default)g; 0: never the model, inf: always)")
+
+
+def _lookahead_shape(text: str) -> tuple[int, int, int]:
+    """--lookahead's W,N,G (GenerationOptions checks their ranges)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected three integers W,N,G, got '{text}'")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,13 +300,13 @@ def _generate(args) -> int:
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
         alternatives=args.alternatives, draft_vocab=args.draft_vocab, draft_prompt_ratio=args.draft_prompt_ratio,
-        tree=args.tree, heads=args.heads, acceptance=args.acceptance,
+        tree=args.tree, heads=args.heads, acceptance=args.acceptance, lookahead=args.lookahead, layers=args.layers,
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
     if args.prefix_cache < 0:
         raise UsageError(f"prefix-cache must be >= 0 tokens, got {args.prefix_cache}")
-    uses_draft = args.method in DRAFT_METHODS
+    uses_draft = opts.spec.needs == DRAFT_MODEL
     if uses_draft and not args.draft:
         raise UsageError(f"--method {args.method} needs --draft MODEL")
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
@@ -495,8 +508,7 @@ def _demo_heads(engine, args, common: dict, plain) -> bool:
     beside plain decoding's, and whether their output is identical. True where every one is."""
     from speclm.heads import store
 
-    methods = [kind for kind in ("medusa", "eagle") if store.shipped(args.target, kind) is not None]
-    methods += ["eagle+pld"] if "eagle" in methods else []
+    methods = [n for n in needing(HEADS) if store.shipped(args.target, REGISTRY[n].heads) is not None]
     if not methods:
         return True
     print("\n== trained heads on the target itself (no draft model)")

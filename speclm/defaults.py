@@ -11,16 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "draft", "pld", "draft+pld", "medusa", "eagle", "eagle+pld")
-DRAFT_METHODS = ("draft", "draft+pld")  # methods that run a draft model
-HEAD_METHODS = ("medusa", "eagle", "eagle+pld")  # methods that draft with trained heads on the target itself
-
-
-def heads_kind(method: str) -> str:
-    """The kind of heads a head method drafts with (speclm.heads): eagle+pld's are EAGLE's."""
-    return method.partition("+")[0]
-
-
 @dataclass(frozen=True)
 class Tuned:
     name: str  # the constant's name in this module
@@ -82,6 +72,13 @@ TABLE: tuple[Tuned, ...] = (
           "line per 256 bytes of weights this far ahead into L2; SPECLM_FAR_PREFETCH sets it",
           "benchmarks/amx/records.md#far-prefetch-ab", "int8 GEMMs 0.89-0.94x the time at 1-6 rows, 0.91-0.99x at 10-16 (3 runs), "
           "int4 0.92-0.96x (paired)"),
+    Tuned("LOOKAHEAD_WINDOW", 1, "--lookahead", "`lookahead`: W, the window's guesses per Jacobi level",
+          "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "W,N,G 1,2,1 0.98x none; 2,2,2 0.96x; 2,3,1 0.70x; 4,3,2 "
+          "0.50x: a forward over their 3-13 tokens cost 1.24-3.64x a step, for 1.20-1.46 tokens"),
+    Tuned("LOOKAHEAD_NGRAM", 2, "--lookahead", "`lookahead`: N, the n-grams' size (N - 1 tokens verified after the last one)",
+          "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "as LOOKAHEAD_WINDOW"),
+    Tuned("LOOKAHEAD_GUESSES", 1, "--lookahead", "`lookahead`: G, pooled n-grams verified per round",
+          "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "as LOOKAHEAD_WINDOW"),
     Tuned("WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW", 1024, "speclm/quant/csrc", "the same distance in the AVX2 int8 kernel "
           "for one row (a decode step without speculation)", "benchmarks/avx2/records.md#int8-prefetch-ab",
           "1 row: 0.91x the time at 2048, paired (2 and 4 rows, the same code: 0.99-1.03x)"),
@@ -145,37 +142,19 @@ K_EAGLE = 6
 MEDUSA_TREE = "static"
 
 
-def k(method: str, quantize: str = "none", draft_quantize: str | None = None) -> int:
-    """Draft length per round of `method` on target weights `quantize` (and the draft's)."""
-    if method == "medusa":
-        return K_MEDUSA
-    if method in ("eagle", "eagle+pld"):
-        return K_EAGLE
-    if method in DRAFT_METHODS:
-        return K_DRAFT_INT4 if draft_quantize == "int4" else K_DRAFT
-    if method == "pld":
-        return K_PLD if quantize == "none" else K_PLD_QUANTIZED
-    return 0
+LOOKAHEAD_WINDOW: int = _BY_NAME["LOOKAHEAD_WINDOW"]
+LOOKAHEAD_NGRAM: int = _BY_NAME["LOOKAHEAD_NGRAM"]
+LOOKAHEAD_GUESSES: int = _BY_NAME["LOOKAHEAD_GUESSES"]
+# lookahead: the most n-grams its pool keeps per first token (not tuned: G of them are verified)
+LOOKAHEAD_POOL = 8
+# self: tokens its layers draft per round (not tuned: only 3 was measured, in the run above)
+K_SELF = 3
 
 
-def confidence(draft_quantize: str | None) -> float:
-    return CONFIDENCE_INT4 if draft_quantize == "int4" else 0.0
-
-
-def alternatives(draft_quantize: str | None) -> float:
-    return ALTERNATIVES_INT4 if draft_quantize == "int4" else 0.0
-
-
-def ngram_min(method: str) -> int:
-    """Shortest n-gram prompt lookup matches: any for `pld`, a longer one where a draft model or
-    heads draft the rows lookup leaves (a chance match would take a row from a better draft)."""
-    return NGRAM_MIN_DRAFT_PLD if method in ("draft+pld", "eagle+pld") else 1
-
-
-def k_help(method: str | None) -> str:
-    """--k's help for one method, or for all (None)."""
+def k_help(draft_model_only: bool = False) -> str:
+    """--k's help: for a draft model alone (the demo's), or for every method."""
     text = f"draft tokens per round (default {K_DRAFT}, {K_DRAFT_INT4} with an int4 draft"
-    return text + (")" if method == "draft" else f"; pld: {K_PLD}, {K_PLD_QUANTIZED} on int8/int4 weights)")
+    return text + (")" if draft_model_only else f"; pld: {K_PLD}, {K_PLD_QUANTIZED} on int8/int4 weights)")
 
 
 def markdown_table() -> str:

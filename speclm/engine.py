@@ -16,12 +16,13 @@ from speclm import defaults
 from speclm.spec.adaptive import Adaptive
 from speclm.spec.batch import Batch
 from speclm.forward.costs import ForwardCosts, verification_costs
-from speclm.defaults import DRAFT_METHODS, HEAD_METHODS, heads_kind
 from speclm.errors import UsageError
+from speclm.heads.loaded import LoadedHeads
+from speclm.methods import DRAFT_MODEL, HEADS, Weights
 from speclm.models.loading import LoadedModel
 from speclm.options import GenerationOptions
 from speclm.forward.prefix_cache import PrefixCaches
-from speclm.proposers import DraftLookupProposer, DraftModelProposer, PromptLookupProposer, Proposer
+from speclm.proposers import Proposer
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec
 from speclm.requests import Request
 from speclm.runtime import bound_freed_memory
@@ -64,9 +65,10 @@ class SpecEngine:
             raise UsageError(f"prefix-cache must be >= 0 tokens, got {prefix_cache}")
         self.target, self.draft = target, draft
         self.prefix = PrefixCaches.of_size(prefix_cache)
-        self._draft_times = DraftTimes()  # the draft's measured forward times, kept across requests (auto trees)
+        self.draft_times = DraftTimes()  # the draft's measured forward times, kept across requests (auto trees)
+        self._self_layers: dict[str, tuple[int, ...]] = {}  # self's --layers -> the layers that draft (calibrated once)
         self._heads: dict[tuple[str, str], LoadedHeads] = {}  # (kind, file) -> heads loaded for this target
-        # "target"/"draft" -> forward costs, kept for the engine's life (a table measured on a busy
+        # "target"/"draft model" -> forward costs, kept for the engine's life (a table measured on a busy
         # machine is not stored on disk: without this each new proposer would measure it again)
         self._costs: dict[str, ForwardCosts] = {}
         if draft is not None:
@@ -134,9 +136,9 @@ class SpecEngine:
 
     def draft_costs(self) -> ForwardCosts:
         """The draft model's forward time by tokens read, as forward_costs."""
-        if "draft" not in self._costs:
-            self._costs["draft"] = verification_costs(self.draft.model, f"{self.draft.name}-{self.draft.quantize}")
-        return self._costs["draft"]
+        if "draft model" not in self._costs:
+            self._costs["draft model"] = verification_costs(self.draft.model, f"{self.draft.name}-{self.draft.quantize}")
+        return self._costs["draft model"]
 
     def request(self, prompt, options: GenerationOptions | None = None, index: int = 0, seed: int | None = None,
                 **kwargs) -> Request:
@@ -155,13 +157,38 @@ class SpecEngine:
         none pays for it in its time or stats): the heads, loaded; the measured forward costs that
         size trees (the first measurement on a machine takes up to a minute). UsageError where a
         model the method needs is missing."""
-        if opts.method in DRAFT_METHODS and self.draft is None:
-            raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
-        if opts.method in HEAD_METHODS:
-            self.heads(heads_kind(opts.method), opts.heads)
+        m = opts.spec
+        if m.needs == DRAFT_MODEL:
+            self.require_draft(opts.method)
+            self.draft_tree(opts)
+        if m.needs == HEADS:
+            self.heads(m.heads, opts.heads)
             self.forward_costs()
-        elif opts.method in DRAFT_METHODS:
-            self._tree(opts)
+        if "layers" in m.options:
+            self.self_layers(opts)
+
+    @property
+    def weights(self) -> Weights:
+        return Weights(self.target.quantize, self.draft.quantize if self.draft is not None else None)
+
+    def draft_length(self, opts: GenerationOptions) -> int:
+        """The request's k, or its method's default for this engine's weights."""
+        return opts.draft_length(self.target.quantize, self.draft.quantize if self.draft is not None else None)
+
+    def require_draft(self, method: str) -> LoadedModel:
+        if self.draft is None:
+            raise UsageError(f"method '{method}' needs a draft model (--draft MODEL)")
+        return self.draft
+
+    def self_layers(self, opts: GenerationOptions) -> tuple[int, ...]:
+        """The target's layers that draft for `self` (--layers; "auto": calibrated on this machine
+        once, then cached with the model: speclm.proposers.self_draft.calibrate)."""
+        from speclm.proposers.self_draft import parse_layers, resolve_layers
+
+        key = opts.layers or "auto"
+        if key not in self._self_layers:
+            self._self_layers[key] = resolve_layers(parse_layers(key), self)
+        return self._self_layers[key]
 
     def heads(self, kind: str, path: str | None = None) -> "LoadedHeads":
         """The trained heads of `kind` for this target: from `path`, or those shipped for it
@@ -205,126 +232,17 @@ class SpecEngine:
         return out
 
     def make_proposer(self, opts: GenerationOptions) -> Proposer | None:
-        if opts.method == "none":
-            return None
-        if opts.method in HEAD_METHODS:
-            return self._head_proposer(opts)
-        if opts.method in DRAFT_METHODS:
-            if self.draft is None:
-                raise UsageError(f"method '{opts.method}' needs a draft model (--draft MODEL)")
-            model = dict(k=self._k(opts), confidence=opts.draft_confidence(self.draft.quantize),
-                         vocab=opts.draft_vocabulary(), always=tuple(self.target.eos_token_ids),
-                         alternatives=opts.draft_alternatives(self.draft.quantize), tree=self._tree(opts),
-                         times=self._draft_times)
-            if opts.method == "draft":
-                return DraftModelProposer(self.draft.model, **model, prefix_cache=self.prefix.draft)
-            lookup_k = opts.k if opts.k is not None else defaults.k("pld", self.target.quantize)
-            return DraftLookupProposer(self.draft.model, **model, ngram_max=opts.ngram_max,
-                                       ngram_min=opts.lookup_ngram_min, prompt_ratio=opts.draft_prompt_ratio,
-                                       lookup_k=lookup_k, prefix_cache=self.prefix.draft)
-        return PromptLookupProposer(k=self._k(opts), max_ngram=opts.ngram_max, min_ngram=opts.lookup_ngram_min)
+        """The proposer of the request's method (speclm.methods), None for plain decoding."""
+        return opts.spec.build(self, opts)
 
-    def _head_proposer(self, opts: GenerationOptions) -> Proposer:
-        from speclm.proposers.eagle import EagleProposer
-        from speclm.proposers.head_lookup import HeadLookupProposer
-        from speclm.proposers.medusa import MedusaProposer
-
-        heads = self.heads(heads_kind(opts.method), opts.heads)
-        k = self._k(opts)
-        costs = self.forward_costs()
-        if opts.method == "medusa":
-            # the default (static) is the tuned tree beside the heads where one ships, else a grown one
-            static = opts.medusa_tree == "static" and (opts.tree is not None or heads.tree_file.is_file())
-            choices = heads.static_tree() if static else opts.tree_spec.choices
-            whole = choices is not None and not static  # a --tree FILE: verified whole, whatever the costs
-            return MedusaProposer(heads.module, heads.vocab_ids, heads.output_head, k, choices=choices,
-                                  costs=None if whole else costs)
-        eagle = EagleProposer(heads.module, heads.vocab_ids, heads.output_head, heads.embed, k, costs=costs)
-        if opts.method == "eagle":
-            return eagle
-        return HeadLookupProposer(eagle, k=defaults.k("pld", self.target.quantize), ngram_max=opts.ngram_max,
-                                  ngram_min=opts.lookup_ngram_min)
-
-    def _tree(self, opts: GenerationOptions) -> TreeSpec | None:
+    def draft_tree(self, opts: GenerationOptions) -> TreeSpec | None:
+        """A draft model's tree, its auto budget priced by this machine's measured costs (None: a chain)."""
         spec = opts.tree_spec
         if spec is not None and spec.choices is None:  # auto's budget: measured costs (sampling: the draft's too)
             spec = replace(spec, costs=self.forward_costs())
             if not opts.sampling.greedy:
                 spec = replace(spec, draft_costs=self.draft_costs())
         return spec
-
-    def _k(self, opts: GenerationOptions) -> int:
-        return opts.draft_length(self.target.quantize, self.draft.quantize if self.draft is not None else None)
-
-
-def _compiled_kernels_only(module) -> None:
-    """Drop the oneDNN-packed second copy of a head's int8 weights that SPECLM_ONEDNN=1 adds (by
-    default there is none): speclm's compiled kernel runs every row count, the same bits
-    (speclm.quant.weights), the head's bytes halved; only the prompt's one pass through an EAGLE
-    head reads more than a few rows."""
-    from speclm.quant.weights import Int8Linear, Int8Slice
-
-    for m in module.modules():
-        layer = m.fused.kernel if isinstance(m, Int8Slice) else m
-        if isinstance(layer, Int8Linear) and layer.compiled is not None:
-            layer.without_onednn()
-
-
-@dataclass
-class LoadedHeads:
-    """Trained heads ready to draft for one target (speclm.heads)."""
-
-    kind: str
-    path: str
-    module: object  # MedusaHeads or EagleHead, eval mode (int8 linears on a quantized target)
-    vocab_ids: object  # (V',) long
-    output_head: object  # (R, E) -> (R, V'): the target's head over vocab_ids
-    embed: object  # ids -> (..., E) fp32: the target's embedding
-
-    @staticmethod
-    def load(path: str, kind: str, target: LoadedModel) -> "LoadedHeads":
-        import torch
-
-        from speclm.heads import store
-        from speclm.heads.vocab import output_head
-        from speclm.quant.weights import quantize_linears
-        from speclm.runtime import release_freed_memory
-
-        module, config, ids = store.load(path, target)
-        if config.kind != kind:
-            raise UsageError(f"heads {path} are {config.kind} heads, not {kind}")
-        if target.quantize != "none":  # the heads' linears on the same int8 kernels as the target
-            if kind == "eagle":
-                module.split_fused_input()  # feature and embedding, each its own activation scale
-            quantize_linears(module, "int8")
-            _compiled_kernels_only(module)
-        device = target.device  # where the target's features come from
-        module, ids = module.to(device), ids.to(device)
-        embed_table = target.model.get_input_embeddings()
-        head = output_head(target.model, ids)
-        release_freed_memory()  # the file's de-quantized fp32 weights, freed once on int8 kernels
-
-        def embed(tokens):
-            with torch.inference_mode():
-                return embed_table(tokens.to(device)).float()
-
-        return LoadedHeads(kind, str(path), module, ids, head, embed)
-
-    @property
-    def tree_file(self):
-        """Where the tuned static tree shipped beside the heads lies (`<file>-tree.json`: Medusa's choices)."""
-        from pathlib import Path
-
-        path = Path(self.path)
-        return path.with_name(path.stem + "-tree.json")
-
-    def static_tree(self) -> tuple[tuple[int, ...], ...]:
-        from speclm.proposers.draft_tree import parse_tree
-
-        tree = self.tree_file
-        if not tree.is_file():
-            raise UsageError(f"--tree static: no tuned tree beside {self.path} ({tree.name}); use --tree auto or a FILE")
-        return parse_tree(str(tree)).choices
 
 
 class TextStream:

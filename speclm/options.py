@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from speclm import defaults
-from speclm.defaults import DRAFT_METHODS, HEAD_METHODS, METHODS
 from speclm.errors import UsageError
+from speclm.methods import NAMES, REGISTRY, Method, Weights, taking
 from speclm.proposers.draft_tree import TreeSpec, parse_tree
 from speclm.sampling import SamplingParams
 
@@ -16,7 +16,7 @@ from speclm.sampling import SamplingParams
 class GenerationOptions:
     """`generate`-style arguments."""
 
-    method: str = "none"  # none | draft | pld | draft+pld | medusa | eagle | eagle+pld
+    method: str = "none"  # a name of speclm.methods.REGISTRY
     k: int | None = None  # draft length per round; None: the method's default
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -29,10 +29,10 @@ class GenerationOptions:
     ngram_max: int = defaults.NGRAM_MAX  # pld, draft+pld, eagle+pld: longest n-gram to match
     ngram_min: int | None = None  # pld, draft+pld, eagle+pld: shortest n-gram to match (None: the method's default)
     # draft: stop a round after a token the draft gave less probability than this (0: never;
-    # None: speclm.defaults.confidence, 0.6 with an int4 draft, else 0)
+    # None: speclm.defaults.CONFIDENCE_INT4 with an int4 draft, else 0)
     confidence: float | None = None
     # draft: a drafted token the draft gave less probability than this gets a second candidate
-    # verified beside it (0: never; None: speclm.defaults.alternatives, 0.6 with an int4 draft, else 0)
+    # verified beside it (0: never; None: speclm.defaults.ALTERNATIVES_INT4 with an int4 draft, else 0)
     alternatives: float | None = None
     # draft: score only the this many lowest token ids, the prompt's tokens and EOS
     # (speclm.proposers.draft_vocab; 0: the whole vocabulary; None: speclm.defaults.DRAFT_VOCAB)
@@ -49,10 +49,15 @@ class GenerationOptions:
     # "exact" (lossless rejection sampling) or "typical": Medusa's typical acceptance, LOSSY at
     # temperature > 0 (speclm.spec.verify.typical_paths); head methods only
     acceptance: str = "exact"
+    # lookahead: (window W, n-gram size N, n-grams verified G); None: speclm.defaults.LOOKAHEAD_*
+    lookahead: tuple[int, int, int] | None = None
+    # self: the target's layers that draft: "auto" (calibrated on this machine, speclm.proposers.self_draft),
+    # "N" (the first N: early exit) or "skip:I,J-K" (every layer but these); None: "auto"
+    layers: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise UsageError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+        if self.method not in REGISTRY:
+            raise UsageError(f"unknown method '{self.method}' (choose from {', '.join(NAMES)})")
         if self.k is not None and self.k < 1:
             raise UsageError(f"k must be >= 1, got {self.k}")
         if self.k is not None and self.k > defaults.MAX_K:
@@ -70,34 +75,54 @@ class GenerationOptions:
         if self.alternatives is not None and not 0 <= self.alternatives <= 1:
             raise UsageError(f"alternatives must be in [0, 1], got {self.alternatives}")
         self.sampling  # validates temperature, top-p, top-k
-        if self.tree == "static" and self.method != "medusa":
-            raise UsageError("--tree static is medusa's (the tuned tree shipped beside its heads)")
-        if self.tree is not None and self.method not in DRAFT_METHODS + ("medusa",) and self.tree != "chain":
-            raise UsageError(f"--tree applies to {', '.join(DRAFT_METHODS)} and medusa, not '{self.method}'")
-        if self.method == "medusa" and self.tree == "chain":
-            raise UsageError("--tree for medusa: auto, static or a JSON file of rank paths (its heads draft trees)")
+        m = self.spec
+        if self.tree == "static" and m.tree_default != "static":
+            owners = ", ".join(n for n in taking("tree") if REGISTRY[n].tree_default == "static")
+            raise UsageError(f"--tree static is {owners}'s (the tuned tree shipped beside its heads)")
+        if self.tree == "chain" and "chain" not in m.shapes:
+            raise UsageError(f"--tree for {self.method}: auto, static or a JSON file of rank paths (it drafts trees)")
+        # a method-specific option set on a method that does not take it (a chain is every chain method's shape)
+        unset = {"tree": (None, "chain"), "heads": (None,), "acceptance": ("exact",), "lookahead": (None,), "layers": (None,)}
+        for option, values in unset.items():
+            if getattr(self, option) not in values and option not in m.options:
+                flag = f"--{option}" + (" typical (lossy)" if option == "acceptance" else "")
+                raise UsageError(f"{flag} applies to {', '.join(taking(option))}, not '{self.method}'")
         if self.acceptance not in ("exact", "typical"):
             raise UsageError(f"acceptance must be exact or typical, not '{self.acceptance}'")
-        if self.acceptance == "typical" and self.method not in HEAD_METHODS:
-            raise UsageError(f"--acceptance typical (lossy) applies to {', '.join(HEAD_METHODS)}, not '{self.method}'")
-        if self.heads is not None and self.method not in HEAD_METHODS:
-            raise UsageError(f"--heads applies to {', '.join(HEAD_METHODS)}, not '{self.method}'")
+        if self.lookahead is not None:
+            shape = tuple(self.lookahead)
+            if len(shape) != 3 or not all(isinstance(v, int) for v in shape):
+                raise UsageError(f"lookahead is three integers W,N,G, got {self.lookahead!r}")
+            window, ngram, guesses = shape
+            if not (1 <= window <= 64 and 2 <= ngram <= 16 and 0 <= guesses <= 64):
+                raise UsageError(f"lookahead W,N,G needs 1 <= W <= 64, 2 <= N <= 16, 0 <= G <= 64; got {window},{ngram},{guesses}")
+            object.__setattr__(self, "lookahead", shape)
+        if self.layers is not None:
+            from speclm.proposers.self_draft import parse_layers
+
+            parse_layers(self.layers)  # validates
         self.tree_spec  # validates the tree
 
     @property
-    def tree_spec(self) -> TreeSpec | None:
-        """The draft's tree (None: a chain)."""
-        if self.method == "medusa":  # "static": the heads' own tuned tree, which the engine reads beside them
-            tree = self.medusa_tree
-            return parse_tree("auto" if tree == "static" else tree)
-        if self.method not in DRAFT_METHODS:
-            return None
-        return parse_tree(self.tree if self.tree is not None else defaults.TREE)
+    def spec(self) -> Method:
+        """The method's registry entry (speclm.methods)."""
+        return REGISTRY[self.method]
 
     @property
-    def medusa_tree(self) -> str:
-        """medusa's tree: auto, static or a file (the default: speclm.defaults.MEDUSA_TREE)."""
-        return self.tree if self.tree is not None else defaults.MEDUSA_TREE
+    def tree_spec(self) -> TreeSpec | None:
+        """The draft's tree (None: a chain, or a method that takes no --tree)."""
+        m = self.spec
+        if "tree" not in m.options:
+            return None
+        tree = self.tree if self.tree is not None else m.tree_default
+        return parse_tree("auto" if tree == "static" else tree)  # "static": the heads' own tree, read beside them
+
+    @property
+    def lookahead_shape(self) -> tuple[int, int, int]:
+        """lookahead's (W, N, G), or the defaults."""
+        if self.lookahead is not None:
+            return self.lookahead
+        return defaults.LOOKAHEAD_WINDOW, defaults.LOOKAHEAD_NGRAM, defaults.LOOKAHEAD_GUESSES
 
     @property
     def sampling(self) -> SamplingParams:
@@ -105,22 +130,28 @@ class GenerationOptions:
 
     def draft_length(self, quantize: str = "none", draft_quantize: str | None = None) -> int:
         """k, or the method's default for target weights `quantize` (and the draft's)."""
-        return self.k if self.k is not None else defaults.k(self.method, quantize, draft_quantize)
+        if self.k is not None:
+            return self.k
+        return self.spec.k(Weights(quantize, draft_quantize), self)
 
     @property
     def lookup_ngram_min(self) -> int:
-        """ngram_min, or the method's default (speclm.defaults.ngram_min)."""
-        return self.ngram_min if self.ngram_min is not None else defaults.ngram_min(self.method)
+        """ngram_min, or the method's default (speclm.methods)."""
+        return self.ngram_min if self.ngram_min is not None else self.spec.ngram_min
 
     def draft_vocabulary(self) -> int:
         """draft_vocab, or the default."""
         return defaults.DRAFT_VOCAB if self.draft_vocab is None else self.draft_vocab
 
     def draft_confidence(self, draft_quantize: str | None = None) -> float:
-        return self.confidence if self.confidence is not None else defaults.confidence(draft_quantize)
+        if self.confidence is not None:
+            return self.confidence
+        return defaults.CONFIDENCE_INT4 if draft_quantize == "int4" else 0.0
 
     def draft_alternatives(self, draft_quantize: str | None = None) -> float:
-        return self.alternatives if self.alternatives is not None else defaults.alternatives(draft_quantize)
+        if self.alternatives is not None:
+            return self.alternatives
+        return defaults.ALTERNATIVES_INT4 if draft_quantize == "int4" else 0.0
 
     def proposer_key(self) -> "GenerationOptions":
         """What a proposer is made from (requests with equal keys share one, their rows drafted

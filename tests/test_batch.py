@@ -274,7 +274,12 @@ def test_adaptive_speculation_leaves_seeded_sampling_as_it_is_alone(int8_pair):
 class _Group:
     def __init__(self, options, requests, k=6, max_nodes=12):
         self.options, self.requests = options, requests
-        self.proposer = type("P", (), {"k": k, "max_nodes": max_nodes, "tree": None})()
+        from speclm.methods import DRAFT_MODEL
+        from speclm.proposers import Proposer
+
+        # a chain proposer of the method, declaring what its real one does (a draft model reads the context)
+        declared = {"reads_context": options.spec.needs == DRAFT_MODEL, "runs_model": options.spec.runs_model}
+        self.proposer = type("P", (Proposer,), {"k": k, "max_nodes": max_nodes, **declared})()
 
 
 def _policy_batch(n_rows, options):

@@ -143,14 +143,14 @@ def test_a_record_cited_only_by_the_index_fails(copy):
 
 
 def test_a_citation_of_nothing_fails(copy):
-    page = copy / "docs" / "methods.md"
+    page = copy / "docs" / "defaults.md"
     page.write_text(page.read_text() + "\nSee [a run](../benchmarks/avx2/trees-int8-qwen1.5b-60/report.md), "
                     "benchmarks/epyc/records.md#no-such-record, and 44a4c5c:benchmarks/avx2/trees-int8-qwen1.5b-60.\n")
     code = copy / "speclm" / "engine.py"
     code.write_text(code.read_text() + "# measured in benchmarks/intel/gone.txt\n")
     assert problems(copy) == [
-        "docs/methods.md: cites benchmarks/avx2/trees-int8-qwen1.5b-60/report.md, which is not there",
-        "docs/methods.md: cites benchmarks/epyc/records.md#no-such-record, no such record",
+        "docs/defaults.md: cites benchmarks/avx2/trees-int8-qwen1.5b-60/report.md, which is not there",
+        "docs/defaults.md: cites benchmarks/epyc/records.md#no-such-record, no such record",
         "speclm/engine.py: cites benchmarks/intel/gone.txt, which is not there"]
 
 

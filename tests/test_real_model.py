@@ -112,15 +112,17 @@ def quantized_pair(smollm):
 
 def test_every_method_and_option_equals_plain_on_quantized_weights(quantized_pair):
     """What the README claims, on the real model: `draft+pld`, alternatives, a restricted draft
-    vocabulary, confidence stops and the prefix cache (prompts that begin alike) each reproduce
-    plain int8 decoding token for token, with an int4 draft."""
+    vocabulary, confidence stops, the prefix cache (prompts that begin alike), lookahead and
+    self-speculation (its layers calibrated on this machine) each reproduce plain int8 decoding
+    token for token, with an int4 draft."""
     target, draft = quantized_pair
     head = "You are a careful assistant. Answer briefly and precisely, in plain words. "
     prompts = [head + p for p in PROMPTS]
     refs = SpecEngine(target, prefix_cache=0).generate(prompts, max_new_tokens=40, chat=True, batch_size=1)
     cases = [dict(method="draft+pld"), dict(method="draft", k=5, alternatives=0.9, confidence=0.0),
              dict(method="draft", k=4, draft_vocab=4096), dict(method="draft+pld", k=6, confidence=0.5),
-             dict(method="pld", k=5)]
+             dict(method="pld", k=5), dict(method="lookahead"), dict(method="lookahead", lookahead=(2, 3, 1)),
+             dict(method="self"), dict(method="self", layers="skip:10-20")]  # "auto": calibrated here, once
     for opts in cases:
         engine = SpecEngine(target, draft=draft, prefix_cache=4096)
         outs = [engine.generate(p, max_new_tokens=40, chat=True, **opts) for p in prompts]

@@ -172,6 +172,12 @@ CASES = {
     # rows drafted by lookup's chain (their first token w3: "w2 w3" recurs) and rows drafted by
     # eagle's tree in one batch
     "eagle+pld": ("eagle+pld", T1, {"heads": HEADS["eagle"]}),
+    # lookahead: the window's trajectories and the pool's n-grams, one-hot siblings in one tree
+    "lookahead": ("lookahead", T1, {"lookahead": (2, 3, 2)}),
+    "lookahead-top": ("lookahead", SamplingParams(temperature=0.7, top_k=4, top_p=0.9), {"lookahead": (3, 2, 3)}),
+    # self: the target's first layer drafts, sampled from its own distribution
+    "self": ("self", T1, {"layers": "1"}),
+    "self-top": ("self", SamplingParams(temperature=0.8, top_k=5), {"layers": "skip:0"}),
 }
 
 
@@ -321,6 +327,28 @@ def lookup_rows_claim_uniform_draws(monkeypatch):
     monkeypatch.setattr(head_lookup, "mixed_draft", mixed)
 
 
+def lookahead_claims_uniform_draws(monkeypatch):
+    """lookahead: its nodes (guesses and pooled n-grams, point masses) reported as uniform draws."""
+    import speclm.proposers.lookahead as lookahead
+
+    real = lookahead.LookaheadProposer.propose
+
+    def propose(self, contexts, max_tokens, params, generators):
+        draft = real(self, contexts, max_tokens, params, generators)
+        draft.draft_probs = torch.full((*draft.tokens.shape, V), 1.0 / V)
+        return draft
+
+    monkeypatch.setattr(lookahead.LookaheadProposer, "propose", propose)
+
+
+def self_samples_sharper(monkeypatch):
+    """self: the draft samples from q^2 (renormalised) but reports q."""
+    import speclm.proposers.self_draft as self_draft
+
+    real = self_draft.sample
+    monkeypatch.setattr(self_draft, "sample", lambda probs, generator: real(probs**2 / (probs**2).sum(), generator))
+
+
 MUTATIONS = {  # each with the case whose check it must fail
     "bonus_from_previous_position": (bonus_from_previous_position, "draft"),
     "no_residual": (no_residual, "pld"),
@@ -331,6 +359,8 @@ MUTATIONS = {  # each with the case whose check it must fail
     "tree_bonus_from_previous_position": (bonus_from_previous_position, "tree-static"),
     "heads_claim_uniform_draws": (heads_claim_uniform_draws, "eagle"),
     "lookup_rows_claim_uniform_draws": (lookup_rows_claim_uniform_draws, "eagle+pld"),
+    "lookahead_claims_uniform_draws": (lookahead_claims_uniform_draws, "lookahead"),
+    "self_samples_sharper": (self_samples_sharper, "self"),
 }
 
 

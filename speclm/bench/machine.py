@@ -5,16 +5,7 @@ from __future__ import annotations
 import os
 import platform
 
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform reports."""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from speclm.files import cpu_name
 
 
 def machine_facts() -> dict:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from speclm.bench import peers
-from speclm.defaults import DRAFT_METHODS, MAX_K, METHODS
+from speclm.defaults import MAX_K
+from speclm.methods import DRAFT_MODEL, NAMES as METHODS, needing
 from speclm.engine import SpecEngine
 from speclm.errors import UsageError
 from speclm.quant.weights import QUANTIZE_MODES
@@ -26,7 +27,8 @@ from speclm.stats import RequestStats
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float,
                 "alternatives": float, "vocab": int, "prompt_ratio": float, "tree": str, "heads": str,
-                "acceptance": str, **{key: str for key in peers.OPENVINO_OPTIONS}}
+                "acceptance": str, "w": int, "n": int, "g": int, "layers": str,
+                **{key: str for key in peers.OPENVINO_OPTIONS}}
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class MethodSpec:
 
     @property
     def needs_draft(self) -> bool:
-        return self.name in DRAFT_METHODS + ("hf-assisted", "openvino-draft")
+        return self.name in needing(DRAFT_MODEL) + ("hf-assisted", "openvino-draft")
 
     @property
     def quantize(self) -> str | None:
@@ -60,7 +62,14 @@ class MethodSpec:
     @property
     def decoding_options(self) -> dict:
         names = {"vocab": "draft_vocab", "prompt_ratio": "draft_prompt_ratio"}  # the method option's short name -> GenerationOptions'
-        return {names.get(k, k): v for k, v in self.options.items() if k != "quantize"}
+        out = {names.get(k, k): v for k, v in self.options.items() if k not in ("quantize", "w", "n", "g")}
+        shape = [self.options.get(key) for key in ("w", "n", "g")]
+        if any(v is not None for v in shape):  # lookahead's W, N, G: each given, or its default
+            from speclm.options import GenerationOptions
+
+            given = GenerationOptions(method=self.name).lookahead_shape if self.name in METHODS else (0, 0, 0)
+            out["lookahead"] = tuple(v if v is not None else d for v, d in zip(shape, given))
+        return out
 
 
 def parse_methods(text: str) -> list[MethodSpec]:

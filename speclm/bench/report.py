@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from speclm.bench.costs import predicted_speedup
+from speclm.files import atomic_write
 from speclm.memory import gib
 
 ALL = "all"
@@ -135,7 +136,7 @@ def _predicted(results: dict, table: dict) -> dict:
 
         def predicted(cell):
             forwards = cell["target_forwards"]
-            steps = cell["draft_forwards"] / forwards if label.startswith("draft") else 1.0
+            steps = cell["draft_forwards"] / forwards or 1.0  # a model-free proposer: one lookup a round
             gamma = (cell["drafted_tokens"] + cell.get("alternatives", 0)) / forwards
             return steps, gamma, predicted_speedup(cell["mean_accepted_tokens"], gamma, c, v, steps)
 
@@ -396,13 +397,6 @@ def write_all(results: dict, out_dir: Path) -> None:
     if results["runs"]:
         atomic_write(out_dir / "report.md", markdown(results, summary))
         plots(results, summary, out_dir)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """path holds text, replaced whole (a reader never sees half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def compare(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:

@@ -41,7 +41,8 @@ from speclm.bench.machine import machine_facts
 from speclm.bench.methods import MethodSpec, run_method
 from speclm.bench.peers import describe as describe_peer, make_peer
 from speclm.engine import GenerationOptions, SpecEngine
-from speclm.defaults import COST_REPEATS, DRAFT_METHODS
+from speclm.defaults import COST_REPEATS
+from speclm.methods import DRAFT_MODEL, REGISTRY
 from speclm.forward.prefix_cache import DEFAULT_TOKENS, PrefixCaches
 
 SCHEMA_VERSION = 1
@@ -116,9 +117,9 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
             results["cost_model"] = measure_costs(
                 engine.target.model, engine.draft.model if engine.draft else None, encoded[0][:256],
                 repeats=config.cost_repeats,
-                pld_labels=[s.label for s in specs if s.name == "pld"],
+                pld_labels=[s.label for s in specs if s.name in REGISTRY and REGISTRY[s.name].proposes and not REGISTRY[s.name].runs_model],
                 draft_vocabs={s.label: GenerationOptions(method=s.name, **s.decoding_options).draft_vocabulary()
-                              for s in specs if s.name in DRAFT_METHODS},
+                              for s in specs if s.name in REGISTRY and REGISTRY[s.name].needs == DRAFT_MODEL},
                 always=tuple(engine.target.eos_token_ids),
             )
         bar.set_postfix_str("warm-up")

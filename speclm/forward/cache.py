@@ -194,7 +194,8 @@ class StaticKV:
     @torch.inference_mode()
     def forward(self, rows: list[list[int]], logits_to_keep: int, head=None,
                 parents: list[list[int] | None] | None = None, hidden_layers: tuple[int, ...] = (),
-                only: list[int] | None = None, hidden_all: bool = False) -> torch.Tensor:
+                only: list[int] | None = None, hidden_all: bool = False,
+                layers: tuple[int, ...] | None = None) -> torch.Tensor:
         """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens.
         only: the batch rows `rows` are for, in order (None: every row); the others are untouched.
         head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward.
@@ -207,7 +208,9 @@ class StaticKV:
         none kept (self.hidden is then None). On transformers' own forward (other architectures)
         the last layer's are after the final norm, as transformers reports them.
         hidden_all: those hidden states for every fed token, (B, M, E) (a row's columns past its
-        own tokens are padding), not only for the kept ones."""
+        own tokens are padding), not only for the kept ones.
+        layers: run only these decoder layers, ascending, then the final norm and head (None: all;
+        speclm.proposers.self_draft); the others' keys and values are not written. Lean forward only."""
         counts = [len(r) for r in rows]
         width = max(counts)
         assert width >= 1 and min(counts) >= logits_to_keep >= 1
@@ -238,7 +241,8 @@ class StaticKV:
         # feed is not ragged, the usual case after prefill
         ragged = min(counts) < width
         cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep]) if ragged else None  # (B, K)
-        plan = Plan(ids, slots, starts, counts, window, cache_rows, positions, tree, logits_to_keep, cols, hidden_all)
+        plan = Plan(ids, slots, starts, counts, window, cache_rows, positions, tree, logits_to_keep, cols, hidden_all,
+                    layers)
         logits = self.runner.run(self, plan, head, tuple(hidden_layers))
         if whole:
             self.lengths = self.lengths + n

@@ -35,9 +35,8 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from speclm.bench.machine import cpu_name
+from speclm.files import cpu_name, home as model_home
 from speclm.defaults import COST_REPEATS
-from speclm.models.store import model_home
 from speclm.quant import kernels
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tokens per forward, measured
@@ -213,6 +212,13 @@ def verification_costs(model, key: str) -> ForwardCosts:
         return costs  # an unwritable home: measured again next time
     _remove_stale(path, prefix, suffix)
     return costs
+
+
+def cache_path(folder: str, key: str, model) -> "os.PathLike":
+    """A file in `$SPECLM_HOME/<folder>/` for what was measured of a model (key: the model and its
+    weights) on this processor, thread count and kernel build."""
+    name = _file_name(f"{key}-{_processor(model)}-{kernels.fingerprint()}")[:200]
+    return model_home() / folder / f"{name}.json"
 
 
 def _file_name(text: str) -> str:

@@ -199,7 +199,7 @@ class LeanForward:
     @torch.inference_mode()
     def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None,
                  hidden_layers: tuple[int, ...] = (), hidden: dict | None = None, cache_rows=None,
-                 hidden_all: bool = False):
+                 hidden_all: bool = False, layers: tuple[int, ...] | None = None):
         """ids, slots (B, M); kv: the StaticKV (its buffers are written at `slots`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
@@ -211,7 +211,10 @@ class LeanForward:
         -1 the final norm's, what the output head reads. Nothing is kept when none are asked.
         cache_rows (B,): each row's cache row in kv's pool (None: row b).
         hidden_all: the hidden states of every fed token (B, M, E), not only the kept ones (a head
-        reading a prompt's features); the last layer then runs on every row."""
+        reading a prompt's features); the last layer then runs on every row.
+        layers: only these decoder layers run (ascending; None: all), then the final norm and the
+        head: the target's own layers as a draft (speclm.proposers.self_draft). The others' keys and
+        values are left as they are."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
@@ -242,8 +245,10 @@ class LeanForward:
                 kept_rows = (rows * width + cols).view(-1)
         else:
             kept_rows = (rows * width + keep_cols).view(-1)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        running = range(len(self.layers)) if layers is None else layers
+        last = running[-1]
+        for i in running:
+            layer = self.layers[i]
             qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
             if compiled is not None:
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,

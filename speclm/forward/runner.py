@@ -34,6 +34,7 @@ class Plan:
     logits_to_keep: int
     cols: torch.Tensor | None  # (B, K) columns of each row's last tokens where rows are ragged, else None
     hidden_all: bool = False  # hidden states of every fed token (B, M, E), not only the kept ones
+    layers: tuple[int, ...] | None = None  # the decoder layers that run (None: all)
 
 
 class ModelRunner:
@@ -61,9 +62,10 @@ class ModelRunner:
             keep_cols = plan.cols if plan.cols is not None else slice(width - plan.logits_to_keep, width)
             logits = self.lean(plan.ids, plan.slots, kv, plan.starts, plan.counts, plan.window, keep_cols, head,
                                plan.positions, plan.tree, hidden_layers, self.hidden, plan.cache_rows,
-                               plan.hidden_all)
+                               plan.hidden_all, plan.layers)
         else:
             assert head is None, "a replaced output head needs speclm's lean forward"
+            assert plan.layers is None, "a subset of the layers needs speclm's lean forward"
             logits = self._transformers_forward(kv, plan, hidden_layers)
         self.forward_seconds += time.perf_counter() - t0
         return logits

@@ -55,7 +55,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from speclm.bench.report import atomic_write
+from speclm.files import atomic_write
 from speclm.errors import UsageError
 from speclm.models.store import file_sha256
 from speclm.heads import assistant

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speclm.bench.report import atomic_write
+from speclm.files import atomic_write
 from speclm.errors import UsageError
 from speclm.models.store import file_sha256
 from speclm.heads.modules import HeadsConfig, make

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speclm.bench.report import atomic_write
+from speclm.files import atomic_write
 from speclm.errors import UsageError
 from speclm.heads.modules import IGNORE, KINDS, EagleHead, HeadsConfig, labels_in_vocab, make
 

@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 
 from tqdm.auto import tqdm
 
+from speclm.files import home
 from speclm.catalog import CATALOG, CatalogEntry
 from speclm.errors import PullError, StoreError
 
@@ -42,13 +43,8 @@ MARKER = "speclm-model.json"
 
 
 def model_home() -> Path:
-    """Root of speclm's cache; `SPECLM_HOME` overrides the platform's cache directory."""
-    env = os.environ.get("SPECLM_HOME")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("speclm"))
+    """Root of speclm's cache (speclm.files.home): `SPECLM_HOME`, else the platform's cache directory."""
+    return home()
 
 
 def models_dir() -> Path:

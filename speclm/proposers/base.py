@@ -24,6 +24,8 @@ class Verified:
     # layer -> (B, 1 + N, E): the target's hidden states at the root and at each node of the draft,
     # for the layers the proposer asked for (Proposer.hidden_layers; -1: after the final norm), else None
     hidden: dict[int, torch.Tensor] | None = None
+    # (B, 1 + N, V): the target's logits at the root and at each node, for proposers that ask (needs_logits)
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -126,6 +128,12 @@ class Proposer:
     # what of a prompt's hidden states (at hidden_layers) `read_prompt` receives: "" none, "last"
     # the last prompt token's, "all" every token the target read (a prefix cache hit is not read)
     prompt_hidden: str = ""
+    # What the round and adaptive speculation (speclm.spec.adaptive) read of a proposer, declared:
+    shape = "chain"  # "tree": it drafts a tree each round, which adaptive speculation turns on or off whole
+    runs_model = False  # model forwards draft (a draft model, heads, the target's own layers): priced per forward
+    reads_context = False  # a draft model with a cache of its own: it reads every committed token (a catch-up)
+    needs_logits = False  # `accept` receives the target's logits at the root and every node (Verified.logits)
+    drafts_on_target = False  # it drafts through the target's own KV cache (`bind_target` before each proposal)
 
     def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
               max_new_tokens: list[int] | None = None, pool: int = 0) -> None:
@@ -166,6 +174,11 @@ class Proposer:
         generators: list[torch.Generator | None],
     ) -> Draft:
         raise NotImplementedError
+
+    def bind_target(self, kv, rows: list[int]) -> None:
+        """With `drafts_on_target`: the target's cache (speclm.forward.cache.StaticKV) and the batch
+        rows of this proposer's rows, in its order, for the proposal that follows. What it writes
+        past a row's committed tokens is rolled back before it returns."""
 
     def accept(self, verified: Verified) -> None:
         """The one hook after verification: row b accepted verified.paths[b] (node indices of this

@@ -24,6 +24,7 @@ from speclm.sampling import SamplingParams, processed_probs, sample
 
 class DraftModelProposer(Proposer):
     name = "draft"
+    runs_model = reads_context = True
 
     def __init__(self, model, k: int = 4, confidence: float = 0.0, vocab: int = 0, always: tuple[int, ...] = (),
                  alternatives: float = 0.0, prefix_cache: PrefixCache | None = None, tree: TreeSpec | None = None,
@@ -41,6 +42,7 @@ class DraftModelProposer(Proposer):
         confidence and alternatives then do not apply)."""
         self.model, self.k, self.confidence, self.alternatives = model, k, confidence, alternatives
         self.tree = tree
+        self.shape = "chain" if tree is None else "tree"
         if tree is not None:
             self.k, self.confidence, self.alternatives = tree.max_depth, 0.0, 0.0
         self.max_nodes = tree.max_nodes if tree is not None else 2 * self.k  # a chain's alternatives: one per token

@@ -33,7 +33,8 @@ class HeadLookupProposer(Proposer):
         self.name = heads.name + "+pld"
         self.k = max(heads.k, k)
         self.max_nodes = max(heads.max_nodes, k)
-        self.hidden_layers, self.prompt_hidden, self.tree = heads.hidden_layers, heads.prompt_hidden, heads.tree
+        self.hidden_layers, self.prompt_hidden, self.shape = heads.hidden_layers, heads.prompt_hidden, heads.shape
+        self.runs_model = heads.runs_model
 
     def start(self, batch_size, capacity, prompt_lengths=None, max_new_tokens=None, pool=0):
         self.heads.start(batch_size, capacity, prompt_lengths, max_new_tokens, pool)

@@ -23,7 +23,8 @@ class HeadProposer(Proposer):
     a tree each round (speclm.spec.adaptive turns it on or off whole, never cuts its depth)."""
 
     hidden_layers = (-1,)
-    tree = "heads"
+    shape = "tree"
+    runs_model = True
     _seconds = 0.0  # time proposing since `start`: the heads' forwards and the tree's bookkeeping
 
     @property

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from speclm.defaults import HEAD_METHODS
+from speclm.methods import DRAFT_MODEL, HEADS
 from speclm.errors import UsageError
 from speclm.options import GenerationOptions
 from speclm.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -130,7 +130,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
             raise ApiError(400, f"max_tokens is {max_tokens}; this server allows at most {config.max_tokens_cap}",
                            param="max_tokens")
         options = _options(config.options, body, max_tokens or config.max_tokens_cap)
-        if options.method in ("draft", "draft+pld") and engine.draft is None:
+        if options.spec.needs == DRAFT_MODEL and engine.draft is None:
             raise ApiError(400, f"speculation: method '{options.method}' needs a draft model; this server has none",
                            param="speculation")
         try:
@@ -226,9 +226,9 @@ def _options(defaults: GenerationOptions, body, max_tokens: int) -> GenerationOp
                    stop=tuple(body.stop or ()), chat=False, ignore_eos=body.ignore_eos)
     if spec is not None:
         if spec.method is not None and spec.method != defaults.method:
-            changes.update(method=spec.method, k=None, tree=None,
-                           heads=defaults.heads if spec.method in HEAD_METHODS else None,
-                           acceptance=defaults.acceptance if spec.method in HEAD_METHODS else "exact")
+            heads = GenerationOptions(method=spec.method).spec.needs == HEADS
+            changes.update(method=spec.method, k=None, tree=None, lookahead=None, layers=None,
+                           heads=defaults.heads if heads else None, acceptance=defaults.acceptance if heads else "exact")
         if spec.k is not None:
             changes["k"] = spec.k
         if spec.tree is not None:

@@ -457,7 +457,7 @@ def plots(summary: list[dict], out: Path) -> None:
 
 def write_all(results: dict, out: Path, report: bool = True) -> None:
     """results.json (with the summary), then report.md and the plots; each file replaced whole."""
-    from speclm.bench.report import atomic_write
+    from speclm.files import atomic_write
 
     results["summary"] = summarize(results)
     atomic_write(out / "results.json", json.dumps(results, indent=1))

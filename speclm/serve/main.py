@@ -14,10 +14,10 @@ from speclm.options import GenerationOptions
 
 def check(args) -> str:
     """The options' own checks, before anything loads; returns the method."""
-    from speclm.defaults import DRAFT_METHODS
+    from speclm.methods import DRAFT_MODEL, method as spec
 
     method = args.method or ("draft+pld" if args.draft else "pld")
-    if method in DRAFT_METHODS and not args.draft:
+    if spec(method).needs == DRAFT_MODEL and not args.draft:
         raise UsageError(f"--method {method} needs --draft MODEL")
     for name, value, low in (("max-batch", args.max_batch, 1), ("max-queue", args.max_queue, 0),
                              ("max-tokens", args.max_tokens, 1), ("prefill-chunk", args.prefill_chunk, 1),
@@ -42,6 +42,7 @@ def build(args, progress: bool = False):
     method = check(args)
     options = GenerationOptions(
         method=method, k=args.k, confidence=args.confidence, alternatives=args.alternatives, tree=args.tree, heads=args.heads, acceptance=args.acceptance,
+        lookahead=args.lookahead, layers=args.layers,
         draft_vocab=args.draft_vocab, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         draft_prompt_ratio=args.draft_prompt_ratio)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECLM_API_KEY") or None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from speclm.defaults import METHODS
+from speclm.methods import DRAFT_MODEL, NAMES as METHODS, needing
 from speclm.runtime import QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES
 
 MAX_BATCH = 8  # requests decoding at once: the concurrency the load benchmark measures up to
@@ -18,7 +18,7 @@ def add_serve_parser(sub, add_draft_options, prefix_cache_help: str, draft_quant
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     s.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
-    s.add_argument("--draft", help="draft model (same tokenizer as the target) for methods draft and draft+pld")
+    s.add_argument("--draft", help=f"draft model (same tokenizer as the target) for methods {', '.join(needing(DRAFT_MODEL))}")
     s.add_argument("--method", choices=list(METHODS), default=None,
                    help="each request's method unless it asks for another (its \"speculation\" field); default "
                         "draft+pld with --draft, else pld")

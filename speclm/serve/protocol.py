@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from speclm.defaults import METHODS
+from speclm.methods import NAMES as METHODS
 
 
 class ApiError(Exception):

@@ -53,7 +53,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from speclm.defaults import DRAFT_METHODS
+from speclm.methods import DRAFT_MODEL
 from speclm.forward.costs import ForwardCosts, StepTimes
 
 
@@ -145,14 +145,14 @@ class Adaptive:
     @staticmethod
     def _unread(g) -> list[int] | None:
         """Per row of the group, the tokens its draft model has not read (None: no draft model)."""
-        return g.proposer.unread([r.context for r in g.requests]) if hasattr(g.proposer, "unread") else None
+        return g.proposer.unread([r.context for r in g.requests]) if g.proposer.reads_context else None
 
     def _step_seconds(self, key, rows: int, unread: list[int] | None = None) -> float:
         """Seconds of the group's draft forward for `rows` rows (StepTimes.at); a draft model's
         before it ran, its cost line's, unless the group's rows (`unread`: their _unread, where
         known) have nothing for it to read and draft for (`draft+pld` rows with long prompts are
         lookup's alone: those proposals are priced as measured); else 0 before any."""
-        if (key.method in DRAFT_METHODS and key not in self._ran_model and self.draft_costs is not None
+        if (key.spec.needs == DRAFT_MODEL and key not in self._ran_model and self.draft_costs is not None
                 and (unread is None or any(unread))):
             return self.draft_costs(rows)
         steps = self._step.get(key)
@@ -163,7 +163,7 @@ class Adaptive:
         """This round's share of the seconds the group's draft model would spend reading the tokens
         of its rows it has not seen: each row's over the rounds it has left at this draft length.
         `unread`: the group's _unread, where the caller has it."""
-        if not own or not hasattr(g.proposer, "unread"):
+        if not own or not g.proposer.reads_context:
             return 0.0
         if unread is None:
             unread = self._unread(g)
@@ -194,7 +194,7 @@ class Adaptive:
         rows = len(batch.requests)
         # groups whose k this policy leaves alone: a k set by the request, or a seeded sampled request
         seeded = {key for key, g in groups if key.k is not None or any(r.seeded for r in g.requests)}
-        trees = {key for key, g in groups if getattr(g.proposer, "tree", None) is not None}
+        trees = {key for key, g in groups if g.proposer.shape == "tree"}
         free = [(key, g) for key, g in groups if key not in seeded]
         if not free:
             self.last = {}
@@ -230,7 +230,7 @@ class Adaptive:
         self._rounds += 1
         if self._rounds % self.probe == 0:  # a probe: drafting off learns nothing about acceptance
             for key, g in free:
-                if self.last[key] == 0 and getattr(g.proposer, "kv", None) is None:  # no draft model to catch up
+                if self.last[key] == 0 and not g.proposer.reads_context:  # no draft model to catch up
                     self.last[key] = 1
                     self._predicted = None  # not the round priced
         return self.last

@@ -260,6 +260,7 @@ class Batch:
         proposals = [self._propose(g, [row_of[id(r)] for r in g.requests], caps.get(key))  # 1. propose
                      for key, g in self.groups.items() if g.requests]
         t1 = time.perf_counter()
+        target_seen = kv.forward_seconds  # the target's own forwards from here (a self-draft's ran on its runner)
         tree = _batch_tree(proposals, len(requests))  # (B, N)
         contexts = [r.context for r in requests]
         feed, parents = _feed(contexts, kv.lengths_list(), tree)  # 2. score
@@ -279,8 +280,10 @@ class Batch:
         target_spent = kv.forward_seconds - target_seen
         for p, verdict in zip(proposals, verdicts):
             if p.group.proposer is not None:
-                hidden = {layer: kv.hidden[layer][p.rows, : 1 + p.tree.width] for layer in p.group.proposer.hidden_layers}
-                p.group.proposer.accept(Verified([keep[b] for b in p.rows], verdict.paths, hidden or None))
+                proposer = p.group.proposer
+                hidden = {layer: kv.hidden[layer][p.rows, : 1 + p.tree.width] for layer in proposer.hidden_layers}
+                scored = logits[p.rows, : 1 + p.tree.width] if proposer.needs_logits else None
+                proposer.accept(Verified([keep[b] for b in p.rows], verdict.paths, hidden or None, scored))
             for i, b in enumerate(p.rows):
                 r = requests[b]
                 self._count(r, p, i, verdict, t2 - t1, target_spent)
@@ -309,6 +312,8 @@ class Batch:
             # each row's budget: min(k, tokens left - 1), so a commit never passes max_new_tokens
             k = proposer.k if cap is None else min(proposer.k, cap)
             budgets = [min(k, r.tokens_left - 1) for r in group.requests]
+            if proposer.drafts_on_target:  # the target's own layers draft, over its cache's rows
+                proposer.bind_target(self.kv, rows)
             draft = proposer.propose([r.context for r in group.requests], budgets, group.options.sampling,
                                      [r.generator for r in group.requests]).trimmed()
             prefill = proposer.prefill_seconds - read_before

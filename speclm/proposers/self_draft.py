@@ -1,0 +1,230 @@
+"""Self-speculation: the target drafts for itself with a subset of its own layers (early exit: the
+first L layers; layer skipping: every layer but a skip set, as Draft&Verify and SWIFT do), then
+its final norm and output head. No second model, no second prefill.
+
+The draft runs on the target's own KV cache: in the layers it runs, a drafted token attends the
+keys and values the target computed for the committed tokens, and it writes keys and values only
+at the drafted positions, past the committed ones; those are rolled back before the proposal
+returns, and the verification forward writes those slots again with every layer. Greedy
+drafts take the argmax; sampled drafts draw from the subset's processed distribution with the
+request's own generator, and the verifier's rejection sampling keeps the output exactly the
+target's either way.
+
+Which layers draft (`--layers`): "N" (the first N), "skip:I,J-K" ('+' also separates, for the
+bench's method syntax), or "auto": the candidates below, each run on a few fixed calibration
+prompts on this machine, the fastest kept per model, weights, thread count and kernel build in
+`$SPECLM_HOME/self-layers/` (measured once, before the first request that needs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from speclm.errors import UsageError
+from speclm.proposers.base import Draft, Proposer
+from speclm.sampling import SamplingParams, processed_probs, sample
+
+# calibration prompts: not evaluation prompts (no Spec-Bench text)
+CALIBRATION = (
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Explain in three sentences why the sky looks blue during the day.",
+)
+CALIBRATION_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    kind: str  # "auto", "first" or "skip"
+    first: int = 0  # "first": how many
+    skip: tuple[int, ...] = ()  # "skip": which
+
+
+def parse_layers(text: str) -> LayerChoice:
+    """--layers: "auto", "N" or "skip:I,J-K"; a UsageError that says the form otherwise."""
+    text = text.strip()
+    if text == "auto":
+        return LayerChoice("auto")
+    if text.isdigit():
+        if int(text) < 1:
+            raise UsageError("--layers N needs N >= 1")
+        return LayerChoice("first", first=int(text))
+    if text.startswith("skip:"):
+        skip: set[int] = set()
+        for part in filter(None, re.split(r"[,+]", text[5:])):
+            lo, dash, hi = part.partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()):
+                raise UsageError(f"--layers skip: expects layer indices and ranges such as skip:3,5-9, got '{text}'")
+            skip.update(range(int(lo), int(hi if dash else lo) + 1))
+        if not skip:
+            raise UsageError("--layers skip: names no layer")
+        return LayerChoice("skip", skip=tuple(sorted(skip)))
+    raise UsageError(f"--layers: auto, N (the first N layers) or skip:I,J-K, got '{text}'")
+
+
+def layers_of(choice: LayerChoice, count: int) -> tuple[int, ...]:
+    """The layers that run for a fixed choice on a model of `count` layers."""
+    if choice.kind == "first":
+        if choice.first >= count:
+            raise UsageError(f"--layers {choice.first}: the target has {count} layers; a draft needs fewer")
+        return tuple(range(choice.first))
+    if max(choice.skip) >= count:
+        raise UsageError(f"--layers skip: layer {max(choice.skip)} does not exist (the target has {count})")
+    kept = tuple(i for i in range(count) if i not in set(choice.skip))
+    if not kept:
+        raise UsageError("--layers skip: every layer skipped")
+    return kept
+
+
+def candidates(count: int) -> dict[str, tuple[int, ...]]:
+    """The calibration's candidates for a model of `count` layers: by name, the layers that run."""
+    quarter, half = max(1, count // 4), max(1, count // 2)
+    every_other = tuple(range(2, count - 1, 2))  # about half, the first two and the last kept
+    middle_other = tuple(range(quarter + 1, count - quarter, 2))  # about a quarter, in the middle
+    middle = tuple(range(quarter, count - quarter))  # the middle half
+    out = {f"first {half}": tuple(range(half)),
+           "skip every other": tuple(i for i in range(count) if i not in every_other),
+           "skip every other middle": tuple(i for i in range(count) if i not in middle_other),
+           "skip the middle half": tuple(i for i in range(count) if i not in middle)}
+    return {name: kept for name, kept in out.items() if 0 < len(kept) < count}
+
+
+def resolve_layers(choice: LayerChoice, engine) -> tuple[int, ...]:
+    """The layers that draft: a fixed choice's, or (auto) the calibrated choice for this engine's
+    target on this machine, measured once and cached."""
+    from speclm.forward import lean
+
+    model = engine.target.model
+    if not lean.supports(model):
+        raise UsageError("method 'self' needs speclm's lean forward (Llama or Qwen2 architectures)")
+    count = len(model.model.layers)
+    if choice.kind != "auto":
+        return layers_of(choice, count)
+    from speclm.forward.costs import cache_path
+
+    path = cache_path("self-layers", f"{engine.target.name}-{engine.target.quantize}", model)
+    try:
+        return tuple(int(i) for i in json.loads(path.read_text())["layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    layers, report = calibrate(engine, candidates(count))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"layers": list(layers), "measured": report}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable home: calibrated again next time
+    return layers
+
+
+def calibrate(engine, options: dict[str, tuple[int, ...]]) -> tuple[tuple[int, ...], dict]:
+    """Each candidate drafting greedily on CALIBRATION, timed against plain decoding; the fastest
+    candidate's layers and every candidate's tokens/s."""
+    from tqdm.auto import tqdm
+
+    print("speclm: calibrating which of the target's layers draft for 'self' (once per model and machine, "
+          "about a minute)...", file=sys.stderr, flush=True)
+    report: dict = {}
+
+    def rate(**kwargs) -> float:
+        tokens, seconds = 0, 0.0
+        for prompt in CALIBRATION:
+            t0 = time.perf_counter()
+            out = engine.generate(prompt, max_new_tokens=CALIBRATION_TOKENS, chat=bool(
+                getattr(engine.target.tokenizer, "chat_template", None)), ignore_eos=True, **kwargs)
+            seconds += time.perf_counter() - t0
+            tokens += len(out.token_ids)
+        return tokens / max(seconds, 1e-9)
+
+    count = len(engine.target.model.model.layers)
+    bar = tqdm(total=len(options) + 1, desc="self layers", unit="run", file=sys.stderr)
+    report["none"] = rate(method="none")
+    bar.update()
+    best, best_rate = None, -1.0
+    for name, kept in options.items():
+        skipped = ",".join(str(i) for i in range(count) if i not in set(kept))
+        report[name] = rate(method="self", layers=f"skip:{skipped}")
+        bar.update()
+        if report[name] > best_rate:
+            best, best_rate = kept, report[name]
+    bar.close()
+    return best, {name: round(v, 3) for name, v in report.items()}
+
+
+class SelfDraftProposer(Proposer):
+    name = "self"
+    runs_model = True
+    drafts_on_target = True
+
+    def __init__(self, model, layers: tuple[int, ...], k: int):
+        """model: the target (its lean forward runs the layers); layers: those that draft, ascending."""
+        from speclm.forward import lean
+
+        if not lean.supports(model):
+            raise UsageError("method 'self' needs speclm's lean forward (Llama or Qwen2 architectures)")
+        if not layers:
+            raise UsageError("method 'self' needs at least one layer to draft with")
+        self.layers, self.k, self.max_nodes = tuple(layers), k, k
+        self.kv = None
+        self.rows: list[int] = []
+        self._seconds = 0.0
+
+    def bind_target(self, kv, rows) -> None:
+        self.kv, self.rows = kv, list(rows)
+
+    @property
+    def forward_seconds(self) -> float:
+        return self._seconds
+
+    def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
+        batch, kv = len(contexts), self.kv
+        drafting = [i for i in range(batch) if max_tokens[i] > 0]
+        if not drafting:
+            return Draft.empty(batch)
+        t0 = time.perf_counter()
+        lengths = kv.lengths_list()
+        start = {i: lengths[self.rows[i]] for i in drafting}  # committed slots, kept
+        feed = {i: contexts[i][start[i]:] for i in drafting}  # normally the target's last token
+        width = max(max_tokens[i] for i in drafting)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        drafted = [0] * batch
+        probs = None if params.greedy else [[] for _ in range(batch)]
+        forwards = 0
+        for j in range(width):
+            active = [i for i in drafting if max_tokens[i] > j]
+            if not active:
+                break
+            logits = kv.forward([feed[i] for i in active], 1, only=[self.rows[i] for i in active],
+                                layers=self.layers)[:, -1]  # (A, V)
+            forwards += 1
+            for a, i in enumerate(active):
+                if params.greedy:
+                    token = int(logits[a].argmax())
+                else:
+                    dist = processed_probs(logits[a : a + 1], params)[0].cpu()
+                    probs[i].append(dist)
+                    token = sample(dist, generators[i])
+                tokens[i, j] = token
+                drafted[i] = j + 1
+                feed[i] = [token]
+        keep = kv.lengths_list()
+        for i in drafting:  # the drafted slots are the verification's to write
+            keep[self.rows[i]] = start[i]
+        kv.truncate(keep)
+        self._seconds += time.perf_counter() - t0
+        draft_probs = None
+        if probs is not None:
+            vocab = logits.shape[-1]
+            draft_probs = torch.zeros(batch, width, vocab)
+            for i in drafting:
+                if probs[i]:
+                    draft_probs[i, : len(probs[i])] = torch.stack(probs[i])
+        return Draft(tokens, torch.tensor(drafted, dtype=torch.long), draft_probs, forwards=forwards,
+                     forward_rows=len(drafting))

@@ -1,0 +1,214 @@
+"""Lookahead decoding and self-speculation: greedy output is plain decoding's token for token (fp32
+and int8 weights, alone and in batches), the pieces each method is made of do what they say,
+and their options are checked. Their exact-distribution tests are in test_sampling_distribution.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from speclm import SpecEngine
+from speclm.errors import UsageError
+from speclm.options import GenerationOptions
+from speclm.proposers.lookahead import LookaheadProposer
+from speclm.proposers.self_draft import candidates, layers_of, parse_layers
+from speclm.quant.weights import quantize_model
+from speclm.spec.tree import ROOT
+from tiny import loaded, tiny_model
+
+PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
+N = 40
+SETTINGS = [("lookahead", {}), ("lookahead", {"lookahead": (3, 4, 3)}), ("lookahead", {"lookahead": (1, 2, 1)}),
+            ("self", {"layers": "2"}), ("self", {"layers": "skip:1-2"}), ("self", {"layers": "1", "k": 5})]
+
+
+@pytest.fixture(scope="module")
+def deep(tok):
+    """A 4-layer target: room for early exit and skips."""
+    return loaded(tiny_model(len(tok), seed=0, layers=4), tok, name="tiny-deep")
+
+
+@pytest.fixture(scope="module")
+def deep8(deep):
+    return loaded(quantize_model(copy.deepcopy(deep.model), "int8"), deep.tokenizer, name="tiny-deep-int8")
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("method,options", SETTINGS, ids=lambda v: str(v))
+def test_greedy_output_is_plain_decoding(deep, deep8, weights, method, options):
+    model = deep if weights == "fp32" else deep8
+    engine = SpecEngine(model)
+    for prompt in PROMPTS:
+        ref = engine.generate(prompt, method="none", max_new_tokens=N)
+        out = engine.generate(prompt, method=method, max_new_tokens=N, **options)
+        assert out.token_ids == ref.token_ids, (prompt, method, options)
+    refs = engine.generate(PROMPTS, method="none", max_new_tokens=N)
+    outs = engine.generate(PROMPTS, method=method, max_new_tokens=N, **options)  # one batch, rows apart
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+
+
+class _Planted(LookaheadProposer):
+    """Lookahead whose pool holds, before each round, the true continuation of the context with
+    its token at `error_at` changed (None: unchanged): the verification branch's n-gram."""
+
+    def __init__(self, reference: list[int], prompt_len: int, error_at: int | None, vocab: int, **kw):
+        super().__init__(**kw)
+        self.reference, self.prompt_len, self.error_at, self.vocab = reference, prompt_len, error_at, vocab
+
+    def propose(self, contexts, max_tokens, params, generators):
+        for row, context in zip(self.rows, contexts):
+            at = len(context) - self.prompt_len
+            rest = self.reference[at : at + self.ngram - 1]
+            if self.error_at is not None and self.error_at < len(rest):
+                rest[self.error_at] = (rest[self.error_at] + 1) % self.vocab
+            if len(rest) == self.ngram - 1:
+                self._remember(row, [context[-1], *rest])
+        return super().propose(contexts, max_tokens, params, generators)
+
+
+@pytest.mark.parametrize("error_at", [None, 0, 1, 2, 3])
+def test_pooled_ngrams_right_wrong_and_wrong_at_each_position(deep, tok, monkeypatch, error_at):
+    prompt, ngram = PROMPTS[0], 5
+    engine = SpecEngine(deep)
+    ref = engine.generate(prompt, method="none", max_new_tokens=N)
+    planted = _Planted(ref.token_ids, len(tok(prompt).input_ids), error_at, len(tok), window=2, ngram=ngram,
+                       guesses=1, prompt_ngrams=False)
+    monkeypatch.setattr(engine, "make_proposer", lambda opts: planted)
+    out = engine.generate(prompt, method="lookahead", max_new_tokens=N, lookahead=(2, ngram, 1))
+    assert out.token_ids == ref.token_ids
+    if error_at is None:  # every round commits the whole n-gram and the target's token after it
+        assert out.stats.target_forwards <= 1 + -(-(N - 1) // ngram) + 1
+    elif error_at == 0:  # the n-gram never helps (the window's guesses rarely do on a random model)
+        assert out.stats.target_forwards >= N // 2
+    else:  # each round after the prefill accepts the n-gram up to its wrong token
+        rounds = out.stats.target_forwards - 1
+        assert out.stats.accepted_per_position[error_at - 1] >= rounds - 3  # the last rounds: no n-gram left to plant
+
+
+def test_window_is_a_tree_of_trajectories_and_merges_equal_nodes():
+    p = LookaheadProposer(window=3, ngram=3, guesses=2, prompt_ngrams=False)
+    p.add(1)
+    p.rows[0].levels = [[7, 8, 9], [7, 5, 6]]  # level 1's column 0 equals level 0's: one node
+    p._remember(p.rows[0], [4, 7, 8])  # a pooled n-gram after the last token 4: merged with the window too
+    draft = p.propose([[1, 2, 3, 4]], [3], None, [None])
+    tokens, parents = draft.tokens[0].tolist(), draft.parents[0].tolist()
+    nodes = list(zip(tokens, parents))
+    # the n-gram's trie 7 -> 8; level 0 the chain 7 -> 8 -> 9 (7, 8 shared); level 1: 7 at the root (shared),
+    # 5 under level 0's 7, 6 under level 0's 8
+    assert nodes == [(7, ROOT), (8, 0), (9, 1), (5, 0), (6, 1)]
+    window = p.rows[0].window_nodes
+    assert window == {(0, 0): 0, (0, 1): 1, (0, 2): 2, (1, 0): 0, (1, 1): 3, (1, 2): 4}
+    # the target's argmax at each node is the next level's guess one column on; the top level's paths
+    # complete n-grams (the context's last token, then the path's last token, then the argmax)
+    logits = torch.zeros(1, 1 + len(tokens), 20)
+    for column, best in enumerate([11, 12, 13, 14, 15, 16]):  # root, then nodes 0..4
+        logits[0, column, best] = 1.0
+    from speclm.proposers.base import Verified
+
+    p.accept(Verified([4], [[]], None, logits))
+    assert p.rows[0].levels == [[7, 5, 6], [11, 12, 15]]  # root -> column 0; (1, 0) = node 0 -> 12; (1, 1) = node 3 -> 15
+    pool = p.rows[0].pool
+    assert (12,) in [rest[-1:] for rest in pool[4]]  # n-gram (4, 7, 12): (1, 0)'s path is the root's 7
+    assert tuple(pool[7]) == ((5, 15),) and tuple(pool[8]) == ((6, 16),)  # (1, 1): 7 5 -> 15; (1, 2): 8 6 -> 16
+
+
+def _bigram_model(tok):
+    """A target whose next token depends on the last token alone (attention's output zeroed): its
+    greedy output is the iterates of one function, so Jacobi iteration's guesses become exact."""
+    model = tiny_model(len(tok), seed=7, layers=2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return loaded(model, tok, name="tiny-bigram")
+
+
+@pytest.mark.parametrize("wrong_column", [False, True])
+def test_jacobi_window_fills_the_pool_with_ngrams_that_are_accepted(tok, monkeypatch, wrong_column):
+    """On the bigram target the window's n-grams (no prompt n-grams: the pool is the window's alone)
+    are the true continuations: 2.6 tokens commit per target forward. Each new guess placed one
+    column off (a planted bug) leaves most of them wrong: 1.6 (the output is a short loop, where
+    shifted guesses are sometimes right). Greedy and one fixed model: the same numbers each run."""
+    import speclm.proposers.lookahead as lookahead
+
+    bigram = _bigram_model(tok)
+    engine = SpecEngine(bigram)
+    prompt = "the quick brown fox"
+    ref = engine.generate(prompt, method="none", max_new_tokens=120)
+    if wrong_column:
+        real = lookahead.LookaheadProposer.accept
+
+        def accept(self, verified):
+            real(self, verified)
+            for row in self.rows:  # the newest level's guesses moved one column on
+                if row.levels:
+                    row.levels[-1] = row.levels[-1][-1:] + row.levels[-1][:-1]
+
+        monkeypatch.setattr(lookahead.LookaheadProposer, "accept", accept)
+    proposer = lookahead.LookaheadProposer(window=4, ngram=4, guesses=2, prompt_ngrams=False)
+    engine.make_proposer = lambda opts: proposer
+    out = engine.generate(prompt, method="lookahead", max_new_tokens=120)
+    assert out.token_ids == ref.token_ids
+    hits, rounds = proposer.pool_hits
+    if wrong_column:
+        assert out.stats.mean_accepted_tokens < 1.9, out.stats.mean_accepted_tokens  # measured: 1.64
+    else:
+        assert hits > rounds // 2 and out.stats.mean_accepted_tokens > 2.3, (hits, rounds, out.stats.mean_accepted_tokens)  # 2.61
+
+
+def test_self_draft_reads_the_targets_cache_and_leaves_it_as_it_was(deep):
+    """The draft writes only past the committed tokens and rolls them back: after a proposal the
+    cache's lengths are as before, and a draft of every layer is the target's own greedy output."""
+    engine = SpecEngine(deep)
+    ref = engine.generate(PROMPTS[2], method="none", max_new_tokens=N)
+    layers = tuple(range(4))
+    from speclm.proposers.self_draft import SelfDraftProposer
+
+    proposer = SelfDraftProposer(deep.model, layers, 4)
+    engine.make_proposer = lambda opts: proposer
+    seen = []
+    real = proposer.propose
+
+    def propose(contexts, max_tokens, params, generators):
+        before = proposer.kv.lengths_list()
+        draft = real(contexts, max_tokens, params, generators)
+        seen.append(before == proposer.kv.lengths_list())
+        return draft
+
+    proposer.propose = propose
+    out = engine.generate(PROMPTS[2], method="self", max_new_tokens=N, k=4)
+    assert out.token_ids == ref.token_ids and all(seen) and seen
+    assert out.stats.acceptance_rate == 1.0  # all layers: the target's own tokens (fp32 near-ties aside)
+
+
+def test_layers_and_lookahead_options_are_checked():
+    assert parse_layers("auto").kind == "auto"
+    assert layers_of(parse_layers("2"), 4) == (0, 1)
+    assert layers_of(parse_layers("skip:1,3"), 4) == (0, 2)
+    assert layers_of(parse_layers("skip:1-2+3"), 5) == (0, 4)
+    for bad in ("0", "skip:", "skip:a", "first", "skip:2-x"):
+        with pytest.raises(UsageError):
+            parse_layers(bad)
+    for bad, count in (("4", 4), ("skip:0-3", 4), ("skip:9", 4)):
+        with pytest.raises(UsageError):
+            layers_of(parse_layers(bad), count)
+    assert all(0 < len(kept) < 28 for kept in candidates(28).values()) and len(candidates(28)) == 4
+    with pytest.raises(UsageError, match="lookahead"):
+        GenerationOptions(method="pld", lookahead=(2, 3, 1))
+    with pytest.raises(UsageError, match="layers"):
+        GenerationOptions(method="lookahead", layers="2")
+    for shape in ((0, 3, 1), (2, 1, 1), (2, 3, -1), (2, 3)):
+        with pytest.raises(UsageError):
+            GenerationOptions(method="lookahead", lookahead=shape)
+    assert GenerationOptions(method="lookahead", lookahead=[2, 3, 1]).lookahead == (2, 3, 1)
+    assert GenerationOptions(method="lookahead", lookahead=(5, 3, 1)).draft_length("int8") == 5
+
+
+def test_self_needs_the_lean_forward(tok):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    other = loaded(GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2)).eval(), tok,
+                   name="gpt2-tiny")
+    with pytest.raises(UsageError, match="lean forward"):
+        SpecEngine(other).generate("abc", method="self", layers="1", max_new_tokens=4)
