@@ -19,7 +19,7 @@ MACHINES = ("epyc", "amx", "avx2", "intel")
 HELPERS = {"gemm_shapes.py", "timing.py"}  # imported by the scripts
 MAX_ENTRIES = 30  # run folders and records files (a machine's records.md holds its records), all machines together
 MAX_INDEX_BYTES = 8 * 1024
-MAX_DOCS_PAGE_BYTES = 20 * 1024
+MAX_DOCS_PAGE_BYTES = 20_000  # 20 KB
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 # benchmarks/<machine>/<entry>[/<file>][#<section>], not after "<commit>:" (a path in git's history);
 # "../benchmarks/..." and the index's own "epyc/..." links are read the same way
@@ -167,4 +167,4 @@ def test_loose_records_unnamed_scripts_and_the_limits_fail(copy):
     assert found[:2] == ["benchmarks/prompt-lengths.txt: a record belongs in a machine's records.md",
                          f"{MAX_ENTRIES + 1} run folders and records files, more than {MAX_ENTRIES}"]
     assert {"benchmarks/old_ab.py: neither the index, a record nor a page names it", "benchmarks/README.md: over 8192 bytes",
-            "docs/serving.md: over 20480 bytes"} <= set(found)
+            f"docs/serving.md: over {MAX_DOCS_PAGE_BYTES} bytes"} <= set(found)

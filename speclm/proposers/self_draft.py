@@ -144,6 +144,8 @@ def calibrate(engine, options: dict[str, tuple[int, ...]]) -> tuple[tuple[int, .
         return tokens / max(seconds, 1e-9)
 
     count = len(engine.target.model.model.layers)
+    # the calibration's prompts leave the prefix caches as they were (a request's cached tokens are its own)
+    saved = [list(cache.entries) for cache in (engine.prefix.target, engine.prefix.draft)]
     bar = tqdm(total=len(options) + 1, desc="self layers", unit="run", file=sys.stderr)
     report["none"] = rate(method="none")
     bar.update()
@@ -155,6 +157,7 @@ def calibrate(engine, options: dict[str, tuple[int, ...]]) -> tuple[tuple[int, .
         if report[name] > best_rate:
             best, best_rate = kept, report[name]
     bar.close()
+    engine.prefix.target.entries[:], engine.prefix.draft.entries[:] = saved
     return best, {name: round(v, 3) for name, v in report.items()}
 
 
