@@ -150,6 +150,19 @@ CASES = {
                  str(lines_file(t, "[[0], [1, 0]]"))), "its parent [1] is not"),
     "generate: tree for pld": lambda t, m, f, o: (
         generate(f["target"], "--prompt", "hi", "--method", "pld", "--tree", "auto"), "--tree applies to"),
+    "generate: lookahead of two numbers": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "lookahead", "--lookahead", "1,2"),
+        "expected three integers W,N,G"),
+    "generate: lookahead window 0": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "lookahead", "--lookahead", "0,2,1"), "1 <= W <= 64"),
+    "generate: layers for pld": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "pld", "--layers", "2"), "--layers applies to self"),
+    "generate: self's layers unreadable": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "self", "--layers", "skip:a"), "--layers skip:"),
+    "generate: self with every layer": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "self", "--layers", "2"), "the target has 2 layers"),
+    "bench: lookahead window 0": lambda t, m, f, o: (
+        bench(f["target"], o, "--methods", "none,lookahead:w=0"), "1 <= W <= 64"),
     "bench: tree file missing": lambda t, m, f, o: (
         bench(f["target"], o, "--methods", "none,draft:tree=" + str(t / "nope.json"), "--draft", f["draft"]),
         "neither chain, auto nor a readable JSON file"),
