@@ -173,7 +173,8 @@ class SpecEngine:
 
     def draft_length(self, opts: GenerationOptions) -> int:
         """The request's k, or its method's default for this engine's weights."""
-        return opts.draft_length(self.target.quantize, self.draft.quantize if self.draft is not None else None)
+        weights = self.weights
+        return opts.draft_length(weights.quantize, weights.draft_quantize)
 
     def require_draft(self, method: str) -> LoadedModel:
         if self.draft is None:

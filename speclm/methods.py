@@ -107,7 +107,7 @@ def _medusa(engine, opts):
     from speclm.proposers.medusa import MedusaProposer
 
     heads = engine.heads("medusa", opts.heads)
-    tree = opts.tree if opts.tree is not None else defaults.MEDUSA_TREE
+    tree = opts.tree if opts.tree is not None else opts.spec.tree_default
     # "static": the tuned tree beside the heads where one ships, else a grown one
     static = tree == "static" and (opts.tree is not None or heads.tree_file.is_file())
     choices = heads.static_tree() if static else opts.tree_spec.choices
@@ -200,9 +200,9 @@ def markdown_table() -> str:
     """The methods as docs/methods.md shows them (tests/test_docs.py checks the page holds it)."""
     rows = ["| method | what proposes | needs | drafts | deepest draft (int8 target, int4 draft) |", "|---|---|---|---|---|"]
     for m in REGISTRY.values():
-        from speclm.options import GenerationOptions
+        from speclm.options import GenerationOptions as Options  # options reads this module: imported here
 
-        k = "–" if not m.proposes else str(m.k(Weights("int8", "int4"), GenerationOptions(method=m.name)))
+        k = "–" if not m.proposes else str(m.k(Weights("int8", "int4"), Options(method=m.name)))
         rows.append(f"| `{m.name}` | {m.about} | {m.needs or 'nothing'} | {', '.join(m.shapes) if m.proposes else '–'} "
                     f"| {k} |")
     return "\n".join(rows)

@@ -67,8 +67,8 @@ class MethodSpec:
         if any(v is not None for v in shape):  # lookahead's W, N, G: each given, or its default
             from speclm.options import GenerationOptions
 
-            given = GenerationOptions(method=self.name).lookahead_shape if self.name in METHODS else (0, 0, 0)
-            out["lookahead"] = tuple(v if v is not None else d for v, d in zip(shape, given))
+            default = GenerationOptions().lookahead_shape
+            out["lookahead"] = tuple(v if v is not None else d for v, d in zip(shape, default))
         return out
 
 

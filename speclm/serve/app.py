@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from speclm.methods import DRAFT_MODEL, HEADS
+from speclm.methods import DRAFT_MODEL, HEADS, method
 from speclm.errors import UsageError
 from speclm.options import GenerationOptions
 from speclm.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -226,7 +226,7 @@ def _options(defaults: GenerationOptions, body, max_tokens: int) -> GenerationOp
                    stop=tuple(body.stop or ()), chat=False, ignore_eos=body.ignore_eos)
     if spec is not None:
         if spec.method is not None and spec.method != defaults.method:
-            heads = GenerationOptions(method=spec.method).spec.needs == HEADS
+            heads = method(spec.method).needs == HEADS
             changes.update(method=spec.method, k=None, tree=None, lookahead=None, layers=None,
                            heads=defaults.heads if heads else None, acceptance=defaults.acceptance if heads else "exact")
         if spec.k is not None:
