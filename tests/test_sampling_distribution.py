@@ -15,8 +15,8 @@ auto, and auto under draft+pld; a tree two deep fills the same window; trained h
 medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), and eagle+pld's rows of lookup chains beside rows of eagle trees,
 with untrained random heads) and their counts compared with the
 exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 21 checks, by the union bound, with probability at most 2.1e-3
-nominally, 4.2e-3 with the chi-square approximation's error as measured there). An auto tree
+about ALPHA = 1e-4; this file's 25 checks, by the union bound, with probability at most 2.5e-3
+nominally, 5.0e-3 with the chi-square approximation's error as measured there). An auto tree
 sized from cost lines (its nodes' children counts chosen from their distributions) is one of them.
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
@@ -33,7 +33,10 @@ fail the very check (same case, seed and sample count) the real code passes:
   heads_claim_uniform_draws     a head's tree (nodes chosen by rank) reported as uniform draws
                                 over the vocabulary instead of point masses;
   lookup_rows_claim_uniform_draws  eagle+pld: the rows lookup drafts reported as uniform draws
-                                instead of point masses.
+                                instead of point masses;
+  lookahead_claims_uniform_draws  lookahead's nodes (window guesses, pooled n-grams) reported as
+                                uniform draws instead of point masses;
+  self_samples_sharper          self-speculation's draft samples from q^2 but reports q.
 Measured locally over 5 disjoint batches (seeds 11 + i * 10**6, i = 0..4: no request's generator
 seed shared between them): every mutation failed its check 5 times out of 5, with p-values
 between 0 and 5e-78 (ALPHA = 1e-4), and the real code passed all 11 checks 5 times out of 5
@@ -41,7 +44,9 @@ between 0 and 5e-78 (ALPHA = 1e-4), and the real code passed all 11 checks 5 tim
 tree checks passed 20 of 20 (smallest p-value 0.18), the two tree mutations failed 10 of 10
 (largest p-value 9.4e-77). eagle+pld, the same way: its check passed 5 of 5 (smallest p-value
 0.16; about 1 row in 6 drafted by a chain in each drafting round), its mutation failed 5 of 5
-(every p-value 0 to double precision).
+(every p-value 0 to double precision). lookahead and self (cases lookahead, lookahead-top, self,
+self-top), the same way: 20 of 20 passed (smallest p-value 3.2e-4), their two mutations failed 10
+of 10 (largest p-value 8.7e-138).
 """
 
 import itertools
