@@ -1,4 +1,4 @@
-"""The adaptive speculation policy (speclm.spec.adaptive, what `speclm serve` runs by default)
+"""The adaptive speculation policy (speclm.round.adaptive, what `speclm serve` runs by default)
 against another revision's, with plain decoding beside them: Spec-Bench prompts through one Batch
 of `--rows` rows (a request joins as one leaves, as the server's batch), `draft+pld` under each
 policy and `none`, in turns, in one process, the same models and batch code for all three. Each
@@ -31,11 +31,11 @@ from speclm.models.loading import load_model
 from speclm.runtime import set_threads, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "speclm/spec/adaptive.py"
+SOURCE = "speclm/round/adaptive.py"
 
 
 def other_policy(rev: str | None):
-    """The Adaptive class of `rev`'s speclm/spec/adaptive.py (None: the running source's file)."""
+    """The Adaptive class of `rev`'s speclm/round/adaptive.py (None: the running source's file)."""
     text = (subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
                            text=True).stdout if rev else (ROOT / SOURCE).read_text())
     path = Path(tempfile.mkdtemp()) / "adaptive_other.py"

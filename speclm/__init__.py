@@ -10,7 +10,7 @@
     print(out.text, out.stats.mean_accepted_tokens)
 """
 
-from speclm.spec.batch import Batch
+from speclm.round.batch import Batch
 from speclm.methods import NAMES as METHODS
 from speclm.engine import Completion, GenerationOptions, SpecEngine, TextStream
 from speclm.requests import Request

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Tuned:
     name: str  # the constant's name in this module
-    value: int | float
+    value: int | float | str
     option: str  # the CLI option (or the part of speclm) it sets
     applies: str  # where it applies
-    run: str  # the committed benchmark that chose it: a path under benchmarks/
-    result: str  # what that run measured, in a few words
+    run: str  # the committed benchmark that chose it (or, untuned, the run it was measured at): under benchmarks/
+    result: str  # what that run measured, in a few words ("not tuned": no other value was measured)
 
 
 TABLE: tuple[Tuned, ...] = (
@@ -82,6 +82,40 @@ TABLE: tuple[Tuned, ...] = (
     Tuned("WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW", 1024, "speclm/quant/csrc", "the same distance in the AVX2 int8 kernel "
           "for one row (a decode step without speculation)", "benchmarks/avx2/records.md#int8-prefetch-ab",
           "1 row: 0.91x the time at 2048, paired (2 and 4 rows, the same code: 0.99-1.03x)"),
+    Tuned("TREE", "chain", "--tree", "`draft`, `draft+pld`: chain, or auto (a tree grown each round)",
+          "benchmarks/epyc/kernel-int8-qwen1.5b-60", "auto 0.98x the chain (`draft`), 0.99x (`draft+pld`); 0.98-0.99x on three other CPUs (docs/methods.md)"),
+    Tuned("TREE_DEPTH", 6, "--tree auto", "levels below the root", "benchmarks/epyc/kernel-int8-qwen1.5b-60", "not tuned: the auto tree measured there"),
+    Tuned("TREE_BRANCH", 4, "--tree auto", "children per expanded node", "benchmarks/epyc/kernel-int8-qwen1.5b-60", "not tuned"),
+    Tuned("TREE_EXPAND", 3, "--tree auto", "nodes expanded per level", "benchmarks/epyc/kernel-int8-qwen1.5b-60", "not tuned"),
+    Tuned("TREE_MIN_PROB", 0.05, "--tree auto", "batches: a node below this cumulative probability is not expanded",
+          "benchmarks/epyc/kernel-int8-qwen1.5b-60", "not tuned"),
+    Tuned("TREE_FOLLOW", 0.6, "--tree auto", "greedy: a level's likeliest node is expanded where the draft gave it this "
+          "much (the chain's confidence rule)", "benchmarks/epyc/kernel-int8-qwen1.5b-60", "not tuned"),
+    Tuned("MEDUSA_TREE", "static", "--tree", "`medusa`: static (the tuned tree shipped beside the heads, cut each round "
+          "by the cost line) or auto", "benchmarks/epyc/heads-int8-qwen1.5b-60-8979d96",
+          "static 1.13x none, auto the same (4.96 nodes verified a forward each)"),
+    Tuned("K_MEDUSA", 4, "--k", "`medusa`: the deepest draft", "benchmarks/epyc/heads-int8-qwen1.5b-60-2abceb7", "not tuned: one level per head trained"),
+    Tuned("MEDUSA_BRANCH", 8, "speclm.proposers.medusa", "a grown tree's candidates per head", "benchmarks/epyc/heads-int8-qwen1.5b-60-2abceb7",
+          "not tuned"),
+    Tuned("MEDUSA_MAX_TREE", 48, "speclm.proposers.medusa", "a grown tree's most nodes (the cost line cuts it)",
+          "benchmarks/epyc/heads-int8-qwen1.5b-60-2abceb7", "not tuned"),
+    Tuned("K_EAGLE", 6, "--k", "`eagle`, `eagle+pld`: levels below the root", "benchmarks/epyc/heads-pld-int8-qwen1.5b-60-6116de4", "not tuned"),
+    Tuned("EAGLE_EXPAND", 4, "speclm.proposers.eagle", "candidates run through the head per level", "benchmarks/epyc/heads-pld-int8-qwen1.5b-60-6116de4",
+          "not tuned"),
+    Tuned("EAGLE_BRANCH", 4, "speclm.proposers.eagle", "children kept per run candidate", "benchmarks/epyc/heads-pld-int8-qwen1.5b-60-6116de4", "not tuned"),
+    Tuned("EAGLE_MAX_TREE", 48, "speclm.proposers.eagle", "the most nodes a tree holds (the cost line cuts it)",
+          "benchmarks/epyc/heads-pld-int8-qwen1.5b-60-6116de4", "not tuned"),
+    Tuned("EAGLE_MIN_PROB", 0.2, "speclm.proposers.eagle", "a level grows only while its likeliest candidate has this "
+          "cumulative probability", "benchmarks/epyc/records.md#eagle-levels",
+          "12 prompts: 0.02 1.10x none, 0.1 1.15x, 0.2 1.19x, 0.35 1.20x"),
+    Tuned("ADAPTIVE_PRIOR", 0.6, "speclm.round.adaptive", "adaptive speculation: a request's draft acceptance before "
+          "its rounds say", "benchmarks/avx2/records.md#adaptive-ab", "not tuned: the policy measured there (8 rows, "
+          "draft+pld 1.00x none)"),
+    Tuned("ADAPTIVE_DECAY", 0.9, "speclm.round.adaptive", "adaptive speculation: each round's weight on the counts "
+          "before it", "benchmarks/avx2/records.md#adaptive-ab", "not tuned"),
+    Tuned("K_SELF", 3, "--k", "`self`: tokens its layers draft per round", "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "not tuned: the only value measured"),
+    Tuned("LOOKAHEAD_POOL", 8, "speclm.proposers.lookahead", "`lookahead`: n-grams its pool keeps per first token "
+          "(G of them are verified)", "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "not tuned"),
 )
 
 _BY_NAME = {t.name: t.value for t in TABLE}
@@ -108,11 +142,6 @@ WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW: int = _BY_NAME["WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW"]
 FAR_PREFETCH_BYTES: int = _BY_NAME["FAR_PREFETCH_BYTES"]
 
-# --tree's default for `draft` and `draft+pld`: "chain" or "auto" (speclm.proposers.draft_tree). Chain: auto trees
-# accepted more tokens per forward and ran no faster on any CPU measured (docs/methods.md#draft-trees---tree has the
-# four runs); on the reference AVX-512 EPYC 0.98x the chain (benchmarks/epyc/kernel-int8-qwen1.5b-60)
-TREE = "chain"
-
 # fp32 CPU weights: rows -> the rows a linear layer's GEMM runs over, zero rows added (speclm.forward.lean). MKL's
 # (W x^T)^T over 4 rows cost what 1 row does on the AVX2 machine, over 3 rows 1.45x; 13-15 rows 1.6-2.0x
 # 16 rows' (benchmarks/avx2/records.md#fp32-linear-rows, the padded column)
@@ -132,23 +161,29 @@ KERNEL_MACROS = {
 }
 
 
-# medusa, eagle: the deepest draft (levels below the root): Medusa's heads (4 trained), EAGLE's levels
-K_MEDUSA = 4
-K_EAGLE = 6
-# medusa's --tree default: "auto" (grown each round from the heads' probabilities) or "static" (the tuned tree
-# shipped beside the heads, made by benchmarks/medusa_tree.py: benchmarks/epyc/records.md#medusa-tree; cut each round
-# by the cost line; auto where none is there). Static: 1.13x none, the same as auto (4.96 nodes verified a forward
-# each; benchmarks/epyc/heads-int8-qwen1.5b-60-8979d96)
-MEDUSA_TREE = "static"
-
-
 LOOKAHEAD_WINDOW: int = _BY_NAME["LOOKAHEAD_WINDOW"]
 LOOKAHEAD_NGRAM: int = _BY_NAME["LOOKAHEAD_NGRAM"]
 LOOKAHEAD_GUESSES: int = _BY_NAME["LOOKAHEAD_GUESSES"]
-# lookahead: the most n-grams its pool keeps per first token (not tuned: G of them are verified)
-LOOKAHEAD_POOL = 8
-# self: tokens its layers draft per round (not tuned: only 3 was measured, in the run above)
-K_SELF = 3
+
+TREE: str = _BY_NAME["TREE"]
+TREE_DEPTH: int = _BY_NAME["TREE_DEPTH"]
+TREE_BRANCH: int = _BY_NAME["TREE_BRANCH"]
+TREE_EXPAND: int = _BY_NAME["TREE_EXPAND"]
+TREE_MIN_PROB: float = _BY_NAME["TREE_MIN_PROB"]
+TREE_FOLLOW: float = _BY_NAME["TREE_FOLLOW"]
+MEDUSA_TREE: str = _BY_NAME["MEDUSA_TREE"]
+K_MEDUSA: int = _BY_NAME["K_MEDUSA"]
+MEDUSA_BRANCH: int = _BY_NAME["MEDUSA_BRANCH"]
+MEDUSA_MAX_TREE: int = _BY_NAME["MEDUSA_MAX_TREE"]
+K_EAGLE: int = _BY_NAME["K_EAGLE"]
+EAGLE_EXPAND: int = _BY_NAME["EAGLE_EXPAND"]
+EAGLE_BRANCH: int = _BY_NAME["EAGLE_BRANCH"]
+EAGLE_MAX_TREE: int = _BY_NAME["EAGLE_MAX_TREE"]
+EAGLE_MIN_PROB: float = _BY_NAME["EAGLE_MIN_PROB"]
+ADAPTIVE_PRIOR: float = _BY_NAME["ADAPTIVE_PRIOR"]
+ADAPTIVE_DECAY: float = _BY_NAME["ADAPTIVE_DECAY"]
+K_SELF: int = _BY_NAME["K_SELF"]
+LOOKAHEAD_POOL: int = _BY_NAME["LOOKAHEAD_POOL"]
 
 
 def k_help(draft_model_only: bool = False) -> str:
@@ -160,6 +195,6 @@ def k_help(draft_model_only: bool = False) -> str:
 def markdown_table() -> str:
     """The table as docs/defaults.md shows it (links relative to docs/)."""
     rows = ["| default | value | option | applies to | chosen by |", "|---|---|---|---|---|"]
-    rows += [f"| `{t.name}` | {t.value:g} | `{t.option}` | {t.applies} | [{t.run.removeprefix('benchmarks/')}](../{t.run}): "
+    rows += [f"| `{t.name}` | {t.value if isinstance(t.value, str) else format(t.value, 'g')} | `{t.option}` | {t.applies} | [{t.run.removeprefix('benchmarks/')}](../{t.run}): "
              f"{t.result} |" for t in TABLE]
     return "\n".join(rows)

@@ -1,5 +1,5 @@
 """The speculative decoding engine's facade: `generate`, `stream`, and `batch` for requests that
-join and leave a running decode (speclm.spec.batch holds the round and its contract).
+join and leave a running decode (speclm.round.batch holds the round and its contract).
 
 A request's seed: `generate(prompts, seed=s)` gives prompt i the generator seeded s + i, so a
 prompt's output with a seed is the same alone, in any batch, and whichever requests share it.
@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from speclm import defaults
-from speclm.spec.adaptive import Adaptive
-from speclm.spec.batch import Batch
+from speclm.round.adaptive import Adaptive
+from speclm.round.batch import Batch
 from speclm.forward.costs import ForwardCosts, verification_costs
 from speclm.errors import UsageError
 from speclm.heads.loaded import LoadedHeads
@@ -124,7 +124,7 @@ class SpecEngine:
         return Batch(self, rows, capacity, prefill_chunk, speculation)
 
     def adaptive(self) -> Adaptive:
-        """Speculation that adapts each round's draft length to the batch (speclm.spec.adaptive), from
+        """Speculation that adapts each round's draft length to the batch (speclm.round.adaptive), from
         this machine's measured forward costs (the target's, and the draft model's where there is one)."""
         return Adaptive(self.forward_costs(), draft_costs=self.draft_costs() if self.draft is not None else None)
 

@@ -125,9 +125,9 @@ def _eagle_proposer(engine, opts):
 
 
 def _eagle_pld(engine, opts):
-    from speclm.proposers.head_lookup import HeadLookupProposer
+    from speclm.proposers.lookup_first import LookupFirstProposer
 
-    return HeadLookupProposer(_eagle_proposer(engine, opts), k=_pld_k(engine.weights), ngram_max=opts.ngram_max,
+    return LookupFirstProposer(_eagle_proposer(engine, opts), k=_pld_k(engine.weights), ngram_max=opts.ngram_max,
                               ngram_min=opts.lookup_ngram_min)
 
 
@@ -137,6 +137,13 @@ def _lookahead(engine, opts):
     window, ngram, guesses = opts.lookahead_shape
     return LookaheadProposer(window=window, ngram=ngram, guesses=guesses, pool_size=defaults.LOOKAHEAD_POOL,
                              prompt_ngrams=True)
+
+
+def _lookahead_pld(engine, opts):
+    from speclm.proposers.lookup_first import LookupFirstProposer
+
+    return LookupFirstProposer(_lookahead(engine, opts), k=_pld_k(engine.weights), ngram_max=opts.ngram_max,
+                               ngram_min=opts.lookup_ngram_min)
 
 
 def _self(engine, opts):
@@ -170,6 +177,9 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            "its n-grams that follow the context are verified", _lookahead,
            lambda w, o: max(o.lookahead_shape[0], o.lookahead_shape[1] - 1), shapes=("tree",),
            options=frozenset({"lookahead"})),
+    Method("lookahead+pld", "per row and round: prompt lookup where the context repeats itself, else lookahead",
+           _lookahead_pld, lambda w, o: max(_pld_k(w), o.lookahead_shape[0], o.lookahead_shape[1] - 1),
+           shapes=("chain", "tree"), options=LOOKUP_OPTIONS | {"lookahead"}, ngram_min=defaults.NGRAM_MIN_DRAFT_PLD),
     Method("self", "self-speculation: the target's own layers, some skipped, draft a chain", _self,
            lambda w, o: defaults.K_SELF, options=frozenset({"layers"}), runs_model=True),
 )}

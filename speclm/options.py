@@ -47,7 +47,7 @@ class GenerationOptions:
     # medusa, eagle, eagle+pld: a heads file (speclm.heads.store); None: the heads shipped for the target
     heads: str | None = None
     # "exact" (lossless rejection sampling) or "typical": Medusa's typical acceptance, LOSSY at
-    # temperature > 0 (speclm.spec.verify.typical_paths); head methods only
+    # temperature > 0 (speclm.round.verify.typical_paths); head methods only
     acceptance: str = "exact"
     # lookahead: (window W, n-gram size N, n-grams verified G); None: speclm.defaults.LOOKAHEAD_*
     lookahead: tuple[int, int, int] | None = None

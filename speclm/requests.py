@@ -23,7 +23,7 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length" or "cancelled"; None while it runs
     joined_at: float = 0.0  # time.perf_counter() when its prefill began
-    seeded: bool = False  # the caller chose its seed: its sampled output is to be reproducible (speclm.spec.adaptive)
+    seeded: bool = False  # the caller chose its seed: its sampled output is to be reproducible (speclm.round.adaptive)
 
     @staticmethod
     def of(index: int, ids: list[int], options: GenerationOptions, seed: int, max_context: int | None,

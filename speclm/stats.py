@@ -23,6 +23,10 @@ class RequestStats:
     prefill_seconds: float = 0.0  # the first round: the prompt's forward, which commits the first token
     cached_tokens: int = 0  # prompt tokens whose keys and values the target took from the prefix cache
     new_tokens: int = 0  # generated tokens returned (EOS included when generated)
+    # counted by the proposers that declare them (Proposer.round_counts):
+    lookup_rounds: int = 0  # `+pld` methods: rounds prompt lookup drafted this request's row
+    pool_hits: int = 0  # lookahead: rounds whose verification branch held a pooled n-gram
+    pool_tokens: int = 0  # lookahead: accepted tokens of pooled n-grams (per hit: the accepted n-gram length)
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,6 +60,11 @@ class RequestStats:
         d["overhead_share"] = self.overhead_share
         d["decode_tokens_per_second"] = self.decode_tokens_per_second
         return d
+
+    def add_counts(self, counts: dict[str, int]) -> None:
+        """A proposer's counters for one round (Proposer.round_counts), added by field name."""
+        for name, value in counts.items():
+            setattr(self, name, getattr(self, name) + value)  # AttributeError: a proposer counting no field
 
     def record_acceptance(self, drafted: int, accepted: int, depth: int | None = None) -> None:
         """One round: `drafted` tokens proposed (a tree's nodes), `accepted` of them on the path,

@@ -1,4 +1,4 @@
-"""Requests that join a running decode between rounds and leave when done (speclm.spec.batch): each
+"""Requests that join a running decode between rounds and leave when done (speclm.round.batch): each
 request's output is its output alone, greedy or sampled with its seed, whatever shares its batch."""
 
 import copy
@@ -291,7 +291,7 @@ def _policy_batch(n_rows, options):
 
 
 def test_adaptive_policy_drafts_long_alone_and_stops_when_verification_is_not_free():
-    from speclm.spec.adaptive import Adaptive
+    from speclm.round.adaptive import Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
@@ -319,7 +319,7 @@ def test_adaptive_policy_drafts_long_alone_and_stops_when_verification_is_not_fr
 def test_adaptive_policy_prices_a_draft_forward_by_its_rows():
     """A draft step measured for 8 rows (dear) does not price the drafting of a lone request after
     the burst: that is scaled to 1 row as the forward's cost scales, and drafting comes back."""
-    from speclm.spec.adaptive import Adaptive
+    from speclm.round.adaptive import Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
@@ -343,7 +343,7 @@ def test_adaptive_policy_prices_what_a_draft_has_not_read():
     """Turning a draft model on for rows it has not read costs their reading, shared over the
     rounds each row has left: worth it for a request with many tokens to go, not for one about to
     end; nothing once read."""
-    from speclm.spec.adaptive import Adaptive
+    from speclm.round.adaptive import Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
     from speclm.requests import Request
@@ -369,7 +369,7 @@ def test_adaptive_policy_prices_a_draft_forward_by_its_forwards_not_by_lookup_ro
     step's (kept as one, a lookup's milliseconds priced the model's forwards and its reading near
     zero). Those kept before the model first ran are dropped then; a model-free method keeps its
     proposals' time."""
-    from speclm.spec.adaptive import Adaptive
+    from speclm.round.adaptive import Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
@@ -394,7 +394,7 @@ def test_adaptive_policy_prices_a_draft_model_by_its_cost_line_before_it_runs():
     """A burst of new requests: a draft model that has not run yet is priced by its measured cost
     line (its forward for 8 rows, and its reading of the 8 prompts it has not seen), and stays
     off where the target's verification is dear; without that line it looked free."""
-    from speclm.spec.adaptive import Adaptive
+    from speclm.round.adaptive import Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
     from speclm.requests import Request
@@ -425,7 +425,7 @@ def test_adaptive_policy_prices_rounds_as_they_measure():
     """The cost table is one row's: where a batch's drafting rounds take longer than priced and its
     plain rounds less, the measured ratios turn drafting off; a probe round is not timed; sizes not
     yet measured take the nearest measured size's ratio, and 1 before any of their kind."""
-    from speclm.spec.adaptive import Adaptive
+    from speclm.round.adaptive import Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
@@ -525,7 +525,7 @@ def test_caches_that_grew_during_a_forward_still_take_prefixes(int8_pair):
 
 
 def test_adaptive_policy_probes_prompt_lookup_but_not_a_draft_model():
-    from speclm.spec.adaptive import Adaptive
+    from speclm.round.adaptive import Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 

@@ -98,7 +98,8 @@ def test_predicted_speedup_formula():
 
 
 def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
-    specs = parse_methods("none,draft:k=2,draft:k=3,alternatives=1,pld:k=3,draft+pld:k=2,hf,hf-assisted:k=2,hf-pld:k=3")
+    specs = parse_methods("none,draft:k=2,draft:k=3,alternatives=1,pld:k=3,draft+pld:k=2,lookahead+pld:w=2,n=3,g=2,"
+                          "hf,hf-assisted:k=2,hf-pld:k=3")
     prompts = load_prompts(dataset, ["qa", "rag"], 1)
     out = tmp_path / "out"
     results = run_bench(engine, specs, prompts, config(methods=[s.label for s in specs]), out, progress=False)
@@ -124,6 +125,12 @@ def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
     assert p["drafted_per_forward"] == pytest.approx(
         (with_alt["drafted_tokens"] + with_alt["alternatives"]) / with_alt["target_forwards"])
     assert "Predicted speedup by category" in text
+    # the proposers' own counters: lookup's rounds and lookahead's pool, summed over the requests
+    la = saved["summary"]["methods"]["lookahead+pld:w=2,n=3,g=2"][report.ALL]
+    runs = [r["stats"] for r in saved["runs"] if r["method"] == "lookahead+pld:w=2,n=3,g=2"]
+    assert la["pool_hits"] == sum(r["pool_hits"] for r in runs) and la["rounds"] > 0
+    assert la["lookup_rounds"] + la["pool_hits"] > 0
+    assert "## What proposed" in text and "| lookahead+pld:w=2,n=3,g=2 |" in text.split("## What proposed")[1]
     for png in ("speedup.png", "accepted_per_position.png", "v_k.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 

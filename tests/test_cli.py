@@ -17,7 +17,7 @@ STAT_KEYS = {
     "mean_accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds",
     "wall_seconds", "new_tokens", "tokens_per_second", "forward_seconds", "overhead_share",
     "prefill_seconds", "decode_tokens_per_second", "alternatives", "accepted_alternatives",
-    "draft_prefill_seconds", "cached_tokens", "verified_nodes",
+    "draft_prefill_seconds", "cached_tokens", "verified_nodes", "lookup_rounds", "pool_hits", "pool_tokens",
 }
 
 

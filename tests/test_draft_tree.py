@@ -13,7 +13,7 @@ from speclm.forward.costs import ForwardCosts
 from speclm.proposers.draft_tree import (MAX_NODES, TreeSpec, _best, _Node, _Plan, _sampled_counts, check_choices,
                                          coverage, parse_tree)
 from speclm.quant.weights import quantize_model
-from speclm.spec.tree import ROOT
+from speclm.tree import ROOT
 from tiny import loaded, tiny_model
 
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]

@@ -61,7 +61,7 @@ def test_first_ids_round_down_to_whole_column_groups():
 
 def _spy_drafts(monkeypatch):
     """Every draft token the engine sends to verification."""
-    import speclm.spec.batch as engine_mod
+    import speclm.round.batch as engine_mod
 
     seen: list[int] = []
     real = engine_mod.verify_tree

@@ -117,7 +117,7 @@ def test_lookup_rows_take_chains_and_the_others_keep_the_heads_tree():
     row without one keeps the heads' tree as it was; point masses throughout."""
     from speclm.proposers.base import Draft, mixed_draft
     from speclm.sampling import SamplingParams
-    from speclm.spec.tree import PAD, ROOT
+    from speclm.tree import PAD, ROOT
 
     # row 0: root -> 5 -> 6, root -> 7; row 1: nothing (the heads gave it no budget)
     heads = Draft(torch.tensor([[5, 6, 7], [0, 0, 0]]), torch.tensor([3, 0]), None,
@@ -335,8 +335,8 @@ def test_typical_acceptance_rule_on_hand_made_logits():
 
     from speclm.options import GenerationOptions
     from speclm.sampling import SamplingParams
-    from speclm.spec.tree import ROOT, DraftTree
-    from speclm.spec.verify import typical_paths, verify_tree
+    from speclm.tree import ROOT, DraftTree
+    from speclm.round.verify import typical_paths, verify_tree
 
     root = torch.tensor([0.6, 0.3, 0.07, 0.03])  # H = 0.98: bar = min(0.09, 0.3 e^-0.98 = 0.113) = 0.09
     flat = torch.full((4,), 0.25)  # H = ln 4: bar = min(0.09, 0.075) = 0.075
@@ -424,9 +424,9 @@ def test_trained_heads_end_to_end(tmp_path, target, monkeypatch):
 
 
 def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):
-    """Under the serving policy (speclm.spec.adaptive) a head's tree is verified whole or not at all in
+    """Under the serving policy (speclm.round.adaptive) a head's tree is verified whole or not at all in
     a round, sized by the nodes its rows really drafted; outputs stay those of plain decoding."""
-    from speclm.spec.adaptive import Adaptive
+    from speclm.round.adaptive import Adaptive
     from speclm.forward.costs import ForwardCosts
 
     engine = SpecEngine(target)

@@ -122,6 +122,7 @@ def test_every_method_and_option_equals_plain_on_quantized_weights(quantized_pai
     cases = [dict(method="draft+pld"), dict(method="draft", k=5, alternatives=0.9, confidence=0.0),
              dict(method="draft", k=4, draft_vocab=4096), dict(method="draft+pld", k=6, confidence=0.5),
              dict(method="pld", k=5), dict(method="lookahead"), dict(method="lookahead", lookahead=(2, 3, 1)),
+             dict(method="lookahead+pld"),
              dict(method="self"), dict(method="self", layers="skip:10-20")]  # "auto": calibrated here, once
     for opts in cases:
         engine = SpecEngine(target, draft=draft, prefix_cache=4096)

@@ -12,11 +12,11 @@ alone, never from samples: one batched forward over the V ** (DEPTH - 1) prefixe
 requests, one row each with its own generator, are decoded as one batch per case (`draft`,
 `pld`, `draft+pld`, confidence stops, alternatives, draft trees: static, static past top-k,
 auto, and auto under draft+pld; a tree two deep fills the same window; trained heads' trees:
-medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), and eagle+pld's rows of lookup chains beside rows of eagle trees,
+medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), eagle+pld's and lookahead+pld's rows of lookup chains beside rows of the other's trees, lookahead, self,
 with untrained random heads) and their counts compared with the
 exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 25 checks, by the union bound, with probability at most 2.5e-3
-nominally, 5.0e-3 with the chi-square approximation's error as measured there). An auto tree
+about ALPHA = 1e-4; this file's 26 checks, by the union bound, with probability at most 2.6e-3
+nominally, 5.2e-3 with the chi-square approximation's error as measured there). An auto tree
 sized from cost lines (its nodes' children counts chosen from their distributions) is one of them.
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
@@ -32,8 +32,8 @@ fail the very check (same case, seed and sample count) the real code passes:
   tree_bonus_from_previous_position  the first mutation, on a static tree;
   heads_claim_uniform_draws     a head's tree (nodes chosen by rank) reported as uniform draws
                                 over the vocabulary instead of point masses;
-  lookup_rows_claim_uniform_draws  eagle+pld: the rows lookup drafts reported as uniform draws
-                                instead of point masses;
+  lookup_rows_claim_uniform_draws  eagle+pld (and lookahead+pld): the rows lookup drafts reported
+                                as uniform draws instead of point masses;
   lookahead_claims_uniform_draws  lookahead's nodes (window guesses, pooled n-grams) reported as
                                 uniform draws instead of point masses;
   self_samples_sharper          self-speculation's draft samples from q^2 but reports q.
@@ -46,7 +46,9 @@ tree checks passed 20 of 20 (smallest p-value 0.18), the two tree mutations fail
 0.16; about 1 row in 6 drafted by a chain in each drafting round), its mutation failed 5 of 5
 (every p-value 0 to double precision). lookahead and self (cases lookahead, lookahead-top, self,
 self-top), the same way: 20 of 20 passed (smallest p-value 3.2e-4), their two mutations failed 10
-of 10 (largest p-value 8.7e-138).
+of 10 (largest p-value 8.7e-138). lookahead+pld (lookup's chains beside lookahead's trees), the same
+way: 5 of 5 passed (smallest p-value 0.011), lookup's rows claiming uniform draws failed 5 of 5
+(largest p-value 1.0e-46).
 """
 
 import itertools
@@ -58,7 +60,7 @@ import numpy as np
 import pytest
 import torch
 
-import speclm.spec.verify as verify_mod
+import speclm.round.verify as verify_mod
 from chisq import ALPHA, MIN_EXPECTED, chisq_pvalue, pool
 from speclm import SpecEngine
 from speclm.sampling import SamplingParams, processed_probs
@@ -180,6 +182,8 @@ CASES = {
     # lookahead: the window's trajectories and the pool's n-grams, one-hot siblings in one tree
     "lookahead": ("lookahead", T1, {"lookahead": (2, 3, 2)}),
     "lookahead-top": ("lookahead", SamplingParams(temperature=0.7, top_k=4, top_p=0.9), {"lookahead": (3, 2, 3)}),
+    # rows drafted by lookup's chain beside rows drafted by lookahead's tree in one batch
+    "lookahead+pld": ("lookahead+pld", T1, {"lookahead": (2, 3, 2)}),
     # self: the target's first layer drafts, sampled from its own distribution
     "self": ("self", T1, {"layers": "1"}),
     "self-top": ("self", SamplingParams(temperature=0.8, top_k=5), {"layers": "skip:0"}),
@@ -232,7 +236,7 @@ def _redraw_after_verify(monkeypatch, position):
                 verdict.tokens[b, n] = torch.multinomial(probs[b, at], 1, generator=g).item()
         return verdict
 
-    monkeypatch.setattr("speclm.spec.batch.verify_tree", verify)
+    monkeypatch.setattr("speclm.round.batch.verify_tree", verify)
 
 
 def bonus_from_previous_position(monkeypatch):
@@ -314,11 +318,11 @@ def heads_claim_uniform_draws(monkeypatch):
 
 
 def lookup_rows_claim_uniform_draws(monkeypatch):
-    """eagle+pld: rows drafted by lookup's chain report uniform draws over the vocabulary instead
-    of point masses (the heads' rows stay point masses)."""
-    import speclm.proposers.head_lookup as head_lookup
+    """eagle+pld, lookahead+pld: rows drafted by lookup's chain report uniform draws over the vocabulary instead
+    of point masses (the other rows stay point masses)."""
+    import speclm.proposers.lookup_first as lookup_first
 
-    real = head_lookup.mixed_draft
+    real = lookup_first.mixed_draft
 
     def mixed(rows, by_lookup, model, params):
         draft = real(rows, by_lookup, model, params)
@@ -329,7 +333,7 @@ def lookup_rows_claim_uniform_draws(monkeypatch):
         draft.draft_probs = probs
         return draft
 
-    monkeypatch.setattr(head_lookup, "mixed_draft", mixed)
+    monkeypatch.setattr(lookup_first, "mixed_draft", mixed)
 
 
 def lookahead_claims_uniform_draws(monkeypatch):
@@ -365,6 +369,7 @@ MUTATIONS = {  # each with the case whose check it must fail
     "heads_claim_uniform_draws": (heads_claim_uniform_draws, "eagle"),
     "lookup_rows_claim_uniform_draws": (lookup_rows_claim_uniform_draws, "eagle+pld"),
     "lookahead_claims_uniform_draws": (lookahead_claims_uniform_draws, "lookahead"),
+    "lookahead+pld_lookup_rows_claim_uniform_draws": (lookup_rows_claim_uniform_draws, "lookahead+pld"),
     "self_samples_sharper": (self_samples_sharper, "self"),
 }
 

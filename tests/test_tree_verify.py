@@ -1,4 +1,4 @@
-"""The tree verifier (speclm.spec.verify.verify_tree) is lossless for trees of several shapes.
+"""The tree verifier (speclm.round.verify.verify_tree) is lossless for trees of several shapes.
 
 A synthetic target and draft over a 4-token vocabulary: each is a fixed distribution for every
 prefix (softmax of seeded random logits), so the exact distribution of the first L = 3 committed
@@ -33,10 +33,10 @@ import numpy as np
 import pytest
 import torch
 
-import speclm.spec.verify as verify_mod
+import speclm.round.verify as verify_mod
 from chisq import ALPHA, chisq_pvalue
 from speclm.sampling import SamplingParams
-from speclm.spec.tree import PAD, ROOT, DraftTree
+from speclm.tree import PAD, ROOT, DraftTree
 
 V = 4
 L = 3  # committed tokens counted per request
@@ -216,3 +216,16 @@ def test_padding_nodes_are_never_children_and_the_chain_helper():
     tree.check()
     with pytest.raises(ValueError):
         DraftTree(tree.tokens, torch.tensor([[ROOT, 2, 0], [ROOT, PAD, PAD]]), None).check()
+
+
+def test_lineage_walks_to_the_root_and_stops_where_told():
+    from speclm.tree import lineage
+
+    parents = [ROOT, 0, 0, 2, ROOT]  # 0 -> 1, 0 -> 2 -> 3; 4 alone
+    assert lineage(3, parents.__getitem__) == ([0, 2, 3], ROOT)
+    assert lineage(4, parents.__getitem__) == ([4], ROOT)
+    assert lineage(ROOT, parents.__getitem__) == ([], ROOT)
+    # slots as the KV cache links them: each slot's parent is the one before unless linked; stop below 10
+    links = {12: 10, 13: 11}
+    assert lineage(13, lambda s: links.get(s, s - 1), lambda s: s >= 10) == ([10, 11, 13], 9)
+    assert lineage(12, lambda s: links.get(s, s - 1), lambda s: s >= 10) == ([10, 12], 9)

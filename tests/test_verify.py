@@ -6,7 +6,7 @@ import torch
 from chisq import ALPHA, chisq_pvalue
 from speclm.proposers import Draft
 from speclm.sampling import SamplingParams, processed_probs
-from speclm.spec.verify import verify
+from speclm.round.verify import verify
 
 GREEDY = SamplingParams()
 
@@ -78,7 +78,7 @@ def _first_token_counts_with_alternative(residual=None, n=6000, width=3):
     token, independently; count the first committed token. At position 0 the target p and the
     draft q lean opposite ways (p = .4 .3 .2 .1, q = .1 .2 .3 .4), so the first token is often
     rejected and the alternative's step, and the residuals, decide."""
-    import speclm.spec.verify as verify_mod
+    import speclm.round.verify as verify_mod
 
     gen = torch.Generator().manual_seed(99)
     params = SamplingParams(temperature=1.0)

@@ -1,4 +1,4 @@
-"""Properties of the verifier (speclm.spec.verify) on random cases: random logits, ragged draft
+"""Properties of the verifier (speclm.round.verify) on random cases: random logits, ragged draft
 lengths, one-hot and probabilistic drafts, alternatives, greedy and sampled, every sampling
 filter. Whatever the case:
 - row b commits num_accepted[b] + 1 tokens, num_accepted[b] <= lengths[b] (its budget: a
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from speclm.proposers import Draft
 from speclm.sampling import SamplingParams, processed_probs
-from speclm.spec.verify import verify
+from speclm.round.verify import verify
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -188,7 +188,7 @@ def check_sampled(logits, draft, params, seed):
 
 def support_left(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalise(max(0, p - q)), or p where nothing is left: the distribution after a candidate
-    drawn from q was rejected (speclm.spec.verify's residual)."""
+    drawn from q was rejected (speclm.round.verify's residual)."""
     left = (p - q).clamp_min(0.0)
     return left / left.sum() if left.sum() > 0 else p
 

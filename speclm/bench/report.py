@@ -77,12 +77,36 @@ def _cell(rs: list[dict]) -> dict:
             decode_tokens_per_second=_decode_rate(stats),
             prefill_share=(sum(s.get("prefill_seconds", 0.0) for s in stats) / wall if wall else None),
             time=_time_parts(stats),
+            rounds=forwards - len(stats),  # target forwards after each request's prefill
+            # the proposers' own counters (speclm.stats.RequestStats: lookup first, lookahead's pool)
+            **{name: sum(s.get(name, 0) for s in stats) for name in PROPOSER_COUNTS},
         )
     peaks = [r["peak_resident_bytes"] for r in rs if r.get("peak_resident_bytes")]
     cell["peak_resident_bytes"] = max(peaks) if peaks else None
     checked = [r["lossless"] for r in rs if r["lossless"] is not None]
     cell["lossless"] = f"{sum(checked)}/{len(checked)}" if checked else None
     return cell
+
+
+PROPOSER_COUNTS = ("lookup_rounds", "pool_hits", "pool_tokens")
+
+
+def _proposer_lines(methods: dict) -> list[str]:
+    """Which part of a method proposed: lookup's rounds (`+pld`), lookahead's pooled n-grams."""
+    rows = []
+    for m, cells in methods.items():
+        c = cells.get(ALL, {})
+        if any(c.get(name) for name in PROPOSER_COUNTS) and c.get("rounds"):
+            hits = c["pool_hits"]
+            rows.append(f"| {m} | {c['rounds']} | {c['lookup_rounds'] / c['rounds']:.0%} | {hits / c['rounds']:.0%} | "
+                        f"{_fmt(c['pool_tokens'] / hits if hits else None)} |")
+    if not rows:
+        return []
+    return ["", "## What proposed (all categories)", "",
+            "Rounds: target forwards after the prefill, summed over requests. Lookup rounds: the share of them "
+            "prompt lookup drafted (`+pld` methods). Pool hits: the share whose verification branch held a pooled "
+            "n-gram (lookahead); accepted n-gram length: its accepted tokens per hit.", "",
+            "| method | rounds | lookup rounds | pool hits | accepted n-gram length |", "|---|---|---|---|---|", *rows]
 
 
 def _time_parts(stats: list[dict]) -> dict | None:
@@ -243,6 +267,7 @@ def markdown(results: dict, summary: dict) -> str:
                   "`none`'s one-token step over the same prompts: what verifying a round's draft really cost in the "
                   "requests (their contexts and the memory's speed at the time included), beside the cost model's "
                   "v(k) below, measured over a short cached prompt."]
+    lines += _proposer_lines(methods)
     lines += _peer_lines(results, methods)
     cats = [x for x in summary["categories"] if x != ALL]
     lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " | mean of the categories |",

@@ -27,6 +27,7 @@ import torch
 from speclm.forward.attention import is_prefill
 from speclm.errors import UsageError
 from speclm.forward.runner import ModelRunner, Plan
+from speclm.tree import lineage
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -267,11 +268,8 @@ class StaticKV:
         lowest = min(links)  # below it every slot's parent is the slot before
         out = []
         for i in range(width):
-            apart, at = [], start + i
-            while at >= lowest:
-                apart.append(at)
-                at = links.get(at, at - 1)
-            out.append((at + 1, apart[::-1]))
+            apart, below = lineage(start + i, lambda s: links.get(s, s - 1), lambda s: s >= lowest)
+            out.append((below + 1, apart))
         return out
 
     @torch.inference_mode()

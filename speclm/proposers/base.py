@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from speclm.sampling import SamplingParams
-from speclm.spec.tree import PAD, ROOT, DraftTree
+from speclm.tree import PAD, ROOT, DraftTree
 
 
 @dataclass
@@ -37,9 +37,9 @@ class Draft:
     forward_rows: int = 0  # the rows those forwards ran over (a draft model's; 0: all B)
     # (B, K) long or None: a second candidate for position j, verified beside tokens[:, j] (a tree
     # whose extra branches are leaves), -1 where none; drawn from draft_probs[:, j] independently
-    # of tokens[:, j] (greedy: the draft's second choice). See speclm.spec.verify.
+    # of tokens[:, j] (greedy: the draft's second choice). See speclm.round.verify.
     alternatives: torch.Tensor | None = None
-    # (B, K) long or None: a tree's parents (speclm.spec.tree: ROOT, PAD or an earlier node); then row
+    # (B, K) long or None: a tree's parents (speclm.tree: ROOT, PAD or an earlier node); then row
     # b's nodes are tokens[b, :lengths[b]] and `alternatives` is None. None: a chain.
     parents: torch.Tensor | None = None
 
@@ -128,7 +128,7 @@ class Proposer:
     # what of a prompt's hidden states (at hidden_layers) `read_prompt` receives: "" none, "last"
     # the last prompt token's, "all" every token the target read (a prefix cache hit is not read)
     prompt_hidden: str = ""
-    # What the round and adaptive speculation (speclm.spec.adaptive) read of a proposer, declared:
+    # What the round and adaptive speculation (speclm.round.adaptive) read of a proposer, declared:
     shape = "chain"  # "tree": it drafts a tree each round, which adaptive speculation turns on or off whole
     runs_model = False  # model forwards draft (a draft model, heads, the target's own layers): priced per forward
     reads_context = False  # a draft model with a cache of its own: it reads every committed token (a catch-up)
@@ -189,6 +189,11 @@ class Proposer:
 
     def select(self, rows: list[int]) -> None:
         """Only these rows stay in the batch, in this order (finished rows leave)."""
+
+    def round_counts(self) -> list[dict[str, int]] | None:
+        """After `accept`: per row of the last round, counters its request's stats add up (names of
+        speclm.stats.RequestStats fields, such as lookahead's pool hits); None: nothing to count."""
+        return None
 
 
 def mixed_draft(rows: list[list[int]], by_lookup: list[bool], model: Draft, params: SamplingParams) -> Draft:

@@ -1,5 +1,5 @@
 """A draft model's tree: several candidates per position, grown level by level, one draft forward
-per level, all verified in one target forward (speclm.spec.tree, speclm.spec.verify.verify_tree).
+per level, all verified in one target forward (speclm.tree, speclm.round.verify.verify_tree).
 
 Two shapes:
 - static (`--tree FILE`): a JSON list of root paths of ranks, Medusa's "choices" format: [[0], [1],
@@ -35,11 +35,12 @@ from typing import Callable
 
 import torch
 
+from speclm import defaults
 from speclm.errors import UsageError
 from speclm.forward.costs import StepTimes
 from speclm.proposers.draft_vocab import on_vocabulary, token_of
 from speclm.sampling import SamplingParams, processed_probs, sample
-from speclm.spec.tree import PAD, ROOT
+from speclm.tree import PAD, ROOT
 
 MAX_NODES = 64  # the most nodes a tree may hold (the KV caches' headroom)
 
@@ -47,11 +48,11 @@ MAX_NODES = 64  # the most nodes a tree may hold (the KV caches' headroom)
 @dataclass(frozen=True)
 class TreeSpec:
     choices: tuple[tuple[int, ...], ...] | None = None  # static tree; None: auto
-    depth: int = 6  # auto: levels below the root
-    branch: int = 4  # auto: children per expanded node
-    expand: int = 3  # auto: nodes expanded per level
-    min_prob: float = 0.05  # auto: a node below this cumulative probability is not expanded
-    follow: float = 0.6  # auto, greedy: a level's likeliest node is expanded where the draft gave it this much
+    depth: int = defaults.TREE_DEPTH  # auto: levels below the root
+    branch: int = defaults.TREE_BRANCH  # auto: children per expanded node
+    expand: int = defaults.TREE_EXPAND  # auto: nodes expanded per level
+    min_prob: float = defaults.TREE_MIN_PROB  # auto: a node below this cumulative probability is not expanded
+    follow: float = defaults.TREE_FOLLOW  # auto, greedy: a level's likeliest node is expanded where the draft gave it this much
     costs: Callable[[int], float] | None = field(default=None, compare=False)  # tokens -> seconds (target forward)
     draft_costs: Callable[[int], float] | None = field(default=None, compare=False)  # the same, the draft's (sampling)
 

@@ -27,18 +27,16 @@ import time
 
 import torch
 
+from speclm import defaults
 from speclm.proposers.base import Draft, Verified
 from speclm.proposers.head_tree import HeadProposer, Node, choose, to_draft
-from speclm.spec.tree import ROOT
+from speclm.tree import ROOT, lineage
 
-DEPTH = 6  # levels below the root
-EXPAND = 4  # candidates run through the head per level
-BRANCH = 4  # children kept per run candidate
-MAX_TREE = 48
-# a level is grown only while its likeliest candidate has at least this cumulative probability: its
-# children, at most that likely, would rarely repay the level's cost. On 12 Spec-Bench prompts
-# (benchmarks/epyc/records.md#eagle-levels): 0.02 ran 1.10x none, 0.1 1.15x, 0.2 1.19x, 0.35 1.20x
-MIN_PROB = 0.2
+# levels below the root; candidates run through the head per level; children kept per run candidate; the
+# most nodes; a level grows only while its likeliest candidate has at least MIN_PROB cumulative probability
+# (its children, at most that likely, would rarely repay the level's cost): speclm.defaults.TABLE
+DEPTH, EXPAND, BRANCH = defaults.K_EAGLE, defaults.EAGLE_EXPAND, defaults.EAGLE_BRANCH
+MAX_TREE, MIN_PROB = defaults.EAGLE_MAX_TREE, defaults.EAGLE_MIN_PROB
 
 
 class EagleProposer(HeadProposer):
@@ -203,10 +201,8 @@ class EagleProposer(HeadProposer):
                 features[b, col] = root_features[b] if parent == ROOT else feats[b][parent]
                 tokens[b, col] = node.token
                 positions[b, col] = len(contexts[b]) + node.depth
-                at = parent
-                while at != ROOT:  # its ancestors' scratch columns
+                for at in lineage(parent, lambda n: rows[b][n].parent)[0]:  # its ancestors' scratch columns
                     mask[b, col, longest + slot[b][at]] = True
-                    at = rows[b][at].parent
                 mask[b, col, longest + scratch + col] = True
             for col in range(len(p), width):  # padding queries see themselves (no empty softmax)
                 mask[b, col, longest + scratch + col] = True

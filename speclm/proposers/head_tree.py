@@ -4,7 +4,7 @@ cumulative probabilities, the best-first order, and how many of them the target 
 A candidate's cumulative probability is the product of the head's probabilities along its path:
 the head's estimate that the target accepts the whole path. Both heads' trees are deterministic
 given the features (ranks, never draws), so every node counts as a point mass for the verifier
-(`probs` None), which keeps sampling exact for any choice of nodes (speclm.spec.verify).
+(`probs` None), which keeps sampling exact for any choice of nodes (speclm.round.verify).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Callable
 import torch
 
 from speclm.proposers.base import Draft, Proposer
-from speclm.spec.tree import PAD, ROOT
+from speclm.tree import PAD, ROOT
 
 
 class HeadProposer(Proposer):
     """What Medusa's and EAGLE's proposers share: they read the target's final features and draft
-    a tree each round (speclm.spec.adaptive turns it on or off whole, never cuts its depth)."""
+    a tree each round (speclm.round.adaptive turns it on or off whole, never cuts its depth)."""
 
     hidden_layers = (-1,)
     shape = "tree"

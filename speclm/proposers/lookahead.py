@@ -4,7 +4,7 @@ of n-grams, and the n-grams that start with the last committed token are verifie
 Per row, the proposer keeps a window of W columns over N - 1 levels (oldest first): column i
 guesses the token i + 1 places after the row's last committed token, each level one Jacobi
 iteration newer than the one below it. Each round's one target forward carries, beside the
-verification branch, the window itself as a tree (speclm.spec.tree): level 0 is a chain, and the
+verification branch, the window itself as a tree (speclm.tree): level 0 is a chain, and the
 token at level l > 0, column i hangs under level l - 1's token at column i - 1 (its trajectory;
 at column 0, under the root), so that every window token sits at the position of its column and
 sees the tokens its guess was made after. The target's argmax at (l, i) is the next level's guess
@@ -16,7 +16,7 @@ every n-gram of the context as it grows, as prompt lookup would find them).
 The verification branch holds up to G of the pool's n-grams whose first token is the row's last
 committed token: their other N - 1 tokens, merged into a trie hanging from the root. Window
 nodes equal to a trie node (same parent, same token) are that node. Every node is a one-hot
-proposal and the one verifier (speclm.spec.verify) verifies siblings by rejection, so greedy
+proposal and the one verifier (speclm.round.verify) verifies siblings by rejection, so greedy
 output is plain greedy decoding's and sampled output follows the target's distribution, whatever
 the window holds. A forward reads up to 1 + W (N - 1) + G (N - 1) tokens, fewer where nodes merge.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speclm.proposers.base import Draft, Proposer, Verified
-from speclm.spec.tree import PAD, ROOT
+from speclm.tree import PAD, ROOT, lineage
 
 
 @dataclass
@@ -43,6 +43,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)  # the last round's nodes' tokens
     parents: list[int] = field(default_factory=list)  # and their parents
     tail: list[int] = field(default_factory=list)  # the context's last tokens, last round (n-grams start there)
+    pooled: int = 0  # the last round's verification branch: its nodes are 0..pooled-1 (0: no pooled n-gram)
 
 
 class LookaheadProposer(Proposer):
@@ -61,7 +62,8 @@ class LookaheadProposer(Proposer):
         self.k = max(window, ngram - 1)  # the deepest node: the window's last column, or a verified n-gram's end
         self.max_nodes = (window + guesses) * (ngram - 1)
         self.rows: list[_Row] = []
-        self.hits = self.rounds = 0  # row rounds, and those whose verification branch held a pooled n-gram
+        self.counts: list[dict[str, int]] | None = None  # the last round's, per row (round_counts)
+        self.proposed = False  # whether the round `accept` hears of drafted through `propose` (lookup first: not always)
 
     # ---------------------------------------------------------------- rows
     def add(self, count, prompt_lengths=None, max_new_tokens=None) -> None:
@@ -70,10 +72,10 @@ class LookaheadProposer(Proposer):
     def select(self, rows: list[int]) -> None:
         self.rows = [self.rows[b] for b in rows]
 
-    @property
-    def pool_hits(self) -> tuple[int, int]:
-        """(row rounds whose verification branch held a pooled n-gram, row rounds) since it was made."""
-        return self.hits, self.rounds
+    def round_counts(self) -> list[dict[str, int]] | None:
+        """Per row: whether the verification branch held a pooled n-gram, and how many of its tokens
+        were accepted (RequestStats.pool_hits, pool_tokens)."""
+        return self.counts
 
     # ---------------------------------------------------------------- proposing
     def _remember(self, row: _Row, gram: list[int]) -> None:
@@ -92,6 +94,7 @@ class LookaheadProposer(Proposer):
         row.scanned = len(context)
 
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
+        self.proposed = True
         tokens, parents = [], []
         for row, context, budget in zip(self.rows, contexts, max_tokens):
             if self.prompt_ngrams:
@@ -109,14 +112,14 @@ class LookaheadProposer(Proposer):
                     row.parents.append(parent)
                 return nodes[key]
 
-            self.rounds += 1
+            row.pooled = 0
             if budget > 0:
                 pooled = list(row.pool.get(context[-1], ()))[::-1][: self.guesses]  # the most recent first
-                self.hits += bool(pooled)
-                for rest in pooled:  # the verification branch: a trie
+                for rest in pooled:  # the verification branch: a trie, numbered before the window
                     at = ROOT
                     for token in rest[:budget]:
                         at = node(at, token)
+                row.pooled = len(row.tokens)
                 columns = min(self.window, budget)  # column i sits i + 1 deep
                 for level, guesses in enumerate(row.levels):
                     for i in range(columns):
@@ -136,15 +139,17 @@ class LookaheadProposer(Proposer):
     # ---------------------------------------------------------------- after verification
     def _path(self, row: _Row, n: int) -> list[int]:
         """Node n's tokens from the root down (the root's own token not included)."""
-        out = []
-        while n != ROOT:
-            out.append(row.tokens[n])
-            n = row.parents[n]
-        return out[::-1]
+        return [row.tokens[m] for m in lineage(n, row.parents.__getitem__)[0]]
 
     def accept(self, verified: Verified) -> None:
         """Each window node's argmax is the next level's guess one column on; the top level's
         complete n-grams. The window then drops its oldest level once it holds N - 1."""
+        proposed, self.proposed = self.proposed, False
+        if not proposed:  # another proposer drafted every row this round: the window waits
+            self.counts = [{"pool_hits": 0, "pool_tokens": 0} for _ in self.rows]
+            return
+        self.counts = [{"pool_hits": int(row.pooled > 0), "pool_tokens": sum(1 for n in path if n < row.pooled)}
+                       for row, path in zip(self.rows, verified.paths)]
         logits = verified.logits  # (B, 1 + N, V)
         if logits is None:
             return

@@ -18,12 +18,13 @@ import time
 
 import torch
 
+from speclm import defaults
 from speclm.proposers.base import Draft, Verified
 from speclm.proposers.head_tree import HeadProposer, Node, choose, to_draft
-from speclm.spec.tree import ROOT
+from speclm.tree import ROOT
 
-BRANCH = 8  # candidates per head considered for a grown tree (ranks past it are rarely accepted)
-MAX_TREE = 48  # the most nodes a grown tree may hold
+BRANCH = defaults.MEDUSA_BRANCH  # candidates per head considered for a grown tree (ranks past it are rarely accepted)
+MAX_TREE = defaults.MEDUSA_MAX_TREE  # the most nodes a grown tree may hold
 
 
 class MedusaProposer(HeadProposer):

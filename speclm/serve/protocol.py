@@ -4,7 +4,7 @@ Field names and defaults follow OpenAI's API (temperature 1, top_p 1; `max_token
 completions, the rest of the context for chat). One field is speclm's own, `speculation`:
 "off" (plain decoding), a method name ("draft", "pld", "draft+pld", "none"), or an object
 {"method": ..., "k": N, "tree": ...}; a request that sets k keeps it every round (else the
-server's adaptive speculation may lower it, speclm.spec.adaptive).
+server's adaptive speculation may lower it, speclm.round.adaptive).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Trained heads and prompt lookup together: each round, a row whose context repeats itself is
-drafted by lookup's chain, the others by the heads' tree.
+"""Prompt lookup first, another proposer elsewhere (eagle+pld, lookahead+pld): each round, a row
+whose context repeats itself is drafted by lookup's chain, the others by the wrapped proposer.
 
 The heads guess poorly where the output copies its context (summaries, answers from retrieved
 text), which is where prompt lookup guesses well, at no cost. Per row and round: when the
@@ -12,6 +12,9 @@ Verifying both together (the chain merged into the tree as one more branch) acce
 per forward but ran slower: the heads' drafting and the larger tree cost more than the extra
 tokens gained (docs/heads.md). Every node is a point mass either way (the heads rank, lookup
 copies; neither draws), so the verifier's rejection sampling stays exact.
+
+Lookahead (speclm.proposers.lookahead) drafts nothing for a lookup row, so its window waits that
+round; its pool still grows from the context.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from speclm.proposers.base import Draft, Proposer, Verified, mixed_draft
 from speclm.proposers.prompt_lookup import PromptLookupProposer
 
 
-class HeadLookupProposer(Proposer):
-    """A head proposer (speclm.proposers.eagle, speclm.proposers.medusa) that leaves a row to prompt
-    lookup in the rounds where lookup finds a chain for it. Everything else passes through to the
-    heads: they read the target's features for whatever path was accepted."""
+class LookupFirstProposer(Proposer):
+    """A proposer (heads: speclm.proposers.eagle, medusa; lookahead) that leaves a row to prompt
+    lookup in the rounds where lookup finds a chain for it. Everything else passes through to it:
+    heads read the target's features for whatever path was accepted."""
 
     def __init__(self, heads: Proposer, k: int = 4, ngram_max: int = 3, ngram_min: int = 2):
-        """heads: the head proposer (a HeadProposer); k, ngram_max, ngram_min: the lookup's
+        """heads: the wrapped proposer; k, ngram_max, ngram_min: the lookup's
         (speclm.proposers.prompt_lookup)."""
         self.heads = heads
         self.lookup = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)
@@ -34,7 +37,9 @@ class HeadLookupProposer(Proposer):
         self.k = max(heads.k, k)
         self.max_nodes = max(heads.max_nodes, k)
         self.hidden_layers, self.prompt_hidden, self.shape = heads.hidden_layers, heads.prompt_hidden, heads.shape
-        self.runs_model = heads.runs_model
+        self.runs_model, self.needs_logits = heads.runs_model, heads.needs_logits
+        assert not heads.reads_context and not heads.drafts_on_target, "lookup first: a proposer that passes rows over"
+        self.by_lookup: list[bool] = []  # the last round's, per row
 
     def start(self, batch_size, capacity, prompt_lengths=None, max_new_tokens=None, pool=0):
         self.heads.start(batch_size, capacity, prompt_lengths, max_new_tokens, pool)
@@ -51,6 +56,7 @@ class HeadLookupProposer(Proposer):
 
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
         chains = self.lookup.found(contexts, max_tokens)  # each no longer than the row's budget
+        self.by_lookup = [bool(chain) for chain in chains]
         if not any(chains):
             return self.heads.propose(contexts, max_tokens, params, generators)
         # rows with a chain get no budget from the heads, which draft nothing there; the heads run
@@ -63,6 +69,10 @@ class HeadLookupProposer(Proposer):
 
     def accept(self, verified: Verified) -> None:
         self.heads.accept(verified)
+
+    def round_counts(self) -> list[dict[str, int]] | None:
+        inner = self.heads.round_counts() or [{} for _ in self.by_lookup]
+        return [{**counts, "lookup_rounds": int(looked)} for counts, looked in zip(inner, self.by_lookup)]
 
     def select(self, rows):
         self.heads.select(rows)

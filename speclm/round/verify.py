@@ -1,6 +1,6 @@
 """The one verifier: decides, for every proposer, which drafted tokens are committed.
 
-A draft is a tree per row (speclm.spec.tree.DraftTree: a chain is the tree whose node i has parent
+A draft is a tree per row (speclm.tree.DraftTree: a chain is the tree whose node i has parent
 i - 1; a chain with alternatives is a chain with extra leaves). Words used throughout:
 - path: the nodes committed, from a child of the root down; each node on it is *accepted*;
 - recovered: where the path stops at a node whose children were all rejected, the token drawn
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from speclm.proposers.base import Draft
-from speclm.spec.tree import PAD, ROOT, DraftTree
+from speclm.tree import PAD, ROOT, DraftTree
 from speclm.sampling import SamplingParams, processed_probs
 
 
@@ -73,7 +73,7 @@ def verify_tree(
     generators: list[torch.Generator | None],
     acceptance: str = "exact",
 ) -> Verdict:
-    """target_logits (B, 1+N, V): the root's logits at 0, node n's at 1 + n (speclm.spec.tree). Each
+    """target_logits (B, 1+N, V): the root's logits at 0, node n's at 1 + n (speclm.tree). Each
     row draws from its own generator only, as its own tree asks: what a row commits does not
     depend on the other rows of the batch. acceptance "typical": Medusa's lossy rule
     (`typical_paths`) in place of rejection sampling when sampling."""

@@ -18,10 +18,24 @@ committed token's) at index 0 and node n's at 1 + n, each the distribution of th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 ROOT, PAD = -1, -2
+
+
+def lineage(node: int, parent_of: Callable[[int], int], inside: Callable[[int], bool] = lambda n: n != ROOT
+            ) -> tuple[list[int], int]:
+    """The one ancestor walk: `node`, its parent, its parent's parent, ... while `inside` holds.
+    Returns those nodes root side first, and the first node reached outside (ROOT by default).
+    It gives a tree node's visibility (the KV cache's slots, EAGLE's scratch columns) and its path
+    of tokens (lookahead's n-grams)."""
+    out = []
+    while inside(node):
+        out.append(node)
+        node = parent_of(node)
+    return out[::-1], node
 
 
 @dataclass

@@ -28,7 +28,7 @@ A step is one of:
   values are the same bits however its prompt is split); elsewhere a prompt is read whole;
 - a round for every other request (`_round`): propose -> score -> verify -> commit.
 A round's draft length may be capped per group by a `speculation` policy
-(speclm.spec.adaptive.Adaptive: from the batch's size, the measured forward costs and the rows'
+(speclm.round.adaptive.Adaptive: from the batch's size, the measured forward costs and the rows'
 acceptance; 0 is plain decoding for that round); greedy output does not depend on it.
 Requests with equal proposer options (GenerationOptions.proposer_key) share one proposer, which
 drafts their rows together; each request's tokens are verified with its own sampling options.
@@ -47,8 +47,8 @@ from speclm.options import GenerationOptions
 from speclm.proposers import Draft, Proposer, Verified
 from speclm.requests import Request
 from speclm.text import stop_cut
-from speclm.spec.tree import PAD, ROOT, DraftTree
-from speclm.spec.verify import Verdict, verify_tree
+from speclm.tree import PAD, ROOT, DraftTree
+from speclm.round.verify import Verdict, verify_tree
 
 
 @dataclass
@@ -75,6 +75,15 @@ class _Proposal:
     forward_seconds: float  # of which inside the draft model's forwards
 
 
+@dataclass
+class _Scored:
+    """The round's target forward."""
+
+    logits: torch.Tensor  # (B, 1 + N, V): at each row's root (its last committed token) and at its nodes
+    lengths: list[int]  # per row: committed tokens before the round
+    seconds: float  # in the target's forward
+
+
 class Batch:
     """Requests decoding together. `join` adds one (it starts at the next step); `step` runs one
     target forward and returns the requests that committed tokens; a finished request has left
@@ -85,7 +94,7 @@ class Batch:
         """rows: the batch's expected most requests at once (its caches' rows; more are made room
         for by copying); capacity: tokens a request may hold (prompt + max_new_tokens), at least;
         prefill_chunk: prompt tokens a request reads per step at most (None: whole);
-        speculation: a policy capping each round's draft length (speclm.spec.adaptive; None: the
+        speculation: a policy capping each round's draft length (speclm.round.adaptive; None: the
         methods' own k)."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise UsageError(f"prefill-chunk must be >= 1 token, got {prefill_chunk}")
@@ -253,40 +262,65 @@ class Batch:
 
     # ---------------------------------------------------------------- a round
     def _round(self) -> list[Request]:
-        requests, kv = self.requests, self.kv
-        target_seen, t0 = kv.forward_seconds, time.perf_counter()
-        row_of = {id(r): b for b, r in enumerate(requests)}
-        caps = self.speculation.caps(self) if self.speculation is not None else {}
-        proposals = [self._propose(g, [row_of[id(r)] for r in g.requests], caps.get(key))  # 1. propose
-                     for key, g in self.groups.items() if g.requests]
+        """propose -> score -> verify -> commit, each one call. Returns the round's requests (those
+        that finished too: they have left by then)."""
+        requests, t0 = self.requests, time.perf_counter()
+        proposals = self._propose_all()
         t1 = time.perf_counter()
-        target_seen = kv.forward_seconds  # the target's own forwards from here (a self-draft's ran on its runner)
-        tree = _batch_tree(proposals, len(requests))  # (B, N)
-        contexts = [r.context for r in requests]
-        feed, parents = _feed(contexts, kv.lengths_list(), tree)  # 2. score
-        wanted = tuple(sorted({layer for p in proposals if p.group.proposer for layer in p.group.proposer.hidden_layers}))
-        only = list(range(len(requests))) if self.reading else None  # rows still reading sit this out
-        logits = kv.forward(feed, 1 + tree.width, parents=parents, hidden_layers=wanted, only=only)  # (B, 1 + N, V)
-        verdicts = [self._verify(p, logits) for p in proposals]  # 3. verify
+        scored = self._score(proposals)
+        verdicts = [self._verify(p, scored.logits) for p in proposals]
         t2 = time.perf_counter()
-        paths: list[list[int]] = [[] for _ in requests]  # 4. commit
+        self._commit_round(proposals, verdicts, scored, verify_seconds=t2 - t1)
+        if self.speculation is not None:  # the round's time against its price (a draft's catch-up is priced apart)
+            self.speculation.timed(time.perf_counter() - t0 - sum(p.prefill_seconds for p in proposals))
+        self._leave()
+        return requests
+
+    def _propose_all(self) -> list[_Proposal]:
+        """1. propose: each group's draft for its rows, capped by the speculation policy."""
+        row_of = {id(r): b for b, r in enumerate(self.requests)}
+        caps = self.speculation.caps(self) if self.speculation is not None else {}
+        return [self._propose(g, [row_of[id(r)] for r in g.requests], caps.get(key))
+                for key, g in self.groups.items() if g.requests]
+
+    def _score(self, proposals: list[_Proposal]) -> _Scored:
+        """2. score: one target forward over every row's unseen committed tokens and draft tree."""
+        kv = self.kv
+        seen = kv.forward_seconds  # the target's own forwards from here (a self-draft's ran on its runner)
+        tree = _batch_tree(proposals, len(self.requests))  # (B, N)
+        contexts = [r.context for r in self.requests]
+        feed, parents = _feed(contexts, kv.lengths_list(), tree)
+        wanted = tuple(sorted({layer for p in proposals if p.group.proposer for layer in p.group.proposer.hidden_layers}))
+        only = list(range(len(self.requests))) if self.reading else None  # rows still reading sit this out
+        logits = kv.forward(feed, 1 + tree.width, parents=parents, hidden_layers=wanted, only=only)  # (B, 1 + N, V)
+        return _Scored(logits, [len(c) for c in contexts], kv.forward_seconds - seen)
+
+    def _commit_round(self, proposals: list[_Proposal], verdicts: list[Verdict], scored: _Scored,
+                      verify_seconds: float) -> None:
+        """4. commit: each row's accepted path moves into place in the cache (the rest is rolled
+        back by length), its proposer hears what was accepted, and its tokens are committed."""
+        requests, kv = self.requests, self.kv
+        paths: list[list[int]] = [[] for _ in requests]
         for p, verdict in zip(proposals, verdicts):
             for i, b in enumerate(p.rows):
                 paths[b] = verdict.paths[i]
-        keep = [len(c) + len(path) for c, path in zip(contexts, paths)]
-        for b, (c, path) in enumerate(zip(contexts, paths)):
-            kv.move_path(b, [len(c) + n for n in path], len(c))  # the accepted path's keys and values into place
+        keep = [n + len(path) for n, path in zip(scored.lengths, paths)]
+        for b, (n, path) in enumerate(zip(scored.lengths, paths)):
+            kv.move_path(b, [n + j for j in path], n)  # the accepted path's keys and values into place
         kv.truncate(keep + [kv.capacity] * len(self.reading))
-        target_spent = kv.forward_seconds - target_seen
         for p, verdict in zip(proposals, verdicts):
-            if p.group.proposer is not None:
-                proposer = p.group.proposer
+            proposer = p.group.proposer
+            counts = None
+            if proposer is not None:
                 hidden = {layer: kv.hidden[layer][p.rows, : 1 + p.tree.width] for layer in proposer.hidden_layers}
-                scored = logits[p.rows, : 1 + p.tree.width] if proposer.needs_logits else None
-                proposer.accept(Verified([keep[b] for b in p.rows], verdict.paths, hidden or None, scored))
+                logits = scored.logits[p.rows, : 1 + p.tree.width] if proposer.needs_logits else None
+                proposer.accept(Verified([keep[b] for b in p.rows], verdict.paths, hidden or None, logits))
+                counts = proposer.round_counts()
             for i, b in enumerate(p.rows):
                 r = requests[b]
-                self._count(r, p, i, verdict, t2 - t1, target_spent)
+                self._count(r, p, i, verdict, verify_seconds, scored.seconds)
+                if counts is not None:
+                    r.stats.add_counts(counts[i])
                 if self.speculation is not None:
                     self.speculation.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]),
                                              p.seconds - p.prefill_seconds, p.draft.forwards,
@@ -294,10 +328,6 @@ class Batch:
                 self._commit(r, verdict.committed(i))
                 r.stats.new_tokens = len(r.generated)
                 r.stats.wall_seconds = time.perf_counter() - r.joined_at
-        if self.speculation is not None:  # the round's time against its price (a draft's catch-up is priced apart)
-            self.speculation.timed(time.perf_counter() - t0 - sum(p.prefill_seconds for p in proposals))
-        self._leave()
-        return requests
 
     def _propose(self, group: _Group, rows: list[int], cap: int | None = None) -> _Proposal:
         """The group's draft for its requests, at batch rows `rows`; cap: its most draft tokens

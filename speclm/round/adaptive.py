@@ -53,6 +53,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+from speclm import defaults
 from speclm.methods import DRAFT_MODEL
 from speclm.forward.costs import ForwardCosts, StepTimes
 
@@ -68,7 +69,7 @@ class _Rate:
 
 
 class Adaptive:
-    def __init__(self, costs: ForwardCosts, prior: float = 0.6, decay: float = 0.9, probe: int = 32,
+    def __init__(self, costs: ForwardCosts, prior: float = defaults.ADAPTIVE_PRIOR, decay: float = defaults.ADAPTIVE_DECAY, probe: int = 32,
                  draft_costs: Callable[[int], float] | None = None):
         """costs: the target's forward seconds by tokens read; draft_costs: the draft model's (None:
         its forwards are known only once measured here)."""
