@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft, draft+pld, hf-assisted and openvino-draft")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], lookahead[:w=N,n=N,g=N], self[:k=N,layers=auto|N|skip:I-J+K], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], lookahead[:w=N,n=N,g=N], lookahead+pld[:lookahead's and pld's options], self[:k=N,layers=auto|N|skip:I-J+K,self_weights=target|int4], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
                         "llama.cpp, llama.cpp-pld[:k=N,ngram_max=N], openvino, openvino-draft[:k=N], openvino-pld[:k=N,ngram_max=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
@@ -180,6 +180,10 @@ def _add_draft_options(g: argparse.ArgumentParser) -> None:
                    help=f"{', '.join(taking('layers'))}: the target's layers that draft: auto (default: chosen by a "
                         "calibration on this machine, cached), N (the first N layers, then the final norm and head) or "
                         "skip:I,J-K (every layer but these)")
+    g.add_argument("--self-weights", choices=("target", "int4"), default=None,
+                   help=f"{', '.join(taking('self_weights'))}: the weights the drafting layers run on: target (its own) or "
+                        f"int4 (a copy of those layers and the head, made once; its size is printed) (default "
+                        f"{defaults.SELF_WEIGHTS})")
     g.add_argument("--draft-prompt-ratio", type=float, default=defaults.DRAFT_PROMPT_RATIO,
                    help="draft+pld: prompt lookup alone (no draft model) for prompts longer than this times "
                         "--max-new-tokens (default %(default)g; 0: never the model, inf: always)")
@@ -301,6 +305,7 @@ def _generate(args) -> int:
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
         alternatives=args.alternatives, draft_vocab=args.draft_vocab, draft_prompt_ratio=args.draft_prompt_ratio,
         tree=args.tree, heads=args.heads, acceptance=args.acceptance, lookahead=args.lookahead, layers=args.layers,
+        self_weights=args.self_weights,
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")

@@ -114,6 +114,9 @@ TABLE: tuple[Tuned, ...] = (
     Tuned("ADAPTIVE_DECAY", 0.9, "speclm.round.adaptive", "adaptive speculation: each round's weight on the counts "
           "before it", "benchmarks/avx2/records.md#adaptive-ab", "not tuned"),
     Tuned("K_SELF", 3, "--k", "`self`: tokens its layers draft per round", "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "not tuned: the only value measured"),
+    Tuned("SELF_WEIGHTS", "target", "--self-weights", "`self`: the weights its layers draft with: target (its own) "
+          "or int4 (a copy of those layers and the head)", "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12",
+          "not tuned: int4 not measured yet"),
     Tuned("LOOKAHEAD_POOL", 8, "speclm.proposers.lookahead", "`lookahead`: n-grams its pool keeps per first token "
           "(G of them are verified)", "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "not tuned"),
 )
@@ -183,6 +186,7 @@ EAGLE_MIN_PROB: float = _BY_NAME["EAGLE_MIN_PROB"]
 ADAPTIVE_PRIOR: float = _BY_NAME["ADAPTIVE_PRIOR"]
 ADAPTIVE_DECAY: float = _BY_NAME["ADAPTIVE_DECAY"]
 K_SELF: int = _BY_NAME["K_SELF"]
+SELF_WEIGHTS: str = _BY_NAME["SELF_WEIGHTS"]
 LOOKAHEAD_POOL: int = _BY_NAME["LOOKAHEAD_POOL"]
 
 

@@ -8,6 +8,8 @@ prompt's output with a seed is the same alone, in any batch, and whichever reque
 from __future__ import annotations
 
 import secrets
+import sys
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -66,7 +68,8 @@ class SpecEngine:
         self.target, self.draft = target, draft
         self.prefix = PrefixCaches.of_size(prefix_cache)
         self.draft_times = DraftTimes()  # the draft's measured forward times, kept across requests (auto trees)
-        self._self_layers: dict[str, tuple[int, ...]] = {}  # self's --layers -> the layers that draft (calibrated once)
+        self._self_layers: dict[tuple[str, str], tuple[int, ...]] = {}  # self's (--layers, weights) -> the layers that draft
+        self._self_copies: dict[tuple[int, ...], tuple] = {}  # self's layers -> their int4 copy (one at a time)
         self._heads: dict[tuple[str, str], LoadedHeads] = {}  # (kind, file) -> heads loaded for this target
         # "target"/"draft model" -> forward costs, kept for the engine's life (a table measured on a busy
         # machine is not stored on disk: without this each new proposer would measure it again)
@@ -165,7 +168,7 @@ class SpecEngine:
             self.heads(m.heads, opts.heads)
             self.forward_costs()
         if "layers" in m.options:
-            self.self_layers(opts)
+            self.self_stack(opts)
 
     @property
     def weights(self) -> Weights:
@@ -186,10 +189,34 @@ class SpecEngine:
         once, then cached with the model: speclm.proposers.self_draft.calibrate)."""
         from speclm.proposers.self_draft import parse_layers, resolve_layers
 
-        key = opts.layers or "auto"
+        key = (opts.layers or "auto", opts.self_draft_weights)
         if key not in self._self_layers:
-            self._self_layers[key] = resolve_layers(parse_layers(key), self)
+            self._self_layers[key] = resolve_layers(parse_layers(key[0]), self, key[1])
         return self._self_layers[key]
+
+    def self_stack(self, opts: GenerationOptions):
+        """What `self` drafts with: its layers (a tuple), or with --self-weights int4 a Stack of
+        their int4 copies and the head's copy (speclm.forward.lean.int4_stack), made once per
+        engine; its size goes to stderr. Returns (layers, head or None)."""
+        layers = self.self_layers(opts)
+        if opts.self_draft_weights == "target":
+            return layers, None
+        if layers not in self._self_copies:
+            from tqdm.auto import tqdm
+
+            from speclm.forward.lean import int4_stack
+
+            if self.target.quantize == "int4":
+                raise UsageError("--self-weights int4: the target's weights are int4 already (use target)")
+            self._self_copies.clear()  # one copy at a time (a calibration tries several layer sets)
+            t0 = time.perf_counter()
+            with tqdm(total=len(layers) + 1, desc="self: int4 copy", unit="layer", file=sys.stderr, leave=False) as bar:
+                stack, head, size = int4_stack(self.target.model, layers, bar.update)
+            print(f"speclm: self drafts on an int4 copy of {len(layers)} layers and the head: "
+                  f"{size / 2**20:.0f} MiB, made in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            self._self_copies[layers] = (stack, head, size)
+        stack, head, _ = self._self_copies[layers]
+        return stack, head
 
     def heads(self, kind: str, path: str | None = None) -> "LoadedHeads":
         """The trained heads of `kind` for this target: from `path`, or those shipped for it

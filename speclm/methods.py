@@ -149,7 +149,8 @@ def _lookahead_pld(engine, opts):
 def _self(engine, opts):
     from speclm.proposers.self_draft import SelfDraftProposer
 
-    return SelfDraftProposer(engine.target.model, engine.self_layers(opts), engine.draft_length(opts))
+    stack, head = engine.self_stack(opts)
+    return SelfDraftProposer(engine.target.model, stack, engine.draft_length(opts), head=head)
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (
@@ -181,7 +182,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            _lookahead_pld, lambda w, o: max(_pld_k(w), o.lookahead_shape[0], o.lookahead_shape[1] - 1),
            shapes=("chain", "tree"), options=LOOKUP_OPTIONS | {"lookahead"}, ngram_min=defaults.NGRAM_MIN_DRAFT_PLD),
     Method("self", "self-speculation: the target's own layers, some skipped, draft a chain", _self,
-           lambda w, o: defaults.K_SELF, options=frozenset({"layers"}), runs_model=True),
+           lambda w, o: defaults.K_SELF, options=frozenset({"layers", "self_weights"}), runs_model=True),
 )}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 

@@ -54,6 +54,9 @@ class GenerationOptions:
     # self: the target's layers that draft: "auto" (calibrated on this machine, speclm.proposers.self_draft),
     # "N" (the first N: early exit) or "skip:I,J-K" (every layer but these); None: "auto"
     layers: str | None = None
+    # self: the weights its layers draft with: "target" (the target's own) or "int4" (an int4 copy of the
+    # drafting layers and the head, made once at first use); None: speclm.defaults.SELF_WEIGHTS
+    self_weights: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in REGISTRY:
@@ -82,10 +85,11 @@ class GenerationOptions:
         if self.tree == "chain" and "chain" not in m.shapes:
             raise UsageError(f"--tree for {self.method}: auto, static or a JSON file of rank paths (it drafts trees)")
         # a method-specific option set on a method that does not take it (a chain is every chain method's shape)
-        unset = {"tree": (None, "chain"), "heads": (None,), "acceptance": ("exact",), "lookahead": (None,), "layers": (None,)}
+        unset = {"tree": (None, "chain"), "heads": (None,), "acceptance": ("exact",), "lookahead": (None,), "layers": (None,),
+                 "self_weights": (None,)}
         for option, values in unset.items():
             if getattr(self, option) not in values and option not in m.options:
-                flag = f"--{option}" + (" typical (lossy)" if option == "acceptance" else "")
+                flag = f"--{option.replace('_', '-')}" + (" typical (lossy)" if option == "acceptance" else "")
                 raise UsageError(f"{flag} applies to {', '.join(taking(option))}, not '{self.method}'")
         if self.acceptance not in ("exact", "typical"):
             raise UsageError(f"acceptance must be exact or typical, not '{self.acceptance}'")
@@ -101,6 +105,8 @@ class GenerationOptions:
             from speclm.proposers.self_draft import parse_layers
 
             parse_layers(self.layers)  # validates
+        if self.self_weights not in (None, "target", "int4"):
+            raise UsageError(f"self-weights must be target or int4, not '{self.self_weights}'")
         self.tree_spec  # validates the tree
 
     @property
@@ -116,6 +122,11 @@ class GenerationOptions:
             return None
         tree = self.tree if self.tree is not None else m.tree_default
         return parse_tree("auto" if tree == "static" else tree)  # "static": the heads' own tree, read beside them
+
+    @property
+    def self_draft_weights(self) -> str:
+        """self's drafting weights: self_weights, or the default."""
+        return self.self_weights or defaults.SELF_WEIGHTS
 
     @property
     def lookahead_shape(self) -> tuple[int, int, int]:

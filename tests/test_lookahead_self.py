@@ -16,13 +16,14 @@ from speclm.proposers.lookahead import LookaheadProposer
 from speclm.proposers.self_draft import candidates, layers_of, parse_layers
 from speclm.quant.weights import quantize_model
 from speclm.tree import ROOT
-from tiny import loaded, tiny_model
+from tiny import loaded, require_compiled_kernels, tiny_model
 
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick"]
 N = 40
 SETTINGS = [("lookahead", {}), ("lookahead", {"lookahead": (3, 4, 3)}), ("lookahead", {"lookahead": (1, 2, 1)}),
             ("lookahead+pld", {}), ("lookahead+pld", {"lookahead": (2, 3, 2), "ngram_min": 1}),
-            ("self", {"layers": "2"}), ("self", {"layers": "skip:1-2"}), ("self", {"layers": "1", "k": 5})]
+            ("self", {"layers": "2"}), ("self", {"layers": "skip:1-2"}), ("self", {"layers": "1", "k": 5}),
+            ("self", {"layers": "2", "self_weights": "int4"}), ("self", {"layers": "skip:1", "self_weights": "int4"})]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,8 @@ def deep8(deep):
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
 @pytest.mark.parametrize("method,options", SETTINGS, ids=lambda v: str(v))
 def test_greedy_output_is_plain_decoding(deep, deep8, weights, method, options):
+    if options.get("self_weights") == "int4":
+        require_compiled_kernels()  # int4 layers run on speclm's kernels only
     model = deep if weights == "fp32" else deep8
     engine = SpecEngine(model)
     for prompt in PROMPTS:
@@ -184,6 +187,46 @@ def test_self_draft_reads_the_targets_cache_and_leaves_it_as_it_was(deep):
     out = engine.generate(PROMPTS[2], method="self", max_new_tokens=N, k=4)
     assert out.token_ids == ref.token_ids and all(seen) and seen
     assert out.stats.acceptance_rate == 1.0  # all layers: the target's own tokens (fp32 near-ties aside)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_self_int4_copy_drafts_apart_from_the_target_and_reports_its_size(deep, deep8, weights, capsys):
+    """--self-weights int4: the drafting layers and the head run on an int4 copy made once per
+    engine (its size on stderr); the target's own weights are untouched and its output is plain
+    decoding's. The copy drafts differently from the layers it copies: on every layer the
+    target's own weights draft the target's tokens (acceptance 1), the copy's rounding does not."""
+    require_compiled_kernels()
+    model = deep if weights == "fp32" else deep8
+    before = {name: t.clone() for name, t in model.model.state_dict().items()}
+    engine = SpecEngine(model)
+    ref = engine.generate(PROMPTS[2], method="none", max_new_tokens=N)
+    outs = [engine.generate(p, method="self", max_new_tokens=N, layers="skip:0", self_weights="int4", k=4)
+            for p in PROMPTS]
+    assert outs[2].token_ids == ref.token_ids
+    err = capsys.readouterr().err
+    assert err.count("int4 copy of 3 layers and the head") == 1, err  # made once, for the engine's life
+    assert all(torch.equal(before[name], t) for name, t in model.model.state_dict().items())
+    from speclm.forward.lean import Stack
+
+    stack, head = engine.self_stack(GenerationOptions(method="self", layers="skip:0", self_weights="int4"))
+    assert isinstance(stack, Stack) and stack.indices == (1, 2, 3) and set(stack.copies) == {1, 2, 3} and head
+    # every layer on the copy: not the target's own tokens every time (its own layers would be)
+    from speclm.proposers.self_draft import SelfDraftProposer
+    from speclm.forward.lean import int4_stack
+
+    all_layers, all_head, size = int4_stack(model.model, (0, 1, 2, 3))
+    assert size > 0
+    if weights == "fp32":  # the copy computes what the model quantized to int4 whole computes, bit for bit
+        from speclm.forward.cache import StaticKV
+
+        whole = quantize_model(copy.deepcopy(model.model), "int4")
+        ids = [[70]]  # one token: both forwards attend alike (an fp32 model's prefill of more takes SDPA)
+        got = StaticKV(model.model, 1, 64).forward(ids, 1, layers=all_layers, head=all_head)
+        assert torch.equal(got, StaticKV(whole, 1, 64).forward(ids, 1))
+    proposer = SelfDraftProposer(model.model, all_layers, 4, head=all_head)
+    engine.make_proposer = lambda opts: proposer
+    out = engine.generate(PROMPTS[2], method="self", max_new_tokens=N, k=4)
+    assert out.token_ids == ref.token_ids and out.stats.acceptance_rate < 1.0, out.stats.acceptance_rate
 
 
 def test_layers_and_lookahead_options_are_checked():

@@ -15,8 +15,8 @@ auto, and auto under draft+pld; a tree two deep fills the same window; trained h
 medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), eagle+pld's and lookahead+pld's rows of lookup chains beside rows of the other's trees, lookahead, self,
 with untrained random heads) and their counts compared with the
 exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 26 checks, by the union bound, with probability at most 2.6e-3
-nominally, 5.2e-3 with the chi-square approximation's error as measured there). An auto tree
+about ALPHA = 1e-4; this file's 27 checks, by the union bound, with probability at most 2.7e-3
+nominally, 5.4e-3 with the chi-square approximation's error as measured there). An auto tree
 sized from cost lines (its nodes' children counts chosen from their distributions) is one of them.
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
@@ -36,7 +36,8 @@ fail the very check (same case, seed and sample count) the real code passes:
                                 as uniform draws instead of point masses;
   lookahead_claims_uniform_draws  lookahead's nodes (window guesses, pooled n-grams) reported as
                                 uniform draws instead of point masses;
-  self_samples_sharper          self-speculation's draft samples from q^2 but reports q.
+  self_samples_sharper          self-speculation's draft samples from q^2 but reports q (on the
+                                target's layers, and on their int4 copy).
 Measured locally over 5 disjoint batches (seeds 11 + i * 10**6, i = 0..4: no request's generator
 seed shared between them): every mutation failed its check 5 times out of 5, with p-values
 between 0 and 5e-78 (ALPHA = 1e-4), and the real code passed all 11 checks 5 times out of 5
@@ -48,7 +49,8 @@ tree checks passed 20 of 20 (smallest p-value 0.18), the two tree mutations fail
 self-top), the same way: 20 of 20 passed (smallest p-value 3.2e-4), their two mutations failed 10
 of 10 (largest p-value 8.7e-138). lookahead+pld (lookup's chains beside lookahead's trees), the same
 way: 5 of 5 passed (smallest p-value 0.011), lookup's rows claiming uniform draws failed 5 of 5
-(largest p-value 1.0e-46).
+(largest p-value 1.0e-46). self-int4 (self on an int4 copy of its layer and the head), the same
+way: 5 of 5 passed (smallest p-value 0.23), sharper samples failed 5 of 5 (largest p-value 2.8e-132).
 """
 
 import itertools
@@ -187,6 +189,8 @@ CASES = {
     # self: the target's first layer drafts, sampled from its own distribution
     "self": ("self", T1, {"layers": "1"}),
     "self-top": ("self", SamplingParams(temperature=0.8, top_k=5), {"layers": "skip:0"}),
+    # self on an int4 copy of its layers and the head: the copy's distribution is what it reports
+    "self-int4": ("self", T1, {"layers": "1", "self_weights": "int4"}),
 }
 
 
@@ -371,6 +375,7 @@ MUTATIONS = {  # each with the case whose check it must fail
     "lookahead_claims_uniform_draws": (lookahead_claims_uniform_draws, "lookahead"),
     "lookahead+pld_lookup_rows_claim_uniform_draws": (lookup_rows_claim_uniform_draws, "lookahead+pld"),
     "self_samples_sharper": (self_samples_sharper, "self"),
+    "self_int4_samples_sharper": (self_samples_sharper, "self-int4"),
 }
 
 

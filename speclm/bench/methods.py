@@ -27,7 +27,7 @@ from speclm.stats import RequestStats
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float,
                 "alternatives": float, "vocab": int, "prompt_ratio": float, "tree": str, "heads": str,
-                "acceptance": str, "w": int, "n": int, "g": int, "layers": str,
+                "acceptance": str, "w": int, "n": int, "g": int, "layers": str, "self_weights": str,
                 **{key: str for key in peers.OPENVINO_OPTIONS}}
 
 

@@ -15,7 +15,7 @@ chunk_invariant says why).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -26,7 +26,7 @@ from torch import nn
 from speclm.quant import kernels
 from speclm.forward.attention import attend_each_query, is_prefill
 from speclm.defaults import FP32_FEW_ROWS, FP32_PADDED_ROWS, PREFILL_ROW_BLOCK
-from speclm.quant.weights import Int8Slice, QuantLinear
+from speclm.quant.weights import Int8Slice, QuantLinear, dense_linear, int4_copy, quantize_linears, quantized_bytes
 
 Rows = Callable[[torch.Tensor], torch.Tensor]  # (R, in) -> (R, out), row by row
 
@@ -153,6 +153,54 @@ def _layer(layer: nn.Module, dtype: torch.dtype, compiled) -> _Layer:
     return _Layer(attn_in=lambda x: qkv(norm1(x)), attn_out=_plus_residual(attn.o_proj), mlp=mlp_block)
 
 
+@dataclass(frozen=True)
+class Stack:
+    """The decoder layers a forward runs, ascending, and stand-ins for some of them (a
+    lower-precision copy of their weights: speclm.proposers.self_draft); the others run as they are."""
+
+    indices: tuple[int, ...]
+    copies: dict = field(default_factory=dict, hash=False, compare=False)  # index -> _Layer
+
+
+def int4_stack(model, indices: tuple[int, ...], progress: Callable[[], None] = lambda: None
+               ) -> tuple[Stack, Rows, int]:
+    """An int4 copy of the model's layers `indices` and of its output head, made from its own
+    weights (fp32, or int8 de-quantized) one layer at a time: the Stack, the head as (R, E) -> (R, V),
+    and the copy's bytes. The model itself is untouched. `progress` is called after each layer and
+    after the head."""
+    inner = model.model
+    dtype = inner.norm.weight.dtype
+    compiled = kernels.compiled() if inner.norm.weight.device.type == "cpu" else None
+    copies, size = {}, 0
+    for i in indices:
+        layer = inner.layers[i]
+        stand_in = nn.Module()
+        stand_in.self_attn, stand_in.mlp = nn.Module(), nn.Module()
+        stand_in.input_layernorm, stand_in.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                            ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                setattr(getattr(stand_in, part), name, dense_linear(getattr(getattr(layer, part), name)))
+        quantize_linears(stand_in, "int4")  # q|k|v and gate|up fused, as the model's own int8 layers are
+        size += sum(quantized_bytes(m) for m in {id(m): m for m in _kernels_of(stand_in)}.values())
+        copies[i] = _layer(stand_in, dtype, compiled)
+        progress()
+    head = int4_copy(model.get_output_embeddings())
+    progress()
+    return Stack(tuple(indices), copies), head.rows, size + quantized_bytes(head)
+
+
+def _kernels_of(module: nn.Module) -> list:
+    """The quantized layers under `module`; fused siblings' shared one once per sibling (callers dedupe)."""
+    out = []
+    for m in module.modules():
+        if isinstance(m, QuantLinear):
+            out.append(m)
+        elif isinstance(m, Int8Slice):
+            out.append(m.fused.kernel)
+    return out
+
+
 class LeanForward:
     def __init__(self, model):
         cfg = model.config
@@ -213,8 +261,8 @@ class LeanForward:
         hidden_all: the hidden states of every fed token (B, M, E), not only the kept ones (a head
         reading a prompt's features); the last layer then runs on every row.
         layers: only these decoder layers run (ascending; None: all), then the final norm and the
-        head: the target's own layers as a draft (speclm.proposers.self_draft). The others' keys and
-        values are left as they are."""
+        head: the target's own layers as a draft (speclm.proposers.self_draft); a Stack also gives
+        stand-ins for some of them. The others' keys and values are left as they are."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
@@ -245,10 +293,11 @@ class LeanForward:
                 kept_rows = (rows * width + cols).view(-1)
         else:
             kept_rows = (rows * width + keep_cols).view(-1)
-        running = range(len(self.layers)) if layers is None else layers
+        copies = layers.copies if isinstance(layers, Stack) else {}
+        running = range(len(self.layers)) if layers is None else layers.indices if isinstance(layers, Stack) else layers
         last = running[-1]
         for i in running:
-            layer = self.layers[i]
+            layer = copies.get(i) or self.layers[i]
             qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
             if compiled is not None:
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,

@@ -95,9 +95,9 @@ def candidates(count: int) -> dict[str, tuple[int, ...]]:
     return {name: kept for name, kept in out.items() if 0 < len(kept) < count}
 
 
-def resolve_layers(choice: LayerChoice, engine) -> tuple[int, ...]:
+def resolve_layers(choice: LayerChoice, engine, weights: str = "target") -> tuple[int, ...]:
     """The layers that draft: a fixed choice's, or (auto) the calibrated choice for this engine's
-    target on this machine, measured once and cached."""
+    target on this machine and these drafting weights ("target", "int4"), measured once and cached."""
     from speclm.forward import lean
 
     model = engine.target.model
@@ -108,12 +108,13 @@ def resolve_layers(choice: LayerChoice, engine) -> tuple[int, ...]:
         return layers_of(choice, count)
     from speclm.forward.costs import cache_path
 
-    path = cache_path("self-layers", f"{engine.target.name}-{engine.target.quantize}", model)
+    suffix = "" if weights == "target" else f"-{weights}-copy"
+    path = cache_path("self-layers", f"{engine.target.name}-{engine.target.quantize}{suffix}", model)
     try:
         return tuple(int(i) for i in json.loads(path.read_text())["layers"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    layers, report = calibrate(engine, candidates(count))
+    layers, report = calibrate(engine, candidates(count), weights)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -124,7 +125,7 @@ def resolve_layers(choice: LayerChoice, engine) -> tuple[int, ...]:
     return layers
 
 
-def calibrate(engine, options: dict[str, tuple[int, ...]]) -> tuple[tuple[int, ...], dict]:
+def calibrate(engine, options: dict[str, tuple[int, ...]], weights: str = "target") -> tuple[tuple[int, ...], dict]:
     """Each candidate drafting greedily on CALIBRATION, timed against plain decoding; the fastest
     candidate's layers and every candidate's tokens/s."""
     from tqdm.auto import tqdm
@@ -152,7 +153,7 @@ def calibrate(engine, options: dict[str, tuple[int, ...]]) -> tuple[tuple[int, .
     best, best_rate = None, -1.0
     for name, kept in options.items():
         skipped = ",".join(str(i) for i in range(count) if i not in set(kept))
-        report[name] = rate(method="self", layers=f"skip:{skipped}")
+        report[name] = rate(method="self", layers=f"skip:{skipped}", self_weights=weights)
         bar.update()
         if report[name] > best_rate:
             best, best_rate = kept, report[name]
@@ -166,15 +167,18 @@ class SelfDraftProposer(Proposer):
     runs_model = True
     drafts_on_target = True
 
-    def __init__(self, model, layers: tuple[int, ...], k: int):
-        """model: the target (its lean forward runs the layers); layers: those that draft, ascending."""
+    def __init__(self, model, layers, k: int, head=None):
+        """model: the target (its lean forward runs the layers); layers: those that draft, ascending,
+        or a speclm.forward.lean.Stack that also gives their stand-ins (an int4 copy); head: the
+        output head's stand-in, (R, E) -> (R, V) (None: the target's own)."""
         from speclm.forward import lean
 
         if not lean.supports(model):
             raise UsageError("method 'self' needs speclm's lean forward (Llama or Qwen2 architectures)")
-        if not layers:
+        if not (layers.indices if isinstance(layers, lean.Stack) else layers):
             raise UsageError("method 'self' needs at least one layer to draft with")
-        self.layers, self.k, self.max_nodes = tuple(layers), k, k
+        self.layers = layers if isinstance(layers, lean.Stack) else tuple(layers)
+        self.head, self.k, self.max_nodes = head, k, k
         self.kv = None
         self.rows: list[int] = []
         self._seconds = 0.0
@@ -205,7 +209,7 @@ class SelfDraftProposer(Proposer):
             if not active:
                 break
             logits = kv.forward([feed[i] for i in active], 1, only=[self.rows[i] for i in active],
-                                layers=self.layers)[:, -1]  # (A, V)
+                                layers=self.layers, head=self.head)[:, -1]  # (A, V)
             forwards += 1
             for a, i in enumerate(active):
                 if params.greedy:

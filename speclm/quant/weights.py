@@ -510,6 +510,43 @@ class _Fused:
         return self._y
 
 
+def dense(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer's weight (out, in) in fp32 and its bias: an nn.Linear's own, an int8 layer's
+    de-quantized (its int8 values times their scales). For a lower-precision copy of a model's
+    layers (speclm.proposers.self_draft); int4 layers have none below them (ValueError)."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach().float(), None if module.bias is None else module.bias.detach().float()
+    if isinstance(module, Int8Slice):
+        weight, bias = dense(module.fused.kernel)
+        return weight[module.start : module.stop], None if bias is None else bias[module.start : module.stop]
+    if isinstance(module, Int8Linear):
+        q = (from_vnni_layout(module.vnni_weight, module.out_features, module.in_features)
+             if module.compiled is not None else module.qweight_t.t())
+        return q.float() * module.wscale[:, None], module.bias
+    raise ValueError(f"no fp32 weights to copy from a {type(module).__name__}")
+
+
+def dense_linear(module: nn.Module) -> nn.Linear:
+    """A new fp32 nn.Linear of a linear layer's weights (`dense`)."""
+    weight, bias = dense(module)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+def int4_copy(module: nn.Module) -> QuantLinear:
+    """A linear layer (nn.Linear, int8) as a new int4 one: a copy, the layer itself untouched."""
+    return _quantized_linear("int4", dense_linear(module))
+
+
+def quantized_bytes(module: QuantLinear) -> int:
+    """The bytes a quantized layer's tensors hold."""
+    return sum(t.numel() * t.element_size() for t in module.state().values())
+
+
 # projections that read one input in the Llama-family decoders (Llama, Qwen2, Mistral, ...)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

@@ -227,7 +227,7 @@ def _options(defaults: GenerationOptions, body, max_tokens: int) -> GenerationOp
     if spec is not None:
         if spec.method is not None and spec.method != defaults.method:
             heads = method(spec.method).needs == HEADS
-            changes.update(method=spec.method, k=None, tree=None, lookahead=None, layers=None,
+            changes.update(method=spec.method, k=None, tree=None, lookahead=None, layers=None, self_weights=None,
                            heads=defaults.heads if heads else None, acceptance=defaults.acceptance if heads else "exact")
         if spec.k is not None:
             changes["k"] = spec.k

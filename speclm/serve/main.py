@@ -42,7 +42,7 @@ def build(args, progress: bool = False):
     method = check(args)
     options = GenerationOptions(
         method=method, k=args.k, confidence=args.confidence, alternatives=args.alternatives, tree=args.tree, heads=args.heads, acceptance=args.acceptance,
-        lookahead=args.lookahead, layers=args.layers,
+        lookahead=args.lookahead, layers=args.layers, self_weights=args.self_weights,
         draft_vocab=args.draft_vocab, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         draft_prompt_ratio=args.draft_prompt_ratio)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECLM_API_KEY") or None
