@@ -259,3 +259,33 @@ def test_self_needs_the_lean_forward(tok):
                    name="gpt2-tiny")
     with pytest.raises(UsageError, match="lean forward"):
         SpecEngine(other).generate("abc", method="self", layers="1", max_new_tokens=4)
+
+
+def test_self_calibration_times_decoding_not_the_int4_copy(deep, monkeypatch):
+    """--layers auto with --self-weights int4: each candidate's copy is made before its timed
+    runs (a copy made inside them once decided the calibration by how fast it was made)."""
+    require_compiled_kernels()
+    import speclm.forward.lean as lean
+    from speclm.proposers.self_draft import calibrate
+
+    engine = SpecEngine(deep)
+    timing, built_while_timed, built = [False], [], []
+    real_stack, real_generate = lean.int4_stack, engine.generate
+
+    def int4_stack(model, indices, progress=lambda: None):
+        built.append(indices)
+        built_while_timed.append(timing[0])
+        return real_stack(model, indices, progress)
+
+    def generate(*args, **kwargs):
+        timing[0] = True
+        try:
+            return real_generate(*args, **kwargs)
+        finally:
+            timing[0] = False
+
+    monkeypatch.setattr(lean, "int4_stack", int4_stack)
+    monkeypatch.setattr(engine, "generate", generate)
+    layers, report = calibrate(engine, candidates(4), "int4")
+    assert len(built) == len(set(candidates(4).values())) and not any(built_while_timed), built_while_timed
+    assert layers in candidates(4).values() and set(report) == {"none", *candidates(4)}
