@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft, draft+pld, hf-assisted and openvino-draft")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], lookahead[:w=N,n=N,g=N], lookahead+pld[:lookahead's and pld's options], self[:k=N,layers=auto|N|skip:I-J+K,self_weights=target|int4], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], lookahead[:w=N,n=N,g=N], lookahead+pld[:lookahead's and pld's options], self[:k=N,layers=auto|all|N|skip:I-J+K,self_weights=target|int4], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
                         "llama.cpp, llama.cpp-pld[:k=N,ngram_max=N], openvino, openvino-draft[:k=N], openvino-pld[:k=N,ngram_max=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
@@ -176,10 +176,10 @@ def _add_draft_options(g: argparse.ArgumentParser) -> None:
                    help=f"{', '.join(taking('lookahead'))}: the lookahead window W, n-gram size N and n-grams verified "
                         f"per round G (default {defaults.LOOKAHEAD_WINDOW},{defaults.LOOKAHEAD_NGRAM},"
                         f"{defaults.LOOKAHEAD_GUESSES}); a target forward reads up to 1 + W (N - 1) + G (N - 1) tokens")
-    g.add_argument("--layers", default=None, metavar="auto|N|skip:I,J-K",
+    g.add_argument("--layers", default=None, metavar="auto|all|N|skip:I,J-K",
                    help=f"{', '.join(taking('layers'))}: the target's layers that draft: auto (default: chosen by a "
-                        "calibration on this machine, cached), N (the first N layers, then the final norm and head) or "
-                        "skip:I,J-K (every layer but these)")
+                        "calibration on this machine, cached), N (the first N layers, then the final norm and head), "
+                        "skip:I,J-K (every layer but these) or all (with --self-weights int4)")
     g.add_argument("--self-weights", choices=("target", "int4"), default=None,
                    help=f"{', '.join(taking('self_weights'))}: the weights the drafting layers run on: target (its own) or "
                         f"int4 (a copy of those layers and the head, made once; its size is printed) (default "

@@ -107,6 +107,8 @@ class GenerationOptions:
             parse_layers(self.layers)  # validates
         if self.self_weights not in (None, "target", "int4"):
             raise UsageError(f"self-weights must be target or int4, not '{self.self_weights}'")
+        if self.layers is not None and self.layers.strip() == "all" and self.self_draft_weights == "target":
+            raise UsageError("--layers all drafts with every layer: only on a copy (--self-weights int4)")
         self.tree_spec  # validates the tree
 
     @property

@@ -5,6 +5,7 @@ and their options are checked. Their exact-distribution tests are in test_sampli
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ N = 40
 SETTINGS = [("lookahead", {}), ("lookahead", {"lookahead": (3, 4, 3)}), ("lookahead", {"lookahead": (1, 2, 1)}),
             ("lookahead+pld", {}), ("lookahead+pld", {"lookahead": (2, 3, 2), "ngram_min": 1}),
             ("self", {"layers": "2"}), ("self", {"layers": "skip:1-2"}), ("self", {"layers": "1", "k": 5}),
-            ("self", {"layers": "2", "self_weights": "int4"}), ("self", {"layers": "skip:1", "self_weights": "int4"})]
+            ("self", {"layers": "2", "self_weights": "int4"}), ("self", {"layers": "skip:1", "self_weights": "int4"}),
+            ("self", {"layers": "all", "self_weights": "int4", "k": 4})]
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +243,11 @@ def test_layers_and_lookahead_options_are_checked():
         with pytest.raises(UsageError):
             layers_of(parse_layers(bad), count)
     assert all(0 < len(kept) < 28 for kept in candidates(28).values()) and len(candidates(28)) == 4
+    assert candidates(28, "int4")["every layer"] == tuple(range(28)) and len(candidates(28, "int4")) == 5
+    assert layers_of(parse_layers("all"), 4) == (0, 1, 2, 3)
+    with pytest.raises(UsageError, match="int4"):  # every layer of the target's own weights: the target itself
+        GenerationOptions(method="self", layers="all")
+    assert GenerationOptions(method="self", layers="all", self_weights="int4").layers == "all"
     with pytest.raises(UsageError, match="lookahead"):
         GenerationOptions(method="pld", lookahead=(2, 3, 1))
     with pytest.raises(UsageError, match="layers"):
@@ -286,6 +293,33 @@ def test_self_calibration_times_decoding_not_the_int4_copy(deep, monkeypatch):
 
     monkeypatch.setattr(lean, "int4_stack", int4_stack)
     monkeypatch.setattr(engine, "generate", generate)
-    layers, report = calibrate(engine, candidates(4), "int4")
-    assert len(built) == len(set(candidates(4).values())) and not any(built_while_timed), built_while_timed
-    assert layers in candidates(4).values() and set(report) == {"none", *candidates(4)}
+    layers, report = calibrate(engine, candidates(4, "int4"), "int4")
+    assert len(built) == len(set(candidates(4, "int4").values())) and not any(built_while_timed), built_while_timed
+    assert layers in candidates(4, "int4").values() and set(report) == {"none", *candidates(4, "int4")}
+
+
+def test_self_calibration_is_cached_per_candidate_set(deep, monkeypatch, tmp_path):
+    """auto's choice is measured once per model, machine and drafting weights; a saved choice made
+    over other candidates (an older speclm's) is measured again."""
+    import speclm.proposers.self_draft as self_draft
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
+    calls = []
+
+    def calibrate(engine, options, weights="target"):
+        calls.append((weights, tuple(options)))
+        return next(iter(options.values())), {"none": 1.0, **{name: 1.0 for name in options}}
+
+    monkeypatch.setattr(self_draft, "calibrate", calibrate)
+    engine = SpecEngine(deep)
+    auto = parse_layers("auto")
+    first = self_draft.resolve_layers(auto, engine)
+    assert self_draft.resolve_layers(auto, engine) == first and len(calls) == 1  # read back
+    self_draft.resolve_layers(auto, engine, "int4")
+    assert len(calls) == 2 and "every layer" in calls[1][1]  # its own calibration, every layer a candidate
+    path = next(p for p in (tmp_path / "self-layers").iterdir() if "int4" not in p.name)
+    saved = json.loads(path.read_text())
+    saved["measured"] = {"none": 1.0, "first 2": 1.0}
+    path.write_text(json.dumps(saved))
+    self_draft.resolve_layers(auto, engine)
+    assert len(calls) == 3

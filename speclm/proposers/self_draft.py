@@ -19,7 +19,6 @@ prompts on this machine, the fastest kept per model, weights, thread count and k
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from speclm.errors import UsageError
+from speclm.files import atomic_write
 from speclm.proposers.base import Draft, Proposer
 from speclm.sampling import SamplingParams, processed_probs, sample
 
@@ -41,16 +41,16 @@ CALIBRATION_TOKENS = 32
 
 @dataclass(frozen=True)
 class LayerChoice:
-    kind: str  # "auto", "first" or "skip"
+    kind: str  # "auto", "all", "first" or "skip"
     first: int = 0  # "first": how many
     skip: tuple[int, ...] = ()  # "skip": which
 
 
 def parse_layers(text: str) -> LayerChoice:
-    """--layers: "auto", "N" or "skip:I,J-K"; a UsageError that says the form otherwise."""
+    """--layers: "auto", "all", "N" or "skip:I,J-K"; a UsageError that says the form otherwise."""
     text = text.strip()
-    if text == "auto":
-        return LayerChoice("auto")
+    if text in ("auto", "all"):
+        return LayerChoice(text)
     if text.isdigit():
         if int(text) < 1:
             raise UsageError("--layers N needs N >= 1")
@@ -65,11 +65,13 @@ def parse_layers(text: str) -> LayerChoice:
         if not skip:
             raise UsageError("--layers skip: names no layer")
         return LayerChoice("skip", skip=tuple(sorted(skip)))
-    raise UsageError(f"--layers: auto, N (the first N layers) or skip:I,J-K, got '{text}'")
+    raise UsageError(f"--layers: auto, all (an int4 copy's), N (the first N layers) or skip:I,J-K, got '{text}'")
 
 
 def layers_of(choice: LayerChoice, count: int) -> tuple[int, ...]:
     """The layers that run for a fixed choice on a model of `count` layers."""
+    if choice.kind == "all":
+        return tuple(range(count))
     if choice.kind == "first":
         if choice.first >= count:
             raise UsageError(f"--layers {choice.first}: the target has {count} layers; a draft needs fewer")
@@ -82,8 +84,9 @@ def layers_of(choice: LayerChoice, count: int) -> tuple[int, ...]:
     return kept
 
 
-def candidates(count: int) -> dict[str, tuple[int, ...]]:
-    """The calibration's candidates for a model of `count` layers: by name, the layers that run."""
+def candidates(count: int, weights: str = "target") -> dict[str, tuple[int, ...]]:
+    """The calibration's candidates for a model of `count` layers: by name, the layers that run;
+    on an int4 copy every layer too (the whole target, in int4)."""
     quarter, half = max(1, count // 4), max(1, count // 2)
     every_other = tuple(range(2, count - 1, 2))  # about half, the first two and the last kept
     middle_other = tuple(range(quarter + 1, count - quarter, 2))  # about a quarter, in the middle
@@ -92,7 +95,8 @@ def candidates(count: int) -> dict[str, tuple[int, ...]]:
            "skip every other": tuple(i for i in range(count) if i not in every_other),
            "skip every other middle": tuple(i for i in range(count) if i not in middle_other),
            "skip the middle half": tuple(i for i in range(count) if i not in middle)}
-    return {name: kept for name, kept in out.items() if 0 < len(kept) < count}
+    out = {name: kept for name, kept in out.items() if 0 < len(kept) < count}
+    return out if weights == "target" else {"every layer": tuple(range(count)), **out}
 
 
 def resolve_layers(choice: LayerChoice, engine, weights: str = "target") -> tuple[int, ...]:
@@ -110,16 +114,17 @@ def resolve_layers(choice: LayerChoice, engine, weights: str = "target") -> tupl
 
     suffix = "" if weights == "target" else f"-{weights}-copy"
     path = cache_path("self-layers", f"{engine.target.name}-{engine.target.quantize}{suffix}", model)
+    options = candidates(count, weights)
     try:
-        return tuple(int(i) for i in json.loads(path.read_text())["layers"])
+        saved = json.loads(path.read_text())
+        if set(saved["measured"]) == {"none", *options}:  # a calibration over other candidates is done again
+            return tuple(int(i) for i in saved["layers"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    layers, report = calibrate(engine, candidates(count), weights)
+    layers, report = calibrate(engine, options, weights)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"layers": list(layers), "measured": report}, indent=1))
-        tmp.replace(path)
+        atomic_write(path, json.dumps({"layers": list(layers), "measured": report}, indent=1))
     except OSError:
         pass  # an unwritable home: calibrated again next time
     return layers
@@ -156,7 +161,7 @@ def calibrate(engine, options: dict[str, tuple[int, ...]], weights: str = "targe
     best, best_rate = None, -1.0
     for name, kept in options.items():
         skipped = ",".join(str(i) for i in range(count) if i not in set(kept))
-        report[name] = rate(method="self", layers=f"skip:{skipped}", self_weights=weights)
+        report[name] = rate(method="self", layers=f"skip:{skipped}" if skipped else "all", self_weights=weights)
         bar.update()
         if report[name] > best_rate:
             best, best_rate = kept, report[name]
