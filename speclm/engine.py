@@ -189,17 +189,30 @@ class SpecEngine:
         once, then cached with the model: speclm.proposers.self_draft.calibrate)."""
         from speclm.proposers.self_draft import parse_layers, resolve_layers
 
-        key = (opts.layers or "auto", opts.self_draft_weights)
+        key = (opts.layers or "auto", self.self_weights(opts))
         if key not in self._self_layers:
             self._self_layers[key] = resolve_layers(parse_layers(key[0]), self, key[1])
         return self._self_layers[key]
+
+    def self_weights(self, opts: GenerationOptions) -> str:
+        """self's drafting weights: the request's, else the default (an int4 copy) where int4 layers
+        run (speclm's compiled kernels, a target not int4 already), else the target's own."""
+        if opts.self_weights is not None:
+            return opts.self_weights
+        from speclm.quant import kernels
+
+        usable = kernels.enabled() and self.target.quantize != "int4"
+        return opts.self_draft_weights if usable else "target"
 
     def self_stack(self, opts: GenerationOptions):
         """What `self` drafts with: its layers (a tuple), or with --self-weights int4 a Stack of
         their int4 copies and the head's copy (speclm.forward.lean.int4_stack), made once per
         engine; its size goes to stderr. Returns (layers, head or None)."""
         layers = self.self_layers(opts)
-        if opts.self_draft_weights == "target":
+        if self.self_weights(opts) == "target":
+            if len(layers) == len(self.target.model.model.layers):
+                raise UsageError("--layers all drafts with every layer: only on an int4 copy (--self-weights int4), "
+                                 "which needs speclm's compiled kernels and a target not int4 already")
             return layers, None
         if layers not in self._self_copies:
             from tqdm.auto import tqdm

@@ -23,7 +23,8 @@ PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy
 N = 40
 SETTINGS = [("lookahead", {}), ("lookahead", {"lookahead": (3, 4, 3)}), ("lookahead", {"lookahead": (1, 2, 1)}),
             ("lookahead+pld", {}), ("lookahead+pld", {"lookahead": (2, 3, 2), "ngram_min": 1}),
-            ("self", {"layers": "2"}), ("self", {"layers": "skip:1-2"}), ("self", {"layers": "1", "k": 5}),
+            ("self", {"layers": "2", "self_weights": "target"}), ("self", {"layers": "skip:1-2", "self_weights": "target"}),
+            ("self", {"layers": "1", "k": 5, "self_weights": "target"}),
             ("self", {"layers": "2", "self_weights": "int4"}), ("self", {"layers": "skip:1", "self_weights": "int4"}),
             ("self", {"layers": "all", "self_weights": "int4", "k": 4})]
 
@@ -246,8 +247,9 @@ def test_layers_and_lookahead_options_are_checked():
     assert candidates(28, "int4")["every layer"] == tuple(range(28)) and len(candidates(28, "int4")) == 5
     assert layers_of(parse_layers("all"), 4) == (0, 1, 2, 3)
     with pytest.raises(UsageError, match="int4"):  # every layer of the target's own weights: the target itself
-        GenerationOptions(method="self", layers="all")
+        GenerationOptions(method="self", layers="all", self_weights="target")
     assert GenerationOptions(method="self", layers="all", self_weights="int4").layers == "all"
+    assert GenerationOptions(method="self", layers="all").self_draft_weights == "int4"  # the default
     with pytest.raises(UsageError, match="lookahead"):
         GenerationOptions(method="pld", lookahead=(2, 3, 1))
     with pytest.raises(UsageError, match="layers"):

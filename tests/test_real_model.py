@@ -123,7 +123,7 @@ def test_every_method_and_option_equals_plain_on_quantized_weights(quantized_pai
              dict(method="draft", k=4, draft_vocab=4096), dict(method="draft+pld", k=6, confidence=0.5),
              dict(method="pld", k=5), dict(method="lookahead"), dict(method="lookahead", lookahead=(2, 3, 1)),
              dict(method="lookahead+pld"),
-             dict(method="self"), dict(method="self", layers="skip:10-20")]  # "auto": calibrated here, once
+             dict(method="self"), dict(method="self", layers="skip:10-20", self_weights="target")]  # "auto": an int4 copy, calibrated here
     for opts in cases:
         engine = SpecEngine(target, draft=draft, prefix_cache=4096)
         outs = [engine.generate(p, max_new_tokens=40, chat=True, **opts) for p in prompts]

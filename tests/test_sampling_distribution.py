@@ -187,8 +187,8 @@ CASES = {
     # rows drafted by lookup's chain beside rows drafted by lookahead's tree in one batch
     "lookahead+pld": ("lookahead+pld", T1, {"lookahead": (2, 3, 2)}),
     # self: the target's first layer drafts, sampled from its own distribution
-    "self": ("self", T1, {"layers": "1"}),
-    "self-top": ("self", SamplingParams(temperature=0.8, top_k=5), {"layers": "skip:0"}),
+    "self": ("self", T1, {"layers": "1", "self_weights": "target"}),
+    "self-top": ("self", SamplingParams(temperature=0.8, top_k=5), {"layers": "skip:0", "self_weights": "target"}),
     # self on an int4 copy of its layers and the head: the copy's distribution is what it reports
     "self-int4": ("self", T1, {"layers": "1", "self_weights": "int4"}),
 }

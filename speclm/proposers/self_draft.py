@@ -136,7 +136,7 @@ def calibrate(engine, options: dict[str, tuple[int, ...]], weights: str = "targe
     from tqdm.auto import tqdm
 
     print("speclm: calibrating which of the target's layers draft for 'self' (once per model and machine, "
-          "about a minute)...", file=sys.stderr, flush=True)
+          "a few minutes)...", file=sys.stderr, flush=True)
     report: dict = {}
 
     def rate(**kwargs) -> float:
