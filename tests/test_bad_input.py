@@ -161,6 +161,15 @@ CASES = {
         generate(f["target"], "--prompt", "hi", "--method", "self", "--layers", "skip:a"), "--layers skip:"),
     "generate: self with every layer": lambda t, m, f, o: (
         generate(f["target"], "--prompt", "hi", "--method", "self", "--layers", "2"), "the target has 2 layers"),
+    "generate: self-weights unknown": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "self", "--self-weights", "int8"), "invalid choice: 'int8'"),
+    "generate: self-weights for pld": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "pld", "--self-weights", "int4"), "--self-weights applies to self"),
+    "generate: every layer on the target's own weights": lambda t, m, f, o: (
+        generate(f["target"], "--prompt", "hi", "--method", "self", "--layers", "all", "--self-weights", "target"),
+        "only on a copy"),
+    "bench: self-weights unknown": lambda t, m, f, o: (
+        bench(f["target"], o, "--methods", "none,self:self_weights=int8"), "self-weights must be target or int4"),
     "bench: lookahead window 0": lambda t, m, f, o: (
         bench(f["target"], o, "--methods", "none,lookahead:w=0"), "1 <= W <= 64"),
     "bench: tree file missing": lambda t, m, f, o: (
