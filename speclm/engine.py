@@ -69,7 +69,7 @@ class SpecEngine:
         self.prefix = PrefixCaches.of_size(prefix_cache)
         self.draft_times = DraftTimes()  # the draft's measured forward times, kept across requests (auto trees)
         self._self_layers: dict[tuple[str, str], tuple[int, ...]] = {}  # self's (--layers, weights) -> the layers that draft
-        self._self_copies: dict[tuple[int, ...], tuple] = {}  # self's layers -> their int4 copy (one at a time)
+        self._self_copy: tuple | None = None  # self's int4 copy, one at a time: (its layers, Stack, head)
         self._heads: dict[tuple[str, str], LoadedHeads] = {}  # (kind, file) -> heads loaded for this target
         # "target"/"draft model" -> forward costs, kept for the engine's life (a table measured on a busy
         # machine is not stored on disk: without this each new proposer would measure it again)
@@ -205,31 +205,31 @@ class SpecEngine:
         return opts.self_draft_weights if usable else "target"
 
     def self_stack(self, opts: GenerationOptions):
-        """What `self` drafts with: its layers (a tuple), or with --self-weights int4 a Stack of
-        their int4 copies and the head's copy (speclm.forward.lean.int4_stack), made once per
-        engine; its size goes to stderr. Returns (layers, head or None)."""
+        """What `self` drafts with: a speclm.forward.lean.Stack of its layers, on the target's own
+        weights or (--self-weights int4) their int4 copies, with the head's copy (int4_stack), made
+        once per engine and one at a time (a calibration tries several layer sets); its size goes
+        to stderr. Returns (Stack, head or None)."""
+        from speclm.forward.lean import Stack, int4_stack
+
         layers = self.self_layers(opts)
         if self.self_weights(opts) == "target":
             if len(layers) == len(self.target.model.model.layers):
                 raise UsageError("--layers all drafts with every layer: only on an int4 copy (--self-weights int4), "
                                  "which needs speclm's compiled kernels and a target not int4 already")
-            return layers, None
-        if layers not in self._self_copies:
+            return Stack(layers), None
+        if self._self_copy is None or self._self_copy[0] != layers:
             from tqdm.auto import tqdm
-
-            from speclm.forward.lean import int4_stack
 
             if self.target.quantize == "int4":
                 raise UsageError("--self-weights int4: the target's weights are int4 already (use target)")
-            self._self_copies.clear()  # one copy at a time (a calibration tries several layer sets)
+            self._self_copy = None  # the copy before is freed first
             t0 = time.perf_counter()
             with tqdm(total=len(layers) + 1, desc="self: int4 copy", unit="layer", file=sys.stderr, leave=False) as bar:
                 stack, head, size = int4_stack(self.target.model, layers, bar.update)
             print(f"speclm: self drafts on an int4 copy of {len(layers)} layers and the head: "
                   f"{size / 2**20:.0f} MiB, made in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-            self._self_copies[layers] = (stack, head, size)
-        stack, head, _ = self._self_copies[layers]
-        return stack, head
+            self._self_copy = (layers, stack, head)
+        return self._self_copy[1], self._self_copy[2]
 
     def heads(self, kind: str, path: str | None = None) -> "LoadedHeads":
         """The trained heads of `kind` for this target: from `path`, or those shipped for it

@@ -12,6 +12,7 @@ import torch
 
 from speclm import SpecEngine
 from speclm.errors import UsageError
+from speclm.forward.lean import Stack
 from speclm.options import GenerationOptions
 from speclm.proposers.lookahead import LookaheadProposer
 from speclm.proposers.self_draft import candidates, layers_of, parse_layers
@@ -175,7 +176,7 @@ def test_self_draft_reads_the_targets_cache_and_leaves_it_as_it_was(deep):
     layers = tuple(range(4))
     from speclm.proposers.self_draft import SelfDraftProposer
 
-    proposer = SelfDraftProposer(deep.model, layers, 4)
+    proposer = SelfDraftProposer(deep.model, Stack(layers), 4)
     engine.make_proposer = lambda opts: proposer
     seen = []
     real = proposer.propose
@@ -209,7 +210,6 @@ def test_self_int4_copy_drafts_apart_from_the_target_and_reports_its_size(deep, 
     err = capsys.readouterr().err
     assert err.count("int4 copy of 3 layers and the head") == 1, err  # made once, for the engine's life
     assert all(torch.equal(before[name], t) for name, t in model.model.state_dict().items())
-    from speclm.forward.lean import Stack
 
     stack, head = engine.self_stack(GenerationOptions(method="self", layers="skip:0", self_weights="int4"))
     assert isinstance(stack, Stack) and stack.indices == (1, 2, 3) and set(stack.copies) == {1, 2, 3} and head

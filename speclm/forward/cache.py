@@ -26,6 +26,7 @@ import torch
 
 from speclm.forward.attention import is_prefill
 from speclm.errors import UsageError
+from speclm.forward.lean import Stack
 from speclm.forward.runner import ModelRunner, Plan
 from speclm.tree import lineage
 
@@ -196,7 +197,7 @@ class StaticKV:
     def forward(self, rows: list[list[int]], logits_to_keep: int, head=None,
                 parents: list[list[int] | None] | None = None, hidden_layers: tuple[int, ...] = (),
                 only: list[int] | None = None, hidden_all: bool = False,
-                layers: tuple[int, ...] | None = None) -> torch.Tensor:
+                layers: Stack | None = None) -> torch.Tensor:
         """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens.
         only: the batch rows `rows` are for, in order (None: every row); the others are untouched.
         head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward.
@@ -210,8 +211,9 @@ class StaticKV:
         the last layer's are after the final norm, as transformers reports them.
         hidden_all: those hidden states for every fed token, (B, M, E) (a row's columns past its
         own tokens are padding), not only for the kept ones.
-        layers: run only these decoder layers, ascending, then the final norm and head (None: all;
-        speclm.proposers.self_draft); the others' keys and values are not written. Lean forward only."""
+        layers: a speclm.forward.lean.Stack: run only its decoder layers (with their stand-ins), then
+        the final norm and head (None: all; speclm.proposers.self_draft); the others' keys and values
+        are not written. Lean forward only."""
         counts = [len(r) for r in rows]
         width = max(counts)
         assert width >= 1 and min(counts) >= logits_to_keep >= 1

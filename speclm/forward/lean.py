@@ -29,6 +29,8 @@ from speclm.defaults import FP32_FEW_ROWS, FP32_PADDED_ROWS, PREFILL_ROW_BLOCK
 from speclm.quant.weights import Int8Slice, QuantLinear, dense_linear, int4_copy, quantize_linears, quantized_bytes
 
 Rows = Callable[[torch.Tensor], torch.Tensor]  # (R, in) -> (R, out), row by row
+# a Llama-family decoder layer's linear layers, by the part that holds them
+PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 SUPPORTED = ("llama", "qwen2")
 # Row-wise work (norms, projections, MLP) of a long feed runs in blocks of ROW_BLOCK rows: a
@@ -156,7 +158,8 @@ def _layer(layer: nn.Module, dtype: torch.dtype, compiled) -> _Layer:
 @dataclass(frozen=True)
 class Stack:
     """The decoder layers a forward runs, ascending, and stand-ins for some of them (a
-    lower-precision copy of their weights: speclm.proposers.self_draft); the others run as they are."""
+    lower-precision copy of their weights: speclm.proposers.self_draft); the others run as they are.
+    A forward given none runs every layer."""
 
     indices: tuple[int, ...]
     copies: dict = field(default_factory=dict, hash=False, compare=False)  # index -> _Layer
@@ -177,12 +180,11 @@ def int4_stack(model, indices: tuple[int, ...], progress: Callable[[], None] = l
         stand_in = nn.Module()
         stand_in.self_attn, stand_in.mlp = nn.Module(), nn.Module()
         stand_in.input_layernorm, stand_in.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                            ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+        for part, names in PROJECTIONS:
             for name in names:
                 setattr(getattr(stand_in, part), name, dense_linear(getattr(getattr(layer, part), name)))
         quantize_linears(stand_in, "int4")  # q|k|v and gate|up fused, as the model's own int8 layers are
-        size += sum(quantized_bytes(m) for m in {id(m): m for m in _kernels_of(stand_in)}.values())
+        size += sum(quantized_bytes(m) for m in _kernels_of(stand_in))
         copies[i] = _layer(stand_in, dtype, compiled)
         progress()
     head = int4_copy(model.get_output_embeddings())
@@ -190,15 +192,14 @@ def int4_stack(model, indices: tuple[int, ...], progress: Callable[[], None] = l
     return Stack(tuple(indices), copies), head.rows, size + quantized_bytes(head)
 
 
-def _kernels_of(module: nn.Module) -> list:
-    """The quantized layers under `module`; fused siblings' shared one once per sibling (callers dedupe)."""
-    out = []
+def _kernels_of(module: nn.Module) -> list[QuantLinear]:
+    """The quantized layers under `module`, each once (fused siblings share one)."""
+    out = {}
     for m in module.modules():
-        if isinstance(m, QuantLinear):
-            out.append(m)
-        elif isinstance(m, Int8Slice):
-            out.append(m.fused.kernel)
-    return out
+        kernel = m.fused.kernel if isinstance(m, Int8Slice) else m
+        if isinstance(kernel, QuantLinear):
+            out[id(kernel)] = kernel
+    return list(out.values())
 
 
 class LeanForward:
@@ -222,12 +223,11 @@ class LeanForward:
         # forwards: then every forward, a prefill too, attends per query, and keys and values
         # cached from an earlier prompt are the bits this prompt's own prefill would compute
         # (speclm.forward.prefix_cache). SDPA's batched prefill would round otherwise.
-        projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
         self.chunk_invariant = (
             compiled is not None and dtype == torch.float32 and self.head_dim % 32 == 0
-            and all(isinstance(getattr(part, name, None), (QuantLinear, Int8Slice))
-                    for layer in inner.layers for part in (layer.self_attn, layer.mlp) for name in projections
-                    if hasattr(part, name)))
+            and all(isinstance(getattr(getattr(layer, part), name, None), (QuantLinear, Int8Slice))
+                    for layer in inner.layers for part, names in PROJECTIONS for name in names
+                    if hasattr(getattr(layer, part), name)))
         self.inv_freq = inner.rotary_emb.inv_freq.float()  # (D/2,)
         self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
         # rotary tables by position, grown on demand, on the model's device
@@ -247,7 +247,7 @@ class LeanForward:
     @torch.inference_mode()
     def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None,
                  hidden_layers: tuple[int, ...] = (), hidden: dict | None = None, cache_rows=None,
-                 hidden_all: bool = False, layers: tuple[int, ...] | None = None):
+                 hidden_all: bool = False, layers: Stack | None = None):
         """ids, slots (B, M); kv: the StaticKV (its buffers are written at `slots`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
@@ -260,9 +260,9 @@ class LeanForward:
         cache_rows (B,): each row's cache row in kv's pool (None: row b).
         hidden_all: the hidden states of every fed token (B, M, E), not only the kept ones (a head
         reading a prompt's features); the last layer then runs on every row.
-        layers: only these decoder layers run (ascending; None: all), then the final norm and the
-        head: the target's own layers as a draft (speclm.proposers.self_draft); a Stack also gives
-        stand-ins for some of them. The others' keys and values are left as they are."""
+        layers: only these decoder layers run, with their stand-ins (None: all), then the final norm
+        and the head: the target's own layers as a draft (speclm.proposers.self_draft). The others'
+        keys and values are left as they are."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
@@ -293,8 +293,7 @@ class LeanForward:
                 kept_rows = (rows * width + cols).view(-1)
         else:
             kept_rows = (rows * width + keep_cols).view(-1)
-        copies = layers.copies if isinstance(layers, Stack) else {}
-        running = range(len(self.layers)) if layers is None else layers.indices if isinstance(layers, Stack) else layers
+        running, copies = (range(len(self.layers)), {}) if layers is None else (layers.indices, layers.copies)
         last = running[-1]
         for i in running:
             layer = copies.get(i) or self.layers[i]

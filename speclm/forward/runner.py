@@ -16,7 +16,7 @@ import torch
 
 from speclm.forward import lean
 from speclm.forward.attention import Tree, per_query, use_exact_attention
-from speclm.forward.lean import LeanForward
+from speclm.forward.lean import LeanForward, Stack
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Plan:
     logits_to_keep: int
     cols: torch.Tensor | None  # (B, K) columns of each row's last tokens where rows are ragged, else None
     hidden_all: bool = False  # hidden states of every fed token (B, M, E), not only the kept ones
-    layers: tuple[int, ...] | None = None  # the decoder layers that run (None: all)
+    layers: Stack | None = None  # the decoder layers that run, a speclm.forward.lean.Stack (None: all)
 
 
 class ModelRunner:

@@ -176,17 +176,16 @@ class SelfDraftProposer(Proposer):
     drafts_on_target = True
 
     def __init__(self, model, layers, k: int, head=None):
-        """model: the target (its lean forward runs the layers); layers: those that draft, ascending,
-        or a speclm.forward.lean.Stack that also gives their stand-ins (an int4 copy); head: the
-        output head's stand-in, (R, E) -> (R, V) (None: the target's own)."""
+        """model: the target (its lean forward runs the layers); layers: a speclm.forward.lean.Stack,
+        the layers that draft (ascending) and their stand-ins (an int4 copy; none: the target's own);
+        head: the output head's stand-in, (R, E) -> (R, V) (None: the target's own)."""
         from speclm.forward import lean
 
         if not lean.supports(model):
             raise UsageError("method 'self' needs speclm's lean forward (Llama or Qwen2 architectures)")
-        if not (layers.indices if isinstance(layers, lean.Stack) else layers):
+        if not layers.indices:
             raise UsageError("method 'self' needs at least one layer to draft with")
-        self.layers = layers if isinstance(layers, lean.Stack) else tuple(layers)
-        self.head, self.k, self.max_nodes = head, k, k
+        self.layers, self.head, self.k, self.max_nodes = layers, head, k, k
         self.kv = None
         self.rows: list[int] = []
         self._seconds = 0.0
