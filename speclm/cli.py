@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
     b.add_argument("--draft", help="draft model for draft, draft+pld, hf-assisted and openvino-draft")
     b.add_argument("--methods", default="none,draft,pld,hf",
-                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], lookahead[:w=N,n=N,g=N], lookahead+pld[:lookahead's and pld's options], self[:k=N,layers=auto|all|N|skip:I-J+K,self_weights=target|int4], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
+                   help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], lookahead[:w=N,n=N,g=N], lookahead+pld[:lookahead's and pld's options], self[:k=N,layers=auto|all|N|skip:I-J+K,self_weights=target|int4,tree=chain|auto|FILE,vocab=N], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
                         "llama.cpp, llama.cpp-pld[:k=N,ngram_max=N], openvino, openvino-draft[:k=N], openvino-pld[:k=N,ngram_max=N]")
     b.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     b.add_argument("--categories", help="comma list of categories (default: all)")
@@ -152,7 +152,7 @@ def _add_draft_options(g: argparse.ArgumentParser) -> None:
                         f"than this (a tree whose extra branches are leaves; 0: never; default {defaults.ALTERNATIVES_INT4:g} "
                         "with an int4 draft, else 0)")
     g.add_argument("--tree", default=None, metavar="{chain,auto,FILE}",
-                   help=f"{', '.join(n for n in taking('tree') if REGISTRY[n].needs == DRAFT_MODEL)}: the draft's shape each round: chain (one candidate per position), auto (a "
+                   help=f"{', '.join(n for n in taking('tree') if REGISTRY[n].needs != HEADS)}: the draft's shape each round: chain (one candidate per position), auto (a "
                         "tree grown from the draft's probabilities, its size chosen from this machine's measured "
                         "verification cost) or a JSON file of root paths of ranks such as [[0],[1],[0,0]] "
                         f"(default {defaults.TREE}); {', '.join(n for n in taking('tree') if REGISTRY[n].needs == HEADS)}: auto, static (the tuned tree shipped beside its heads, cut each "
@@ -165,8 +165,9 @@ def _add_draft_options(g: argparse.ArgumentParser) -> None:
                    help=f"{', '.join(taking('acceptance'))}: exact (default: lossless) or typical, Medusa's typical acceptance: LOSSY at "
                         "temperature > 0, its output no longer follows the target's distribution")
     g.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft: score only this many lowest token ids, plus the prompt's tokens and EOS "
-                        f"(0: the whole vocabulary; default {defaults.DRAFT_VOCAB})")
+                   help=f"{', '.join(taking('draft_vocab'))}: score only this many lowest token ids, plus the prompt's "
+                        f"tokens and EOS (0: the whole vocabulary; default {defaults.DRAFT_VOCAB}, self's "
+                        f"{defaults.SELF_VOCAB})")
     g.add_argument("--ngram-max", type=int, default=defaults.NGRAM_MAX,
                    help=f"{', '.join(taking('ngram_max'))}: longest n-gram matched (default %(default)s)")
     g.add_argument("--ngram-min", type=int, default=None,

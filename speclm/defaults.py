@@ -113,11 +113,13 @@ TABLE: tuple[Tuned, ...] = (
           "draft+pld 1.00x none)"),
     Tuned("ADAPTIVE_DECAY", 0.9, "speclm.round.adaptive", "adaptive speculation: each round's weight on the counts "
           "before it", "benchmarks/avx2/records.md#adaptive-ab", "not tuned"),
-    Tuned("K_SELF", 3, "--k", "`self`: tokens its layers draft per round", "benchmarks/avx2/self-int4-qwen1.5b-12-2f6cb47",
-          "on the int4 copy of every layer: k=3 1.11-1.13x none, k=5 1.07x"),
+    Tuned("K_SELF", 3, "--k", "`self`: tokens its layers draft per round", "benchmarks/avx2/self-ab-int8-qwen1.5b-12",
+          "on the int4 copy of every layer, two runs: k=3 1.16x, 1.08x none; k=5 1.08x, 1.14x (2f6cb47's: 1.11-1.13x, 1.07x)"),
     Tuned("SELF_WEIGHTS", "int4", "--self-weights", "`self`: the weights its layers draft with: int4 (a copy of "
-          "those layers and the head, where int4 layers run) or target (its own)", "benchmarks/avx2/registry-int8-qwen1.5b-12-6d08aa4",
-          "the same 21 layers: int4 1.07x none, the target's own 0.87x"),
+          "those layers and the head, where int4 layers run) or target (its own)", "benchmarks/avx2/self-ab-int8-qwen1.5b-12",
+          "int4, every layer: 1.08x none; the target's own, 21 layers: 0.89x (6d08aa4's: 21 layers 1.07x, 0.87x)"),
+    Tuned("SELF_VOCAB", 0, "--draft-vocab", "`self`: its head scores this many lowest ids + the prompt's + EOS "
+          "(0: all)", "benchmarks/avx2/self-ab-int8-qwen1.5b-12", "undecided: 0 1.16x, 1.08x none; 65536 1.12x, 1.22x"),
     Tuned("LOOKAHEAD_POOL", 8, "speclm.proposers.lookahead", "`lookahead`: n-grams its pool keeps per first token "
           "(G of them are verified)", "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "not tuned"),
 )
@@ -188,6 +190,7 @@ ADAPTIVE_PRIOR: float = _BY_NAME["ADAPTIVE_PRIOR"]
 ADAPTIVE_DECAY: float = _BY_NAME["ADAPTIVE_DECAY"]
 K_SELF: int = _BY_NAME["K_SELF"]
 SELF_WEIGHTS: str = _BY_NAME["SELF_WEIGHTS"]
+SELF_VOCAB: int = _BY_NAME["SELF_VOCAB"]
 LOOKAHEAD_POOL: int = _BY_NAME["LOOKAHEAD_POOL"]
 
 

@@ -70,6 +70,8 @@ class SpecEngine:
         self.draft_times = DraftTimes()  # the draft's measured forward times, kept across requests (auto trees)
         self._self_layers: dict[tuple[str, str], tuple[int, ...]] = {}  # self's (--layers, weights) -> the layers that draft
         self._self_copy: tuple | None = None  # self's int4 copy, one at a time: (its layers, Stack, head)
+        # self's drafting forwards' times and acceptance (auto trees), kept across requests, by (layers, copied)
+        self._self_times: dict[tuple[tuple[int, ...], bool], DraftTimes] = {}
         self._heads: dict[tuple[str, str], LoadedHeads] = {}  # (kind, file) -> heads loaded for this target
         # "target"/"draft model" -> forward costs, kept for the engine's life (a table measured on a busy
         # machine is not stored on disk: without this each new proposer would measure it again)
@@ -208,7 +210,7 @@ class SpecEngine:
         """What `self` drafts with: a speclm.forward.lean.Stack of its layers, on the target's own
         weights or (--self-weights int4) their int4 copies, with the head's copy (int4_stack), made
         once per engine and one at a time (a calibration tries several layer sets); its size goes
-        to stderr. Returns (Stack, head or None)."""
+        to stderr. Returns (Stack, the head's copy, a linear layer, or None)."""
         from speclm.forward.lean import Stack, int4_stack
 
         layers = self.self_layers(opts)
@@ -230,6 +232,11 @@ class SpecEngine:
                   f"{size / 2**20:.0f} MiB, made in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             self._self_copy = (layers, stack, head)
         return self._self_copy[1], self._self_copy[2]
+
+    def self_times(self, stack) -> DraftTimes:
+        """What self's drafting forwards over this Stack took and what the target accepted of them,
+        kept across requests (greedy auto trees grow by them, as a draft model's do by draft_times)."""
+        return self._self_times.setdefault((stack.indices, bool(stack.copies)), DraftTimes())
 
     def heads(self, kind: str, path: str | None = None) -> "LoadedHeads":
         """The trained heads of `kind` for this target: from `path`, or those shipped for it

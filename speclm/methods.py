@@ -9,7 +9,7 @@ Adding a method is one entry here, one proposer in speclm/proposers/, and its te
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 from speclm import defaults
@@ -150,7 +150,12 @@ def _self(engine, opts):
     from speclm.proposers.self_draft import SelfDraftProposer
 
     stack, head = engine.self_stack(opts)
-    return SelfDraftProposer(engine.target.model, stack, engine.draft_length(opts), head=head)
+    tree = opts.tree_spec
+    if tree is not None and tree.choices is None and opts.sampling.greedy:  # auto, greedy: sized by the
+        tree = replace(tree, costs=engine.forward_costs())  # target's measured costs (sampled: its fixed shape)
+    vocab = defaults.SELF_VOCAB if opts.draft_vocab is None else opts.draft_vocab
+    return SelfDraftProposer(engine.target.model, stack, engine.draft_length(opts), head=head, tree=tree,
+                             times=engine.self_times(stack), vocab=vocab, always=tuple(engine.target.eos_token_ids))
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (
@@ -181,8 +186,9 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("lookahead+pld", "per row and round: prompt lookup where the context repeats itself, else lookahead",
            _lookahead_pld, lambda w, o: max(_pld_k(w), o.lookahead_shape[0], o.lookahead_shape[1] - 1),
            shapes=("chain", "tree"), options=LOOKUP_OPTIONS | {"lookahead"}, ngram_min=defaults.NGRAM_MIN_DRAFT_PLD),
-    Method("self", "self-speculation: the target's own layers, some skipped, draft a chain", _self,
-           lambda w, o: defaults.K_SELF, options=frozenset({"layers", "self_weights"}), runs_model=True),
+    Method("self", "self-speculation: the target's own layers, some skipped, draft a chain or a tree", _self,
+           lambda w, o: defaults.K_SELF, shapes=("chain", "tree"), options=frozenset({"layers", "self_weights", "tree", "draft_vocab"}),
+           runs_model=True),
 )}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 

@@ -27,7 +27,11 @@ SETTINGS = [("lookahead", {}), ("lookahead", {"lookahead": (3, 4, 3)}), ("lookah
             ("self", {"layers": "2", "self_weights": "target"}), ("self", {"layers": "skip:1-2", "self_weights": "target"}),
             ("self", {"layers": "1", "k": 5, "self_weights": "target"}),
             ("self", {"layers": "2", "self_weights": "int4"}), ("self", {"layers": "skip:1", "self_weights": "int4"}),
-            ("self", {"layers": "all", "self_weights": "int4", "k": 4})]
+            ("self", {"layers": "all", "self_weights": "int4", "k": 4}),
+            ("self", {"layers": "2", "self_weights": "target", "tree": "auto"}),
+            ("self", {"layers": "skip:1", "self_weights": "int4", "tree": "auto"}),
+            ("self", {"layers": "2", "self_weights": "target", "draft_vocab": 64}),
+            ("self", {"layers": "all", "self_weights": "int4", "draft_vocab": 64, "tree": "auto"})]
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +197,59 @@ def test_self_draft_reads_the_targets_cache_and_leaves_it_as_it_was(deep):
     assert out.stats.acceptance_rate == 1.0  # all layers: the target's own tokens (fp32 near-ties aside)
 
 
+def test_self_tree_branches_on_the_targets_cache_and_leaves_it_as_it_was(deep):
+    """--tree on self: each round's draft is a tree grown through the drafting layers (nodes with
+    two children, as deep as the shape says), written past the committed tokens and rolled back;
+    the output is plain decoding's. On every layer of the target's own weights the target accepts
+    the draft's first choice at each level (fp32 near-ties aside), so every round takes the tree's
+    whole depth."""
+    from speclm.proposers.draft_tree import TreeSpec
+    from speclm.proposers.self_draft import SelfDraftProposer
+
+    engine = SpecEngine(deep)
+    ref = engine.generate(PROMPTS[2], method="none", max_new_tokens=N)
+    spec = TreeSpec(depth=3, branch=2, expand=2, min_prob=0.0)  # no cost line: the whole shape, 2 + 4 + 4 nodes
+    proposer = SelfDraftProposer(deep.model, Stack(tuple(range(4))), 2, tree=spec)
+    assert (proposer.k, proposer.max_nodes, proposer.shape) == (3, 10, "tree")
+    engine.make_proposer = lambda opts: proposer
+    drafts, kept = [], []
+    real = proposer.propose
+
+    def propose(contexts, max_tokens, params, generators):
+        before = proposer.kv.lengths_list()
+        draft = real(contexts, max_tokens, params, generators)
+        kept.append(before == proposer.kv.lengths_list())
+        drafts.append(draft)
+        return draft
+
+    proposer.propose = propose
+    out = engine.generate(PROMPTS[2], method="self", max_new_tokens=N, tree="auto")
+    assert out.token_ids == ref.token_ids and all(kept) and drafts
+    full = [d for d in drafts if int(d.lengths[0]) == 10]
+    assert full, [int(d.lengths[0]) for d in drafts]
+    tree = full[0].tree()
+    children = [int((full[0].parents[0] == n).sum()) for n in range(10)]
+    assert max(children) == 2 and tree.max_depths()[0] == 3, (full[0].parents, children)
+    assert out.stats.accepted_tokens >= 3 * (out.stats.target_forwards - 2)  # each round but the prefill and the last: 3
+
+
+def test_self_restricted_head_scores_the_lowest_ids_and_the_prompts(deep):
+    """--draft-vocab on self: the drafting head scores the 64 lowest ids and the prompt's tokens,
+    not the whole vocabulary; the output is plain decoding's."""
+    engine = SpecEngine(deep)
+    ref = engine.generate(PROMPTS[2], method="none", max_new_tokens=N)
+    real, made = engine.make_proposer, []
+    engine.make_proposer = lambda opts: made.append(real(opts)) or made[-1]
+    out = engine.generate(PROMPTS[2], method="self", max_new_tokens=N, layers="2", self_weights="target",
+                          draft_vocab=64)
+    assert out.token_ids == ref.token_ids
+    head = made[0].vocabs.head
+    ids = set(head.ids.tolist())
+    prompt = deep.tokenizer(PROMPTS[2]).input_ids
+    assert set(range(64)) <= ids and set(prompt) <= ids and len(ids) < head.vocab_size
+    assert any(t >= 64 for t in prompt)  # the prompt's own tokens are what widens it
+
+
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
 def test_self_int4_copy_drafts_apart_from_the_target_and_reports_its_size(deep, deep8, weights, capsys):
     """--self-weights int4: the drafting layers and the head run on an int4 copy made once per
@@ -224,7 +281,7 @@ def test_self_int4_copy_drafts_apart_from_the_target_and_reports_its_size(deep, 
 
         whole = quantize_model(copy.deepcopy(model.model), "int4")
         ids = [[70]]  # one token: both forwards attend alike (an fp32 model's prefill of more takes SDPA)
-        got = StaticKV(model.model, 1, 64).forward(ids, 1, layers=all_layers, head=all_head)
+        got = StaticKV(model.model, 1, 64).forward(ids, 1, layers=all_layers, head=all_head.rows)
         assert torch.equal(got, StaticKV(whole, 1, 64).forward(ids, 1))
     proposer = SelfDraftProposer(model.model, all_layers, 4, head=all_head)
     engine.make_proposer = lambda opts: proposer

@@ -12,11 +12,11 @@ alone, never from samples: one batched forward over the V ** (DEPTH - 1) prefixe
 requests, one row each with its own generator, are decoded as one batch per case (`draft`,
 `pld`, `draft+pld`, confidence stops, alternatives, draft trees: static, static past top-k,
 auto, and auto under draft+pld; a tree two deep fills the same window; trained heads' trees:
-medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), eagle+pld's and lookahead+pld's rows of lookup chains beside rows of the other's trees, lookahead, self,
+medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), eagle+pld's and lookahead+pld's rows of lookup chains beside rows of the other's trees, lookahead, self (chains, a tree, a restricted head),
 with untrained random heads) and their counts compared with the
 exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 27 checks, by the union bound, with probability at most 2.7e-3
-nominally, 5.4e-3 with the chi-square approximation's error as measured there). An auto tree
+about ALPHA = 1e-4; this file's 29 checks, by the union bound, with probability at most 2.9e-3
+nominally, 5.8e-3 with the chi-square approximation's error as measured there). An auto tree
 sized from cost lines (its nodes' children counts chosen from their distributions) is one of them.
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
@@ -51,6 +51,9 @@ of 10 (largest p-value 8.7e-138). lookahead+pld (lookup's chains beside lookahea
 way: 5 of 5 passed (smallest p-value 0.011), lookup's rows claiming uniform draws failed 5 of 5
 (largest p-value 1.0e-46). self-int4 (self on an int4 copy of its layer and the head), the same
 way: 5 of 5 passed (smallest p-value 0.23), sharper samples failed 5 of 5 (largest p-value 2.8e-132).
+self-tree (self's auto tree) and self-vocab (its head over the prompt's tokens), the same way: 10 of
+10 passed (smallest p-value 0.128); siblings reporting the first draw on self's tree failed 5 of 5
+(largest p-value 1.6e-12).
 """
 
 import itertools
@@ -191,6 +194,11 @@ CASES = {
     "self-top": ("self", SamplingParams(temperature=0.8, top_k=5), {"layers": "skip:0", "self_weights": "target"}),
     # self on an int4 copy of its layers and the head: the copy's distribution is what it reports
     "self-int4": ("self", T1, {"layers": "1", "self_weights": "int4"}),
+    # self's tree: a node's children are draws without replacement from the drafting layers' distribution
+    "self-tree": ("self", T1, {"layers": "1", "self_weights": "target", "tree": "auto"}),
+    # self's head scoring the prompt's tokens alone (none of the lowest ids: a whole group of 64 is more than V)
+    "self-vocab": ("self", SamplingParams(temperature=0.8, top_k=5), {"layers": "1", "self_weights": "target",
+                                                                     "draft_vocab": 1}),
 }
 
 
@@ -376,6 +384,7 @@ MUTATIONS = {  # each with the case whose check it must fail
     "lookahead+pld_lookup_rows_claim_uniform_draws": (lookup_rows_claim_uniform_draws, "lookahead+pld"),
     "self_samples_sharper": (self_samples_sharper, "self"),
     "self_int4_samples_sharper": (self_samples_sharper, "self-int4"),
+    "self_tree_siblings_report_first_draw": (siblings_report_first_draw, "self-tree"),
 }
 
 

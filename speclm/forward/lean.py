@@ -166,10 +166,10 @@ class Stack:
 
 
 def int4_stack(model, indices: tuple[int, ...], progress: Callable[[], None] = lambda: None
-               ) -> tuple[Stack, Rows, int]:
+               ) -> tuple[Stack, nn.Module, int]:
     """An int4 copy of the model's layers `indices` and of its output head, made from its own
-    weights (fp32, or int8 de-quantized) one layer at a time: the Stack, the head as (R, E) -> (R, V),
-    and the copy's bytes. The model itself is untouched. `progress` is called after each layer and
+    weights (fp32, or int8 de-quantized) one layer at a time: the Stack, the head (a quantized
+    linear layer: its `rows` map (R, E) -> (R, V)), and the copy's bytes. The model itself is untouched. `progress` is called after each layer and
     after the head."""
     inner = model.model
     dtype = inner.norm.weight.dtype
@@ -189,7 +189,7 @@ def int4_stack(model, indices: tuple[int, ...], progress: Callable[[], None] = l
         progress()
     head = int4_copy(model.get_output_embeddings())
     progress()
-    return Stack(tuple(indices), copies), head.rows, size + quantized_bytes(head)
+    return Stack(tuple(indices), copies), head, size + quantized_bytes(head)
 
 
 def _kernels_of(module: nn.Module) -> list[QuantLinear]:

@@ -69,11 +69,11 @@ def _split(vocab_size: int, first: int, extra: list[int]) -> tuple[int, torch.Te
     return first, torch.tensor(sorted({int(t) for t in extra if first <= t < vocab_size}), dtype=torch.long)
 
 
-def restricts(model, vocab: int) -> bool:
-    """Whether `vocab` restricts this model's head: not 0 nor at least the vocabulary's size, a head
-    of a kind speclm slices, and a model speclm's lean forward (the only one that takes a replaced
-    head) runs."""
-    head = model.get_output_embeddings()
+def restricts(model, vocab: int, head: nn.Module | None = None) -> bool:
+    """Whether `vocab` restricts this model's head (or `head`, a stand-in for it): not 0 nor at
+    least the vocabulary's size, a head of a kind speclm slices, and a model speclm's lean forward
+    (the only one that takes a replaced head) runs."""
+    head = model.get_output_embeddings() if head is None else head
     return (bool(vocab) and isinstance(head, (QuantLinear, nn.Linear)) and vocab < head.out_features
             and lean.supports(model))
 
@@ -103,8 +103,10 @@ class RowVocabs:
     rows of the batch (each column of the head is computed on its own: speclm.quant.weights's kernels).
     The union grows as rows join; rows that left keep their columns until it is rebuilt."""
 
-    def __init__(self, model, vocab: int, always: tuple[int, ...]):
+    def __init__(self, model, vocab: int, always: tuple[int, ...], head: nn.Module | None = None):
+        """head: the output head to restrict (None: the model's own; a stand-in such as self's int4 copy)."""
         self.model, self.vocab, self.always = model, vocab, tuple(always)
+        self.full = model.get_output_embeddings() if head is None else head  # the head restricted
         self.head: RestrictedHead | None = None
         self.ids: list[torch.Tensor | None] = []  # per row: its own token ids (S_b,), ascending; None: not read yet
         self._at: list[torch.Tensor | None] = []  # per row: its columns of the head (S_b,); None: all of them
@@ -119,9 +121,9 @@ class RowVocabs:
 
     def read(self, rows: list[int], contexts: list[list[int]]) -> None:
         """Rows `rows` start drafting: their vocabularies from their contexts (prompt + first token)."""
-        if not restricts(self.model, self.vocab):
+        if not restricts(self.model, self.vocab, self.full):
             return
-        size = self.model.get_output_embeddings().out_features
+        size = self.full.out_features
         for b, context in zip(rows, contexts):
             first, extra = _split(size, self.vocab, list(context) + list(self.always))
             self.ids[b] = torch.cat([torch.arange(first), extra])
@@ -130,7 +132,7 @@ class RowVocabs:
         wanted = {t for ids in self.ids if ids is not None for t in ids[first:].tolist()}
         rebuilt = self.head is None or not wanted <= held  # a new row's tokens are not columns yet
         if rebuilt:
-            self.head = RestrictedHead(self.model.get_output_embeddings(), self.vocab, sorted(wanted))
+            self.head = RestrictedHead(self.full, self.vocab, sorted(wanted))
         for b in range(len(self.ids)) if rebuilt else rows:  # the columns move only where the head is new
             ids = self.ids[b]
             whole = ids is None or len(ids) == len(self.head.ids)

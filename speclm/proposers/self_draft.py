@@ -8,7 +8,9 @@ at the drafted positions, past the committed ones; those are rolled back before 
 returns, and the verification forward writes those slots again with every layer. Greedy
 drafts take the argmax; sampled drafts draw from the subset's processed distribution with the
 request's own generator, and the verifier's rejection sampling keeps the output exactly the
-target's either way.
+target's either way. A round drafts a chain (a drafting forward per token) or, given a TreeSpec,
+a tree grown as a draft model's is (speclm.proposers.draft_tree.grow, a level per forward); the
+head may score a restricted vocabulary (speclm.proposers.draft_vocab), as a draft model's does.
 
 Which layers draft (`--layers`): "N" (the first N), "skip:I,J-K" ('+' also separates, for the
 bench's method syntax), or "auto": the candidates below, each run on a few fixed calibration
@@ -29,6 +31,9 @@ import torch
 from speclm.errors import UsageError
 from speclm.files import atomic_write
 from speclm.proposers.base import Draft, Proposer
+from speclm.proposers.draft_tree import DraftTimes, TreeSpec, grow, record_acceptance
+from speclm.proposers.draft_vocab import RowVocabs, on_vocabulary, token_of
+from speclm.quant.weights import QuantLinear
 from speclm.sampling import SamplingParams, processed_probs, sample
 
 # calibration prompts: not evaluation prompts (no Spec-Bench text)
@@ -175,20 +180,46 @@ class SelfDraftProposer(Proposer):
     runs_model = True
     drafts_on_target = True
 
-    def __init__(self, model, layers, k: int, head=None):
+    def __init__(self, model, layers, k: int, head=None, tree: TreeSpec | None = None,
+                 times: DraftTimes | None = None, vocab: int = 0, always: tuple[int, ...] = ()):
         """model: the target (its lean forward runs the layers); layers: a speclm.forward.lean.Stack,
         the layers that draft (ascending) and their stand-ins (an int4 copy; none: the target's own);
-        head: the output head's stand-in, (R, E) -> (R, V) (None: the target's own)."""
+        head: the output head's stand-in, a linear layer (an int4 copy; None: the target's own);
+        tree: draft a tree of this shape each round instead of a chain (speclm.proposers.draft_tree;
+        k is then its depth); times: the drafting forwards' measured times and the target's
+        acceptance by rank, kept across requests, which greedy auto trees are grown by; vocab: the
+        head scores only the `vocab` lowest ids, each row's prompt tokens and `always` (0: every id;
+        speclm.proposers.draft_vocab), as a draft model's does."""
         from speclm.forward import lean
 
         if not lean.supports(model):
             raise UsageError("method 'self' needs speclm's lean forward (Llama or Qwen2 architectures)")
         if not layers.indices:
             raise UsageError("method 'self' needs at least one layer to draft with")
-        self.layers, self.head, self.k, self.max_nodes = layers, head, k, k
+        self.model, self.layers, self.tree = model, layers, tree
+        self.full_head = head  # a stand-in's (R, E) -> (R, V), or None: the target's own
+        if isinstance(head, QuantLinear):
+            self.full_head = head.rows
+        self.vocab, self.always, self._head_module = vocab, tuple(always), head
+        self.vocabs = RowVocabs(model, vocab, self.always, head=head)
+        self.k, self.max_nodes = (k, k) if tree is None else (tree.max_depth, tree.max_nodes)
+        self.shape = "chain" if tree is None else "tree"
+        self._times = times if times is not None else DraftTimes()
+        self._nodes: dict[int, list] = {}  # batch row -> the last greedy tree's nodes (for measuring acceptance)
         self.kv = None
         self.rows: list[int] = []
         self._seconds = 0.0
+
+    def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None, pool: int = 0) -> None:
+        self.vocabs = RowVocabs(self.model, self.vocab, self.always, head=self._head_module)
+        self.add(batch_size)
+
+    def add(self, count: int, prompt_lengths=None, max_new_tokens=None) -> None:
+        self.vocabs.add(count)
+
+    def select(self, rows: list[int]) -> None:
+        self.vocabs.select(rows)
+        self._nodes = {}
 
     def bind_target(self, kv, rows) -> None:
         self.kv, self.rows = kv, list(rows)
@@ -197,48 +228,100 @@ class SelfDraftProposer(Proposer):
     def forward_seconds(self) -> float:
         return self._seconds
 
+    @property
+    def _head(self):
+        """The head the drafting forwards end with: the restricted one where rows restrict it."""
+        return self.vocabs.head if self.vocabs.head is not None else self.full_head
+
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
         batch, kv = len(contexts), self.kv
         drafting = [i for i in range(batch) if max_tokens[i] > 0]
         if not drafting:
             return Draft.empty(batch)
         t0 = time.perf_counter()
+        new = [i for i in drafting if self.vocabs.ids[i] is None]
+        if new:  # rows drafting for the first time: their vocabularies from their prompts
+            self.vocabs.read(new, [contexts[i] for i in new])
         lengths = kv.lengths_list()
-        start = {i: lengths[self.rows[i]] for i in drafting}  # committed slots, kept
-        feed = {i: contexts[i][start[i]:] for i in drafting}  # normally the target's last token
-        width = max(max_tokens[i] for i in drafting)
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        drafted = [0] * batch
-        probs = None if params.greedy else [[] for _ in range(batch)]
-        forwards = 0
-        for j in range(width):
-            active = [i for i in drafting if max_tokens[i] > j]
-            if not active:
-                break
-            logits = kv.forward([feed[i] for i in active], 1, only=[self.rows[i] for i in active],
-                                layers=self.layers, head=self.head)[:, -1]  # (A, V)
-            forwards += 1
-            for a, i in enumerate(active):
-                if params.greedy:
-                    token = int(logits[a].argmax())
-                else:
-                    dist = processed_probs(logits[a : a + 1], params)[0].cpu()
-                    probs[i].append(dist)
-                    token = sample(dist, generators[i])
-                tokens[i, j] = token
-                drafted[i] = j + 1
-                feed[i] = [token]
+        start = [lengths[self.rows[i]] for i in drafting]  # committed slots, kept
+        feed = [contexts[i][s:] for i, s in zip(drafting, start)]  # normally the target's last token
+        only = [self.rows[i] for i in drafting]
+        # the drafting rows' logits over the head's columns (all V ids, or vocabs.head.ids)
+        logits = kv.forward(feed, 1, only=only, layers=self.layers, head=self._head)[:, -1]  # (D, S)
+        if all(len(f) == 1 for f in feed):
+            self._times.steps.record(1, time.perf_counter() - t0)
+        vocab_size = self.vocabs.head.vocab_size if self.vocabs.head is not None else logits.shape[-1]
+        budgets = [max_tokens[i] for i in drafting]
+        gens = [generators[i] for i in drafting]
+        if self.tree is not None:
+            lengths = [s + len(f) for s, f in zip(start, feed)]
+            grown = grow(_OnLayers(kv, self.layers, self._head), self.vocabs, drafting, vocab_size, self.tree, logits,
+                         lengths, budgets, params, gens, t0, self._times, only)
+            self._nodes = dict(zip(drafting, grown.nodes)) if params.greedy else {}
+            draft = Draft(grown.tokens, grown.lengths, grown.probs, forwards=1 + grown.forwards,
+                          forward_rows=len(drafting), parents=grown.parents)
+        else:
+            draft = self._chain(logits, drafting, only, budgets, vocab_size, params, gens)
         keep = kv.lengths_list()
-        for i in drafting:  # the drafted slots are the verification's to write
-            keep[self.rows[i]] = start[i]
+        for row, s in zip(only, start):  # the drafted slots are the verification's to write
+            keep[row] = s
         kv.truncate(keep)
         self._seconds += time.perf_counter() - t0
+        return draft if len(drafting) == batch else draft.spread(drafting, batch)
+
+    def _chain(self, logits, drafting, only, budgets, vocab_size, params: SamplingParams, generators) -> Draft:
+        """A chain for the drafting rows from their first logits (D, S): a drafting forward per further token."""
+        kv, vocabs = self.kv, self.vocabs
+        width = max(budgets)
+        tokens = torch.zeros(len(drafting), width, dtype=torch.long)
+        probs = None if params.greedy else [[] for _ in drafting]
+        mask = vocabs.mask(drafting, logits.shape[-1]) if params.greedy else None  # each row's own columns
+        active = list(range(len(drafting)))
+        forwards = 1
+        for j in range(width):
+            picked = []
+            for a, i in enumerate(active):
+                row = drafting[i]
+                if params.greedy:
+                    own = logits[a] if mask is None else logits[a].masked_fill(~mask[i].to(logits.device), float("-inf"))
+                    column = int(own.argmax())  # of the head's (the union's) columns
+                    token = column if vocabs.head is None else int(vocabs.head.ids[column])
+                else:
+                    dist = processed_probs(vocabs.logits(row, logits[a : a + 1]), params)[0].cpu()  # (S_b,)
+                    probs[i].append(on_vocabulary(dist, vocabs.token_ids(row), vocab_size))
+                    token = token_of(vocabs.token_ids(row), sample(dist, generators[i]))
+                tokens[i, j] = token
+                picked.append(token)
+            active_next = [i for i in active if budgets[i] > j + 1]
+            if not active_next:
+                break
+            keep = [picked[active.index(i)] for i in active_next]
+            logits = kv.forward([[t] for t in keep], 1, only=[only[i] for i in active_next], layers=self.layers,
+                                head=self._head)[:, -1]
+            forwards += 1
+            active = active_next
+        lengths = torch.tensor([min(b, width) for b in budgets], dtype=torch.long)
         draft_probs = None
         if probs is not None:
-            vocab = logits.shape[-1]
-            draft_probs = torch.zeros(batch, width, vocab)
-            for i in drafting:
-                if probs[i]:
-                    draft_probs[i, : len(probs[i])] = torch.stack(probs[i])
-        return Draft(tokens, torch.tensor(drafted, dtype=torch.long), draft_probs, forwards=forwards,
-                     forward_rows=len(drafting))
+            draft_probs = torch.zeros(len(drafting), width, vocab_size)
+            for i, p in enumerate(probs):
+                if p:
+                    draft_probs[i, : len(p)] = torch.stack(p)
+        return Draft(tokens, lengths, draft_probs, forwards=forwards, forward_rows=len(drafting))
+
+    def accept(self, verified) -> None:
+        """A greedy tree's nodes the target tested, counted by rank and draft probability (auto trees grow by them)."""
+        for row, nodes in self._nodes.items():
+            record_acceptance(self._times, nodes, verified.paths[row])
+        self._nodes = {}
+
+
+class _OnLayers:
+    """The target's cache as draft_tree.grow drives a draft model's: each forward runs the drafting
+    layers, then the head (the proposer's, restricted or not)."""
+
+    def __init__(self, kv, layers, head):
+        self.kv, self.layers, self.head = kv, layers, head
+
+    def forward(self, rows, logits_to_keep, head=None, parents=None, only=None):
+        return self.kv.forward(rows, logits_to_keep, parents=parents, only=only, layers=self.layers, head=self.head)
