@@ -247,9 +247,10 @@ class SelfDraftProposer(Proposer):
         feed = [contexts[i][s:] for i, s in zip(drafting, start)]  # normally the target's last token
         only = [self.rows[i] for i in drafting]
         # the drafting rows' logits over the head's columns (all V ids, or vocabs.head.ids)
+        t1 = time.perf_counter()  # a step's time, without building a restricted head
         logits = kv.forward(feed, 1, only=only, layers=self.layers, head=self._head)[:, -1]  # (D, S)
         if all(len(f) == 1 for f in feed):
-            self._times.steps.record(1, time.perf_counter() - t0)
+            self._times.steps.record(1, time.perf_counter() - t1)
         vocab_size = self.vocabs.head.vocab_size if self.vocabs.head is not None else logits.shape[-1]
         budgets = [max_tokens[i] for i in drafting]
         gens = [generators[i] for i in drafting]
@@ -295,8 +296,8 @@ class SelfDraftProposer(Proposer):
             active_next = [i for i in active if budgets[i] > j + 1]
             if not active_next:
                 break
-            keep = [picked[active.index(i)] for i in active_next]
-            logits = kv.forward([[t] for t in keep], 1, only=[only[i] for i in active_next], layers=self.layers,
+            fed = [[token] for i, token in zip(active, picked) if budgets[i] > j + 1]  # active_next's, in order
+            logits = kv.forward(fed, 1, only=[only[i] for i in active_next], layers=self.layers,
                                 head=self._head)[:, -1]
             forwards += 1
             active = active_next
