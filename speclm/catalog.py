@@ -29,6 +29,9 @@ class CatalogEntry:
     # Tokens that end a turn, beyond the tokenizer's eos token: chat models trained with
     # ChatML stop on either marker, and the GGUF metadata names only one.
     extra_eos_tokens: tuple[str, ...] = field(default=())
+    # its family's draft (same tokenizer), a catalog name: `auto` drafts with it where it is already
+    # in the store and no --draft is given (never pulled for that)
+    draft: str | None = None
 
 
 def _split(prefix: str, module: str, version: str, count: int) -> tuple[WheelPart, ...]:
@@ -50,6 +53,7 @@ CATALOG: dict[str, CatalogEntry] = {
             gguf_bytes=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             extra_eos_tokens=("<|im_end|>", "<|endoftext|>"),
+            draft="qwen2.5-coder-0.5b",
         ),
         CatalogEntry(
             name="qwen2.5-coder-0.5b",

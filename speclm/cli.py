@@ -10,8 +10,9 @@ import sys
 from speclm.errors import PullError, SpeclmError, StoreError, UsageError
 from speclm import defaults
 from speclm.defaults import PREFIX_CACHE_TOKENS
-from speclm.methods import DRAFT_MODEL, HEADS, NAMES as METHODS, REGISTRY, help_text, needing, taking
-from speclm.runtime import QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES, keep_freed_memory, set_threads, weights_for
+from speclm.methods import DRAFT_MODEL, HEADS, NAMES as METHODS, REGISTRY, help_text, needing, taking, using
+from speclm.runtime import (QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES, family_draft, keep_freed_memory, set_threads,
+                            weights_for)
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
 
@@ -37,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
-    g.add_argument("--method", choices=list(METHODS), default="none", help=help_text())
-    g.add_argument("--draft", help=f"draft model for --method {', '.join(needing(DRAFT_MODEL))} (same tokenizer as the target)")
+    g.add_argument("--method", choices=list(METHODS), default="auto", help="default auto; " + help_text())
+    g.add_argument("--draft", help=f"draft model for --method {', '.join(using(DRAFT_MODEL))} (same tokenizer as the target)")
     _add_decoding_options(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -107,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--time-limit", type=float, default=300.0, help="seconds per cell after which no request "
                     "starts (default %(default)g)")
     bs.add_argument("--out", required=True, help="output folder: results.json, report.md, plots")
+
+    t = sub.add_parser("tune", help="measure what --method auto plans by on this machine, for a target (and draft), "
+                       "once: kept under the cache folder and read by generate, bench and serve")
+    t.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
+    t.add_argument("--draft", help="the draft model auto may draft with (same tokenizer as the target)")
+    t.add_argument("--heads", help="heads file for the head methods (default: those shipped for the target)")
+    t.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto", help=QUANTIZE_HELP)
+    t.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
+    t.add_argument("--show", action="store_true", help="print the stored profile and the predicted speedup of each "
+                   "method for short and long prompts at batch sizes 1, 2, 4 and 8 (measures nothing)")
+    t.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
 
     h = sub.add_parser("heads", help="Medusa and EAGLE heads for a target: build their training data, train them")
     hsub = h.add_subparsers(dest="heads_name", required=True, parser_class=_Parser)
@@ -217,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve(args, progress=_progress())
         if args.command == "heads":
             return args.heads_command(args)
+        if args.command == "tune":
+            return _tune(args)
         if args.command == "bench-serve":
             from speclm.serve.bench import bench_serve
 
@@ -231,6 +245,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("speclm: interrupted", file=sys.stderr)
         return 130
+
+
+def _tune(args) -> int:
+    from speclm import tune
+    from speclm.engine import GenerationOptions, SpecEngine
+    from speclm.models.loading import check_model_name, load_model
+
+    opts = GenerationOptions(method="auto", heads=args.heads)
+    check_model_name(args.target)
+    args.draft = args.draft or family_draft(args.target, "auto")
+    if args.draft:
+        check_model_name(args.draft)
+    quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
+    target = load_model(args.target, quantize=quantize, progress=_progress())
+    draft = load_model(args.draft, quantize=draft_quantize, progress=_progress()) if args.draft else None
+    engine = SpecEngine(target, draft=draft)
+    if not args.show:
+        profile = tune.measure(engine, opts, progress=_progress())
+        print(f"speclm: profile of {profile.key} measured in {profile.seconds:.0f} s: {tune.path_of(engine, opts)}",
+              file=sys.stderr)
+    print(tune.show(engine, opts))
+    return 0
 
 
 def _progress() -> bool:
@@ -312,9 +348,10 @@ def _generate(args) -> int:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
     if args.prefix_cache < 0:
         raise UsageError(f"prefix-cache must be >= 0 tokens, got {args.prefix_cache}")
-    uses_draft = opts.spec.needs == DRAFT_MODEL
-    if uses_draft and not args.draft:
+    if opts.spec.needs == DRAFT_MODEL and not args.draft:
         raise UsageError(f"--method {args.method} needs --draft MODEL")
+    args.draft = args.draft or family_draft(args.target, args.method)
+    uses_draft = bool(args.draft) and args.method in using(DRAFT_MODEL)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     check_model_name(args.target)  # fail fast, before minutes of loading
     if uses_draft:
@@ -383,6 +420,8 @@ def _print_stats(stats, weights: str, file) -> None:
         + (f" (its prefill {d['draft_prefill_seconds']:.2f}s)" if d["draft_prefill_seconds"] else "")
         + f", verify {d['verify_seconds']:.2f}s"
         + (f", {d['cached_tokens']} prompt tokens from the prefix cache" if d.get("cached_tokens") else "")
+        + ("; planned rounds: " + ", ".join(f"{name} {n}" for name, n in sorted(d["planned"].items(), key=lambda kv: -kv[1]))
+           if d.get("planned") else "")
         + f"; {weights}; peak memory {_peak_memory()}]",
         file=file,
     )
@@ -432,7 +471,7 @@ def _bench(args) -> int:
     args.quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
     engines = {}  # quantize mode -> engine over those weights; the default mode's first
     for mode in dict.fromkeys([args.quantize] + [s.quantize for s in specs if s.quantize]):
-        needs_draft = args.draft and any(s.needs_draft and not s.is_peer and (s.quantize or args.quantize) == mode
+        needs_draft = args.draft and any(s.uses_draft and not s.is_peer and (s.quantize or args.quantize) == mode
                                          for s in specs)
         engines[mode] = SpecEngine(
             load_model(args.target, quantize=mode, progress=_progress()),
@@ -442,7 +481,7 @@ def _bench(args) -> int:
     engine.encode([p.text for p in prompts], args.chat)  # every prompt fits and templates, before --out is made
     target, draft = engine.target, engine.draft
     config = BenchConfig(
-        target=args.target, draft=args.draft if draft or any(s.needs_draft for s in specs) else None, methods=[s.label for s in specs], dataset=args.dataset,
+        target=args.target, draft=args.draft if draft or any(s.uses_draft for s in specs) else None, methods=[s.label for s in specs], dataset=args.dataset,
         categories=categories, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, repeats=args.repeats, chat=args.chat,
         dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""), cost_repeats=args.cost_repeats,

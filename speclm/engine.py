@@ -17,6 +17,7 @@ from typing import Iterator
 from speclm import defaults
 from speclm.round.adaptive import Adaptive
 from speclm.round.batch import Batch
+from speclm.forward.cache import check_fits
 from speclm.forward.costs import ForwardCosts, verification_costs
 from speclm.errors import UsageError
 from speclm.heads.loaded import LoadedHeads
@@ -76,6 +77,9 @@ class SpecEngine:
         # "target"/"draft model" -> forward costs, kept for the engine's life (a table measured on a busy
         # machine is not stored on disk: without this each new proposer would measure it again)
         self._costs: dict[str, ForwardCosts] = {}
+        self._planner: Adaptive | None = None
+        self._profiles: dict = {}  # speclm.tune key -> Profile
+        self.measured_children: dict = {}  # auto's child -> speclm.tune.ChildProfile: every planner's prior
         if draft is not None:
             check_same_vocabulary(target, draft)
 
@@ -100,9 +104,10 @@ class SpecEngine:
         if size < 1:
             raise UsageError(f"batch-size must be >= 1, got {size}")
         seed = opts.seed if opts.seed is not None else secrets.randbits(62)
-        self.prepare(opts)
         requests = [Request.of(i, ids, opts, seed + i, self.target.max_context, seeded=opts.seed is not None)
                     for i, ids in enumerate(encoded)]
+        check_fits(self.target.model, min(size, len(requests)), max(r.prompt_len + r.max_new for r in requests))
+        self.prepare(opts)
         waiting = deque(requests)
         batch = self.batch(rows=min(size, len(requests)), capacity=max(r.prompt_len + r.max_new for r in requests))
         given = 0
@@ -131,7 +136,36 @@ class SpecEngine:
     def adaptive(self) -> Adaptive:
         """Speculation that adapts each round's draft length to the batch (speclm.round.adaptive), from
         this machine's measured forward costs (the target's, and the draft model's where there is one)."""
-        return Adaptive(self.forward_costs(), draft_costs=self.draft_costs() if self.draft is not None else None)
+        return Adaptive(self.forward_costs(), draft_costs=self.draft_costs() if self.draft is not None else None,
+                        measured=self.measured_children)
+
+    def profile(self, opts: GenerationOptions):
+        """auto's profile for this engine (speclm.tune): read from the cache, else measured now
+        (said once on stderr, with how long it takes) and stored; its children's measurements feed
+        every planner of this engine."""
+        from speclm import tune
+
+        key = tune.key_of(self, opts)
+        if key not in self._profiles:
+            profile = tune.load(self, opts)
+            if profile is None:
+                self.forward_costs()
+                print(f"speclm: no tuned profile for {key} on this machine: measuring it now (about "
+                      f"{tune.estimate_seconds(self, opts):.0f} s; `speclm tune` does it ahead of time)",
+                      file=sys.stderr, flush=True)
+                profile = tune.measure(self, opts, progress=sys.stderr.isatty(), fallback=False)
+            self._profiles[key] = profile
+            self.measured_children.update(profile.children)
+        return self._profiles[key]
+
+    def planner(self) -> Adaptive:
+        """The policy that plans `auto` requests in `generate`, `stream` and a Batch made without
+        one (one per engine: what it measures of the proposers is kept across calls); it leaves
+        every other method's k alone."""
+        if self._planner is None:
+            self._planner = Adaptive(self.forward_costs(), draft_costs=self.draft_costs() if self.draft is not None else None,
+                                     plans_only=True, measured=self.measured_children)
+        return self._planner
 
     def forward_costs(self) -> ForwardCosts:
         """The target's forward time by tokens read (speclm.forward.costs; measured once per model, then cached)."""
@@ -152,10 +186,12 @@ class SpecEngine:
         else random)."""
         opts = options if options is not None else GenerationOptions(**kwargs)
         ids = self.encode([prompt], opts.chat)[0]
-        self.prepare(opts)
         seeded = seed is not None or opts.seed is not None
         seed = seed if seed is not None else opts.seed if opts.seed is not None else secrets.randbits(62)
-        return Request.of(index, ids, opts, seed, self.target.max_context, seeded)
+        request = Request.of(index, ids, opts, seed, self.target.max_context, seeded)
+        check_fits(self.target.model, 1, request.prompt_len + request.max_new)
+        self.prepare(opts)
+        return request
 
     def prepare(self, opts: GenerationOptions) -> None:
         """Ready what requests with these options need once per engine, before any of them runs (so
@@ -163,6 +199,13 @@ class SpecEngine:
         size trees (the first measurement on a machine takes up to a minute). UsageError where a
         model the method needs is missing."""
         m = opts.spec
+        if m.plans:  # auto: what it plans by (the profile: speclm.tune), and what each child needs
+            from speclm.methods import children
+
+            self.profile(opts)
+            for child in children(self, opts):
+                self.prepare(child)
+            return
         if m.needs == DRAFT_MODEL:
             self.require_draft(opts.method)
             self.draft_tree(opts)

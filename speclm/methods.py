@@ -52,6 +52,10 @@ class Method:
     ngram_min: int = 1  # prompt lookup's shortest n-gram by default, where it looks up
     tree_default: str | None = None  # --tree's default, where it takes one
     runs_model: bool = False  # a model's forwards draft (a draft model, heads, the target's own layers)
+    # auto's children: their order (1 first: a seeded sampled request's method, the first tried); 0: not a child
+    planned: int = 0
+    fallback: bool = False  # auto: a child only where no other child runs a model (it costs a setup of its own)
+    plans: bool = False  # the planner's own method (auto): its proposer plans each row among the planned methods
 
     def __post_init__(self) -> None:
         assert (self.needs == HEADS) == (self.heads is not None), self.name
@@ -158,17 +162,52 @@ def _self(engine, opts):
                              times=engine.self_times(stack), vocab=vocab, always=tuple(engine.target.eos_token_ids))
 
 
+def children(engine, opts, fallback: bool | None = None) -> "list[GenerationOptions]":
+    """auto's children for this engine: the options of each planned method the loaded models allow
+    (a draft model loaded; heads shipped for the target, or --heads), in the registry's order.
+    Fallback methods (where no other child runs a model): with fallback True; None: those the
+    engine's profile measured (`speclm tune` sets them up; a request never waits for their setup)."""
+    from dataclasses import replace as with_
+
+    from speclm.errors import UsageError
+
+    def allowed(m: Method) -> bool:
+        if m.needs == DRAFT_MODEL:
+            return engine.draft is not None
+        if m.needs == HEADS:
+            try:
+                engine.heads(m.heads, opts.heads)
+            except UsageError:
+                return False
+        return True
+
+    ranked = sorted((m for m in REGISTRY.values() if m.planned and allowed(m)), key=lambda m: m.planned)
+    first = [m for m in ranked if not m.fallback]
+    if any(m.runs_model for m in first):
+        chosen = first
+    else:
+        chosen = [m for m in ranked if not m.fallback or (m.name in engine.measured_children if fallback is None
+                                                         else fallback)]
+    return [with_(opts, method=m.name, heads=opts.heads if m.needs == HEADS else None) for m in chosen]
+
+
+def _auto(engine, opts):
+    from speclm.proposers.auto import AutoProposer
+
+    return AutoProposer({o.method: REGISTRY[o.method].build(engine, o) for o in children(engine, opts)})
+
+
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("none", "plain decoding through the same engine: the baseline", _none, lambda w, o: 0),
     Method("draft", "a draft model with the target's tokenizer proposes", _draft, _draft_model_k,
            needs=DRAFT_MODEL, shapes=("chain", "tree"), options=DRAFT_OPTIONS, tree_default=defaults.TREE,
            runs_model=True),
     Method("pld", "prompt lookup: what followed the last earlier match of the context's trailing n-gram",
-           _pld, _pld_k, options=LOOKUP_OPTIONS),
+           _pld, _pld_k, options=LOOKUP_OPTIONS, planned=3),
     Method("draft+pld", "per row and round: prompt lookup where the context repeats itself, else the draft model",
            _draft_pld, _draft_model_k, needs=DRAFT_MODEL, shapes=("chain", "tree"),
            options=DRAFT_OPTIONS | LOOKUP_OPTIONS | {"draft_prompt_ratio"}, ngram_min=defaults.NGRAM_MIN_DRAFT_PLD,
-           tree_default=defaults.TREE, runs_model=True),
+           tree_default=defaults.TREE, runs_model=True, planned=1),
     Method("medusa", "trained Medusa heads on the target's last feature propose a tree", _medusa,
            lambda w, o: defaults.K_MEDUSA, needs=HEADS, shapes=("tree",), options=HEAD_OPTIONS | {"tree"},
            heads="medusa", tree_default=defaults.MEDUSA_TREE, runs_model=True),
@@ -178,7 +217,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("eagle+pld", "per row and round: prompt lookup where the context repeats itself, else eagle's tree",
            _eagle_pld, lambda w, o: defaults.K_EAGLE, needs=HEADS, shapes=("chain", "tree"),
            options=HEAD_OPTIONS | LOOKUP_OPTIONS, heads="eagle", ngram_min=defaults.NGRAM_MIN_DRAFT_PLD,
-           runs_model=True),
+           runs_model=True, planned=2),
     Method("lookahead", "lookahead decoding: Jacobi iteration over a window fills an n-gram pool; "
            "its n-grams that follow the context are verified", _lookahead,
            lambda w, o: max(o.lookahead_shape[0], o.lookahead_shape[1] - 1), shapes=("tree",),
@@ -188,7 +227,10 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            shapes=("chain", "tree"), options=LOOKUP_OPTIONS | {"lookahead"}, ngram_min=defaults.NGRAM_MIN_DRAFT_PLD),
     Method("self", "self-speculation: the target's own layers, some skipped, draft a chain or a tree", _self,
            lambda w, o: defaults.K_SELF, shapes=("chain", "tree"), options=frozenset({"layers", "self_weights", "tree", "draft_vocab"}),
-           runs_model=True),
+           runs_model=True, planned=4, fallback=True),
+    Method("auto", "per request and round, the planner picks among the methods the loaded models allow "
+           "(draft+pld, eagle+pld, pld; self where no model drafts), the draft length, or none",
+           _auto, lambda w, o: 0, shapes=("chain", "tree"), options=frozenset({"heads"}), runs_model=True, plans=True),
 )}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 
@@ -201,6 +243,13 @@ def method(name: str) -> Method:
 def needing(need: str) -> tuple[str, ...]:
     """The methods that need `need` (DRAFT_MODEL, HEADS)."""
     return tuple(m.name for m in REGISTRY.values() if m.needs == need)
+
+
+def using(need: str) -> tuple[str, ...]:
+    """The methods that run with `need` (DRAFT_MODEL, HEADS) where it is loaded: those that need it,
+    and auto where a planned method needs it (auto runs without it too)."""
+    planned = any(m.needs == need and m.planned for m in REGISTRY.values())
+    return tuple(m.name for m in REGISTRY.values() if m.needs == need or (m.plans and planned))
 
 
 def taking(option: str) -> tuple[str, ...]:
@@ -219,7 +268,7 @@ def markdown_table() -> str:
     for m in REGISTRY.values():
         from speclm.options import GenerationOptions as Options  # options reads this module: imported here
 
-        k = "–" if not m.proposes else str(m.k(Weights("int8", "int4"), Options(method=m.name)))
+        k = "–" if not m.proposes else "planned" if m.plans else str(m.k(Weights("int8", "int4"), Options(method=m.name)))
         rows.append(f"| `{m.name}` | {m.about} | {m.needs or 'nothing'} | {', '.join(m.shapes) if m.proposes else '–'} "
                     f"| {k} |")
     return "\n".join(rows)

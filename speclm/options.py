@@ -16,7 +16,7 @@ from speclm.sampling import SamplingParams
 class GenerationOptions:
     """`generate`-style arguments."""
 
-    method: str = "none"  # a name of speclm.methods.REGISTRY
+    method: str = "auto"  # a name of speclm.methods.REGISTRY; auto: the planner picks per request and round
     k: int | None = None  # draft length per round; None: the method's default
     max_new_tokens: int = 128
     temperature: float = 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 
 from speclm.errors import UsageError
 from speclm.memory import resident
@@ -162,3 +163,16 @@ def release_freed_memory() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def family_draft(target: str, method: str) -> str | None:
+    """With no --draft, for a method that may use one (auto): the draft the catalog names for the
+    target, where it is already in the store (said on stderr; never pulled for this)."""
+    from speclm.methods import DRAFT_MODEL, using
+    from speclm.models.store import cached_family_draft
+
+    draft = cached_family_draft(target) if method in using(DRAFT_MODEL) else None
+    if draft is not None:
+        print(f"speclm: {method} may draft with {draft}, the catalog's draft for {target}, found in the store "
+              f"(--draft to choose another)", file=sys.stderr, flush=True)
+    return draft

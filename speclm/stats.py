@@ -27,6 +27,8 @@ class RequestStats:
     lookup_rounds: int = 0  # `+pld` methods: rounds prompt lookup drafted this request's row
     pool_hits: int = 0  # lookahead: rounds whose verification branch held a pooled n-gram
     pool_tokens: int = 0  # lookahead: accepted tokens of pooled n-grams (per hit: the accepted n-gram length)
+    planned: dict[str, int] = field(default_factory=dict)  # auto: rounds each child drafted ("none": no draft)
+    plan_switches: list[str] = field(default_factory=list)  # auto: the planner's last 16 moves between children, and why
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,7 +66,12 @@ class RequestStats:
     def add_counts(self, counts: dict[str, int]) -> None:
         """A proposer's counters for one round (Proposer.round_counts), added by field name."""
         for name, value in counts.items():
-            setattr(self, name, getattr(self, name) + value)  # AttributeError: a proposer counting no field
+            if isinstance(value, dict):  # counts by name (auto's rounds per child)
+                into = getattr(self, name)
+                for k, v in value.items():
+                    into[k] = into.get(k, 0) + v
+            else:
+                setattr(self, name, getattr(self, name) + value)  # AttributeError: a proposer counting no field
 
     def record_acceptance(self, drafted: int, accepted: int, depth: int | None = None) -> None:
         """One round: `drafted` tokens proposed (a tree's nodes), `accepted` of them on the path,

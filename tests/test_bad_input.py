@@ -176,6 +176,8 @@ CASES = {
         bench(f["target"], o, "--methods", "none,draft:tree=" + str(t / "nope.json"), "--draft", f["draft"]),
         "neither chain, auto nor a readable JSON file"),
     # the fault set up first (these return None), then the command line
+    "tune --show: no profile measured": lambda t, m, f, o: (
+        ["tune", "--target", f["target"], "--quantize", "none", "--show"], "no profile for"),
     "generate: KV cache beyond the memory": lambda t, m, f, o: (
         no_memory(m) or generate(f["target"], "--prompt", "hi"), "of memory is available"),
     "bench: KV cache beyond the memory": lambda t, m, f, o: (

@@ -167,11 +167,11 @@ def test_load_model_takes_a_loaded_transformers_model_and_tokenizer(tok):
 
     model = tiny_model(len(tok), seed=0)
     model.generation_config.eos_token_id = tok.eos_token_id
-    ref = SpecEngine(loaded(copy.deepcopy(model), tok)).generate("abc", max_new_tokens=12)
+    ref = SpecEngine(loaded(copy.deepcopy(model), tok)).generate("abc", method="none", max_new_tokens=12)
     got = load_model(model, tokenizer=tok)
     assert got.model is model and got.tokenizer is tok and got.quantize == "none"
     assert tok.eos_token_id in got.eos_token_ids
-    assert SpecEngine(got).generate("abc", max_new_tokens=12).token_ids == ref.token_ids
+    assert SpecEngine(got).generate("abc", method="none", max_new_tokens=12).token_ids == ref.token_ids
     int8 = load_model(copy.deepcopy(model), tokenizer=tok, quantize="int8")
     assert int8.quantize == "int8"
     with pytest.raises(UsageError, match="needs its tokenizer"):
@@ -224,9 +224,9 @@ def test_a_long_prompt_is_read_in_chunks_between_rounds(int8_pair):
     t8, _ = int8_pair
     engine = SpecEngine(t8, prefix_cache=0)
     batch = engine.batch(rows=2, prefill_chunk=8)
-    short = batch.join(engine.request("abc", max_new_tokens=40))
+    short = batch.join(engine.request("abc", method="none", max_new_tokens=40))  # one token a round
     batch.step()  # its prefill: it decodes from now on
-    long = batch.join(engine.request(LONG, max_new_tokens=4))
+    long = batch.join(engine.request(LONG, method="none", max_new_tokens=4))
     steps, made = [], []
     while not long.generated:
         before = len(short.generated)
@@ -239,7 +239,7 @@ def test_a_long_prompt_is_read_in_chunks_between_rounds(int8_pair):
     assert sum(made) == chunks  # one token per round in between
     while batch.active:
         batch.step()
-    assert long.generated == engine.generate(LONG, max_new_tokens=4).token_ids
+    assert long.generated == engine.generate(LONG, method="none", max_new_tokens=4).token_ids
 
 
 def test_prompts_are_read_whole_where_chunks_would_change_the_bits(target):

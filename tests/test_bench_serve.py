@@ -19,7 +19,7 @@ models = test_serve.models  # the tiny model folders (a module-scoped fixture)
 @pytest.fixture(scope="module")
 def server(models):
     s = Server("--target", models["target"], "--draft", models["draft"], "--quantize", "int8",
-               "--draft-quantize", "int8", "--api-key", KEY)
+               "--draft-quantize", "int8", "--api-key", KEY, "--method", "draft+pld")
     yield s
     assert s.stop() == 0, "".join(s.log)
 

@@ -18,6 +18,7 @@ STAT_KEYS = {
     "wall_seconds", "new_tokens", "tokens_per_second", "forward_seconds", "overhead_share",
     "prefill_seconds", "decode_tokens_per_second", "alternatives", "accepted_alternatives",
     "draft_prefill_seconds", "cached_tokens", "verified_nodes", "lookup_rounds", "pool_hits", "pool_tokens",
+    "planned", "plan_switches",
 }
 
 
@@ -247,3 +248,15 @@ def test_generate_runs_int8_by_default_and_says_so(folders, capsys):
     assert json.loads(out_auto)["token_ids"] == json.loads(out_int8)["token_ids"]
     code, _, err = run(base + ["--quantize", "none"], capsys)
     assert code == 0 and "target float32 weights" in err.splitlines()[-1]
+
+
+def test_tune_measures_then_shows_the_profile(folders, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
+    argv = ["tune", "--target", folders["target"], "--draft", folders["draft"], "--quantize", "none"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "profile of" in err and "draft+pld" in out and "predicted speedup" in out
+    code, shown, _ = run(argv + ["--show"], capsys)  # reads it back, measures nothing
+    assert code == 0 and shown.splitlines()[1:] == out.splitlines()[1:]
+    rows = [line.split() for line in shown.splitlines() if line[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [(p, b) for p in ("64", "2048") for b in ("1", "2", "4", "8")]

@@ -38,7 +38,7 @@ def _cases(heads, tree):
 
 def test_every_method_equals_plain_decoding(gpu):
     engine, heads, tree = gpu
-    plain = [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=40)]
+    plain = [o.token_ids for o in engine.generate(PROMPTS, method="none", max_new_tokens=40)]
     for options in _cases(heads, tree):
         outs = engine.generate(PROMPTS, max_new_tokens=40, batch_size=3, **options)
         assert [o.token_ids for o in outs] == plain, options

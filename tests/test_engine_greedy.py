@@ -111,7 +111,7 @@ def test_batch_rows_finish_at_different_times(target, unrelated_draft):
     engine = SpecEngine(stop_target, draft=unrelated_draft)
     batch = engine.generate(PROMPTS, method="draft", k=3, max_new_tokens=N, batch_size=3)
     for prompt, got in zip(PROMPTS, batch):
-        alone = SpecEngine(stop_target).generate(prompt, max_new_tokens=N)
+        alone = SpecEngine(stop_target).generate(prompt, method="none", max_new_tokens=N)
         assert got.token_ids == alone.token_ids and got.finish_reason == alone.finish_reason
     assert batch[0].token_ids[-1] == eos_id and batch[0].finish_reason == "stop"
 

@@ -62,7 +62,7 @@ def test_greedy_equals_plain_for_every_tree(target, int8_target, heads_files, st
     # a flat cost line (every tree size costs one forward): trees of every size get drafted whatever
     # the cores were doing while the line would be measured
     engine.forward_costs = lambda: ForwardCosts({n: 1.0 for n in (1, 2, 4, 8, 16, 32, 48)})
-    plain = engine.generate(PROMPTS, max_new_tokens=40)
+    plain = engine.generate(PROMPTS, method="none", max_new_tokens=40)
     for options in _cases(heads_files, static_tree):
         outs = engine.generate(PROMPTS, max_new_tokens=40, batch_size=3, **options)
         assert [o.token_ids for o in outs] == [p.token_ids for p in plain], options
@@ -77,7 +77,7 @@ def test_the_shipped_tree_is_cut_by_the_costs_and_a_file_tree_is_not(target, hea
     whole, whatever the line says. Output stays plain decoding's either way."""
     engine = SpecEngine(target)
     engine.forward_costs = lambda: ForwardCosts({n: float(n) for n in (1, 2, 4, 8, 16, 32, 48)})  # no node pays
-    plain = engine.generate(PROMPTS, max_new_tokens=20)
+    plain = engine.generate(PROMPTS, method="none", max_new_tokens=20)
     cut = engine.generate(PROMPTS, max_new_tokens=20, method="medusa", heads=heads_files["medusa"], tree="static")
     whole = engine.generate(PROMPTS, max_new_tokens=20, method="medusa", heads=heads_files["medusa"], tree=static_tree)
     for outs in (cut, whole):
@@ -278,7 +278,7 @@ def test_eagle_reads_a_chunked_prompt_whole(int8_target, tmp_path):
     assert torch.allclose(keys, full_k[0], atol=1e-4)
     while batch.active:
         batch.step()
-    plain = engine.generate([PROMPTS[1], long_prompt], max_new_tokens=24)
+    plain = engine.generate([PROMPTS[1], long_prompt], method="none", max_new_tokens=24)
     assert [first.generated, second.generated] == [p.token_ids for p in plain]
 
 
@@ -380,7 +380,7 @@ def test_trained_heads_end_to_end(tmp_path, target, monkeypatch):
           shard_size=8, progress=False)
     monkeypatch.setattr(SpecEngine, "forward_costs", lambda self: ForwardCosts({1: 1.0, 64: 1.0}))
     engine = SpecEngine(target)
-    plain = engine.generate(PROMPTS, max_new_tokens=32)
+    plain = engine.generate(PROMPTS, method="none", max_new_tokens=32)
     for kind, steps in (("medusa", 60), ("eagle", 60)):
         summary = train(tmp_path / "data", tmp_path / kind, kind, target, vocab=200, heads=3, intermediate=128,
                         chunk=64, batch_size=4, steps=steps, eval_every=steps, save_every=steps, progress=False,
@@ -441,7 +441,7 @@ def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):
     while batch.active:
         batch.step()
         caps.append(dict(policy.last))
-    plain = engine.generate(PROMPTS, max_new_tokens=30)
+    plain = engine.generate(PROMPTS, method="none", max_new_tokens=30)
     assert [r.generated for r in requests] == [p.token_ids for p in plain]
     assert all(cap in (None, 0, 1) for round_caps in caps for cap in round_caps.values())
     assert any(cap is None for round_caps in caps for cap in round_caps.values())  # trees verified whole

@@ -51,7 +51,7 @@ def eos_target(tok):
     rows leave both at EOS and at max_new_tokens."""
     model = tiny_model(len(tok), seed=0)
     ids = chat_ids(tok, SHORT[0].text)
-    first = SpecEngine(loaded(model, tok)).generate(ids, max_new_tokens=NEW).token_ids
+    first = SpecEngine(loaded(model, tok)).generate(ids, method="none", max_new_tokens=NEW).token_ids
     return LoadedModel(name="tiny-eos", model=model, tokenizer=tok, eos_token_ids=(first[4],))
 
 
@@ -185,7 +185,7 @@ def test_resume_batch_invariant_target(tmp_path, tok):
     assert build(target, tmp_path / "stopped", batch_size=4) == full
     engine = SpecEngine(target)
     for tokens, _, n in data.iter_sequences(tmp_path / "full"):
-        assert tokens[n:].tolist() == engine.generate(tokens[:n].tolist(), max_new_tokens=NEW).token_ids
+        assert tokens[n:].tolist() == engine.generate(tokens[:n].tolist(), method="none", max_new_tokens=NEW).token_ids
 
 
 def test_other_arguments_for_a_folder_are_a_usage_error(tmp_path, eos_target):
@@ -283,7 +283,7 @@ def test_build_from_requests_the_target_writes(tmp_path, eos_target, tok, monkey
     engine = SpecEngine(eos_target)
     for (tokens, _, n), row in zip(data.iter_sequences(tmp_path / "a"), rows):
         assert tokens[:n].tolist() == chat_ids(tok, row["text"])
-        assert tokens[n:].tolist() == engine.generate(tokens[:n].tolist(), max_new_tokens=NEW).token_ids
+        assert tokens[n:].tolist() == engine.generate(tokens[:n].tolist(), method="none", max_new_tokens=NEW).token_ids
     with pytest.raises(UsageError, match="source=assistant.*source=library"):
         build(eos_target, tmp_path / "a", prompts=2)
     with pytest.raises(UsageError, match="source must be"):

@@ -68,8 +68,8 @@ def test_gguf_file_loads_to_the_same_model(smollm, tmp_path):
     model, _ = smollm
     gguf = store.fetch_gguf(CATALOG["smollm2-135m"], tmp_path, progress=False)
     from_file = load_model(str(gguf), progress=False)
-    a = SpecEngine(model).generate(PROMPTS[0], max_new_tokens=16, chat=True)
-    b = SpecEngine(from_file).generate(PROMPTS[0], max_new_tokens=16, chat=True)
+    a = SpecEngine(model).generate(PROMPTS[0], method="none", max_new_tokens=16, chat=True)
+    b = SpecEngine(from_file).generate(PROMPTS[0], method="none", max_new_tokens=16, chat=True)
     assert a.token_ids == b.token_ids
     converted = sorted(p for p in store.models_dir().glob("gguf-*"))
     assert len(converted) == 1 and store.is_model_folder(converted[0])
@@ -118,7 +118,7 @@ def test_every_method_and_option_equals_plain_on_quantized_weights(quantized_pai
     target, draft = quantized_pair
     head = "You are a careful assistant. Answer briefly and precisely, in plain words. "
     prompts = [head + p for p in PROMPTS]
-    refs = SpecEngine(target, prefix_cache=0).generate(prompts, max_new_tokens=40, chat=True, batch_size=1)
+    refs = SpecEngine(target, prefix_cache=0).generate(prompts, method="none", max_new_tokens=40, chat=True, batch_size=1)
     cases = [dict(method="draft+pld"), dict(method="draft", k=5, alternatives=0.9, confidence=0.0),
              dict(method="draft", k=4, draft_vocab=4096), dict(method="draft+pld", k=6, confidence=0.5),
              dict(method="pld", k=5), dict(method="lookahead"), dict(method="lookahead", lookahead=(2, 3, 1)),

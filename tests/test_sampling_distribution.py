@@ -13,10 +13,11 @@ requests, one row each with its own generator, are decoded as one batch per case
 `pld`, `draft+pld`, confidence stops, alternatives, draft trees: static, static past top-k,
 auto, and auto under draft+pld; a tree two deep fills the same window; trained heads' trees:
 medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), eagle+pld's and lookahead+pld's rows of lookup chains beside rows of the other's trees, lookahead, self (chains, a tree, a restricted head),
-with untrained random heads) and their counts compared with the
+with untrained random heads; auto with a random plan: each row's child and draft length drawn
+each round) and their counts compared with the
 exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 29 checks, by the union bound, with probability at most 2.9e-3
-nominally, 5.8e-3 with the chi-square approximation's error as measured there). An auto tree
+about ALPHA = 1e-4; this file's 30 checks, by the union bound, with probability at most 3.0e-3
+nominally, 6.0e-3 with the chi-square approximation's error as measured there). An auto tree
 sized from cost lines (its nodes' children counts chosen from their distributions) is one of them.
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
@@ -37,7 +38,10 @@ fail the very check (same case, seed and sample count) the real code passes:
   lookahead_claims_uniform_draws  lookahead's nodes (window guesses, pooled n-grams) reported as
                                 uniform draws instead of point masses;
   self_samples_sharper          self-speculation's draft samples from q^2 but reports q (on the
-                                target's layers, and on their int4 copy).
+                                target's layers, and on their int4 copy);
+  auto_rows_claim_uniform_draws  auto: a round whose rows several children drafted reported as
+                                uniform draws (a point mass verified as one is exact whatever
+                                drew it, so uniform is the claim that must fail).
 Measured locally over 5 disjoint batches (seeds 11 + i * 10**6, i = 0..4: no request's generator
 seed shared between them): every mutation failed its check 5 times out of 5, with p-values
 between 0 and 5e-78 (ALPHA = 1e-4), and the real code passed all 11 checks 5 times out of 5
@@ -53,7 +57,9 @@ way: 5 of 5 passed (smallest p-value 0.011), lookup's rows claiming uniform draw
 way: 5 of 5 passed (smallest p-value 0.23), sharper samples failed 5 of 5 (largest p-value 2.8e-132).
 self-tree (self's auto tree) and self-vocab (its head over the prompt's tokens), the same way: 10 of
 10 passed (smallest p-value 0.128); siblings reporting the first draw on self's tree failed 5 of 5
-(largest p-value 1.6e-12).
+(largest p-value 1.6e-12). auto (draft+pld, eagle+pld and pld rows, of every length, and rows not
+drafting, in one round), the same way: 5 of 5 passed (smallest p-value 0.171), uniform claims failed
+5 of 5 (every p-value 0 to double precision).
 """
 
 import itertools
@@ -69,7 +75,7 @@ import speclm.round.verify as verify_mod
 from chisq import ALPHA, MIN_EXPECTED, chisq_pvalue, pool
 from speclm import SpecEngine
 from speclm.sampling import SamplingParams, processed_probs
-from tiny import loaded, random_heads, tiny_model, word_tokenizer
+from tiny import loaded, random_heads, random_plan, tiny_model, word_tokenizer
 
 V = 6
 K = 2  # tokens drafted per round
@@ -134,6 +140,8 @@ def pvalue(small, method, params, options, seed: int = SEED) -> float:
     tok, target, draft = small
     prompt_ids = tok(PROMPT).input_ids
     engine = SpecEngine(target, draft=draft if method != "none" else None)
+    if method == "auto":  # every row's child and draft length drawn at random each round: mixed rounds
+        random_plan(engine, seed)
     outs = decode(engine, prompt_ids, method, params, seed=seed, **options)
     if method != "none":  # the window holds whole drafting rounds: in some rows (pld: 0.7%) the first
         # one drafted K tokens, all accepted, and its bonus token is counted (DEPTH tokens, 2 forwards)
@@ -199,6 +207,8 @@ CASES = {
     # self's head scoring the prompt's tokens alone (none of the lowest ids: a whole group of 64 is more than V)
     "self-vocab": ("self", SamplingParams(temperature=0.8, top_k=5), {"layers": "1", "self_weights": "target",
                                                                      "draft_vocab": 1}),
+    # auto: in each round each row drafted by draft+pld, eagle+pld or pld, at any length, or not at all
+    "auto": ("auto", T1, {"heads": HEADS["eagle"]}),
 }
 
 
@@ -362,6 +372,22 @@ def lookahead_claims_uniform_draws(monkeypatch):
     monkeypatch.setattr(lookahead.LookaheadProposer, "propose", propose)
 
 
+def auto_rows_claim_uniform_draws(monkeypatch):
+    """auto: a round drafted by several children reported as uniform draws over the vocabulary
+    (lookup's and the heads' point masses, and the draft model's distributions, all replaced)."""
+    import speclm.proposers.auto as auto
+
+    real = auto._merge
+
+    def merge(drafts, owners, batch, greedy, forwards):
+        out = real(drafts, owners, batch, greedy, forwards)
+        if not greedy:
+            out.draft_probs = torch.full((*out.tokens.shape, V), 1.0 / V)
+        return out
+
+    monkeypatch.setattr(auto, "_merge", merge)
+
+
 def self_samples_sharper(monkeypatch):
     """self: the draft samples from q^2 (renormalised) but reports q."""
     import speclm.proposers.self_draft as self_draft
@@ -385,6 +411,7 @@ MUTATIONS = {  # each with the case whose check it must fail
     "self_samples_sharper": (self_samples_sharper, "self"),
     "self_int4_samples_sharper": (self_samples_sharper, "self-int4"),
     "self_tree_siblings_report_first_draw": (siblings_report_first_draw, "self-tree"),
+    "auto_rows_claim_uniform_draws": (auto_rows_claim_uniform_draws, "auto"),
 }
 
 

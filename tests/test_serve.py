@@ -87,7 +87,7 @@ def models(tmp_path_factory):
 def server(models):
     s = Server("--target", models["target"], "--draft", models["draft"], "--quantize", "int8",
                "--draft-quantize", "int8", "--api-key", KEY, "--max-tokens", "3000", "--prefill-chunk", "16",
-               "--max-body-bytes", str(1 << 20))
+               "--max-body-bytes", str(1 << 20), "--method", "draft+pld")  # the default, auto: test_auto_is_served
     yield s
     assert s.stop() == 0, "".join(s.log)
 
@@ -358,3 +358,15 @@ def test_a_ticket_whose_loop_has_closed_is_flushed_without_error(engine):
     ticket.put(("text", "x", False))
     ticket.flush()
     assert list(ticket._events) == [("text", "x", False)]
+
+
+def test_auto_is_served(server, engine):
+    """A request asking for auto: planned per round by the server's policy, its output plain decoding's,
+    and its plan in the speculation object."""
+    client = server.client()
+    for prompt in PROMPTS[:3]:
+        out = client.completions.create(model=server_model(server), prompt=prompt, max_tokens=30, temperature=0,
+                                        extra_body={"speculation": "auto"})
+        assert out.choices[0].text == alone(engine, prompt, max_new_tokens=30).text
+        spec = out.model_extra["speculation"]
+        assert spec["method"] == "auto" and sum(spec["planned"].values()) == spec["target_forwards"] - 1

@@ -46,8 +46,9 @@ def browser():
 def page_server(models):
     s = Server("--target", models["target"], "--draft", models["draft"], "--quantize", "int8",
                "--draft-quantize", "int8", "--api-key", KEY,
-               # fixed draft lengths: adaptive ones depend on earlier requests, and so would what gets drafted
-               "--speculation", "fixed")
+               # fixed draft lengths: adaptive ones (and auto's plan) depend on earlier requests, and so
+               # would what gets drafted
+               "--speculation", "fixed", "--method", "draft+pld")
     yield s
     assert s.stop() == 0, "".join(s.log)
 

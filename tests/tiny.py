@@ -102,3 +102,23 @@ def random_heads(kind: str, model, path, seed: int = 0, std: float = 0.3, heads:
                 p.normal_(0.0, std)
     export(path, module, config, ids)
     return str(path)
+
+
+def random_plan(engine, seed: int = 0):
+    """An auto planner (speclm.round.adaptive.Adaptive) that gives each row, each round, a choice
+    drawn at random from its options (no draft, every child at every draft length), so that
+    exactness tests see every child and mixed rounds. Installed as the engine's planner."""
+    import random
+
+    from speclm.round.adaptive import Adaptive
+
+    class RandomPlan(Adaptive):
+        rng = random.Random(seed)
+
+        def _plan(self, batch, groups, planned, rows):
+            for key, g in planned:
+                g.proposer.plan = [self.rng.choice(self._options(key, g, r)) for r in g.requests]
+            return {}
+
+    engine._planner = RandomPlan(engine.forward_costs(), plans_only=True)
+    return engine._planner

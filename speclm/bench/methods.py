@@ -18,7 +18,7 @@ import torch
 
 from speclm.bench import peers
 from speclm.defaults import MAX_K
-from speclm.methods import DRAFT_MODEL, NAMES as METHODS, needing
+from speclm.methods import DRAFT_MODEL, NAMES as METHODS, needing, using
 from speclm.engine import SpecEngine
 from speclm.errors import UsageError
 from speclm.quant.weights import QUANTIZE_MODES
@@ -53,6 +53,11 @@ class MethodSpec:
     @property
     def needs_draft(self) -> bool:
         return self.name in needing(DRAFT_MODEL) + ("hf-assisted", "openvino-draft")
+
+    @property
+    def uses_draft(self) -> bool:
+        """It runs with --draft where one is given (auto: without one too)."""
+        return self.needs_draft or self.name in using(DRAFT_MODEL)
 
     @property
     def quantize(self) -> str | None:

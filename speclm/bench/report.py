@@ -80,6 +80,7 @@ def _cell(rs: list[dict]) -> dict:
             rounds=forwards - len(stats),  # target forwards after each request's prefill
             # the proposers' own counters (speclm.stats.RequestStats: lookup first, lookahead's pool)
             **{name: sum(s.get(name, 0) for s in stats) for name in PROPOSER_COUNTS},
+            planned=_summed([s.get("planned") or {} for s in stats]),  # auto: rounds per child
         )
     peaks = [r["peak_resident_bytes"] for r in rs if r.get("peak_resident_bytes")]
     cell["peak_resident_bytes"] = max(peaks) if peaks else None
@@ -89,6 +90,32 @@ def _cell(rs: list[dict]) -> dict:
 
 
 PROPOSER_COUNTS = ("lookup_rounds", "pool_hits", "pool_tokens")
+
+
+def _summed(counts: list[dict]) -> dict:
+    out: dict = {}
+    for c in counts:
+        for name, n in c.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+def _plan_lines(methods: dict) -> list[str]:
+    """auto's plan: the share of its rounds each child drafted (none: no draft), by category."""
+    rows = []
+    for m, cells in methods.items():
+        for category, c in cells.items():
+            planned = c.get("planned") or {}
+            total = sum(planned.values())
+            if total:
+                shares = ", ".join(f"{name} {n / total:.0%}" for name, n in sorted(planned.items(), key=lambda kv: -kv[1]))
+                rows.append(f"| {m} | {category} | {total} | {shares} |")
+    if not rows:
+        return []
+    return ["", "## What auto planned", "",
+            "The share of the method's rounds (target forwards after the prefill, summed over requests) each of "
+            "auto's children drafted; none: rounds the planner drafted nothing.", "",
+            "| method | category | rounds | rounds by child |", "|---|---|---|---|", *rows]
 
 
 def _proposer_lines(methods: dict) -> list[str]:
@@ -268,6 +295,7 @@ def markdown(results: dict, summary: dict) -> str:
                   "requests (their contexts and the memory's speed at the time included), beside the cost model's "
                   "v(k) below, measured over a short cached prompt."]
     lines += _proposer_lines(methods)
+    lines += _plan_lines(methods)
     lines += _peer_lines(results, methods)
     cats = [x for x in summary["categories"] if x != ALL]
     lines += ["", "## Speedup over `none` by category", "", "| method | " + " | ".join(cats) + " | mean of the categories |",

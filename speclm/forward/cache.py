@@ -74,6 +74,22 @@ def _check_rows(shape: tuple[int, ...], layers: int, dtype: torch.dtype, device:
                  f"{rows} row(s) x {capacity} tokens x {layers} layers")
 
 
+def _layout(model) -> tuple:
+    """(the text config, key/value heads, head size) of a model's attention."""
+    cfg = model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return cfg, heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def check_fits(model, rows: int, capacity: int) -> None:
+    """A StaticKV of `rows` rows of `capacity` tokens fits in memory (UsageError where it does not):
+    checked before work that comes first (measuring costs, a calibration) rather than after it."""
+    cfg, heads, head_dim = _layout(model)
+    dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+    _check_rows((max(rows, 1), heads, capacity, head_dim), cfg.num_hidden_layers, dtype, model.device)
+
+
 class StaticKV:
     # Every method that makes or writes the cache's tensors runs in inference mode: a cache grown
     # inside a forward (inference mode) holds inference tensors, which torch lets only inference
@@ -88,10 +104,7 @@ class StaticKV:
         self.model = model
         self.runner = ModelRunner(model)  # which forward runs, and its time
         self.device = model.device
-        cfg = model.config
-        cfg = getattr(cfg, "text_config", None) or cfg
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cfg, heads, head_dim = _layout(model)
         self.capacity = capacity
         # zeros, not empty: a masked slot still enters q.k before masking, and garbage NaNs would
         # survive it (NaN + -inf = NaN)

@@ -63,6 +63,14 @@ def cached_path(name: str) -> Path | None:
     return path if is_model_folder(path) else None
 
 
+def cached_family_draft(target: str) -> str | None:
+    """The draft the catalog names for catalog model `target`, where it is in the store (None else)."""
+    from speclm.catalog import CATALOG
+
+    entry = CATALOG.get(target)
+    return entry.draft if entry is not None and entry.draft and cached_path(entry.draft) is not None else None
+
+
 def cached_models() -> dict[str, Path]:
     root = models_dir()
     try:

@@ -134,6 +134,7 @@ class Proposer:
     reads_context = False  # a draft model with a cache of its own: it reads every committed token (a catch-up)
     needs_logits = False  # `accept` receives the target's logits at the root and every node (Verified.logits)
     drafts_on_target = False  # it drafts through the target's own KV cache (`bind_target` before each proposal)
+    plans = False  # auto (speclm.proposers.auto): the policy sets its per-row `plan` before each proposal
 
     def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
               max_new_tokens: list[int] | None = None, pool: int = 0) -> None:

@@ -41,7 +41,20 @@ reading of unread tokens left out) are therefore kept against its predicted seco
 ratio per batch size and per drafting or not (`timed`), and every candidate's price is scaled by
 its ratio (`ratio`).
 
-A request that sets k keeps it. Greedy output does not depend on the draft, so it is unchanged.
+`auto` (speclm.proposers.auto) is planned here too, per row: each round every row of an auto
+group gets one of its children (a method's proposer) and a draft length, or no draft, the choice
+that maximises the same tokens per second with the other rows' choices held (`_plan`: every row
+on one choice, the best of those, then each row in turn moved to its own best). A row's
+acceptance is kept per child; a child it has not tried is priced by that child's acceptance over
+every request (decayed), else the prior, and a child not run yet by its cost line (a draft
+model's) or as free (prompt lookup, heads), so each is tried early and measured. A child whose
+acceptance collapses prices itself below another and the row moves; each move is written in the
+request's stats (`plan_switches`), and the rounds each child took (`planned`). The policy that
+plans auto for `generate` and `stream` leaves every other method's k alone (`plans_only`).
+
+A request that sets k keeps it (auto: k caps every child). Greedy output does not depend on the
+draft, so it is unchanged. A seeded sampled auto request keeps its first child at its own k (its
+draws then depend on its seed alone, as below).
 A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on
 nothing but its own seed, so it is reproducible in any batch; an unseeded one adapts (its output
 follows the target's distribution whatever the draft).
@@ -54,7 +67,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from speclm import defaults
-from speclm.methods import DRAFT_MODEL
+from speclm.methods import DRAFT_MODEL, REGISTRY
+from speclm.proposers.auto import NO_DRAFT, Choice
 from speclm.forward.costs import ForwardCosts, StepTimes
 
 
@@ -67,14 +81,28 @@ class _Rate:
     gained: float = 0.0  # a tree's: accepted tokens per round
     rounds: float = 0.0
 
+    def update(self, decay: float, drafted: int, accepted: int) -> None:
+        self.hits = decay * self.hits + accepted
+        self.tries = decay * self.tries + min(accepted + 1, drafted)
+        self.gained = decay * self.gained + accepted
+        self.rounds = decay * self.rounds + 1
+
 
 class Adaptive:
     def __init__(self, costs: ForwardCosts, prior: float = defaults.ADAPTIVE_PRIOR, decay: float = defaults.ADAPTIVE_DECAY, probe: int = 32,
-                 draft_costs: Callable[[int], float] | None = None):
+                 draft_costs: Callable[[int], float] | None = None, plans_only: bool = False,
+                 measured: dict | None = None):
         """costs: the target's forward seconds by tokens read; draft_costs: the draft model's (None:
-        its forwards are known only once measured here)."""
+        its forwards are known only once measured here); plans_only: plan auto groups alone (every
+        other method keeps its k); measured: auto's child -> what `speclm tune` measured of it
+        (speclm.tune.ChildProfile: step_seconds, acceptance, gained), its prior here."""
+        self.measured = measured if measured is not None else {}
         self.costs, self.prior, self.decay, self.probe = costs, prior, decay, probe
-        self.draft_costs = draft_costs
+        self.draft_costs, self.plans_only = draft_costs, plans_only
+        # auto: (request, child) -> _Rate via a per-request dict; (group key, child) -> every request's
+        self._child_rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Rate}
+        self._family: dict = {}  # (group key, child) -> _Rate over every request
+        self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._ran_model: set = set()  # group keys whose proposals ran model forwards
         self._rounds = 0
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
@@ -84,8 +112,16 @@ class Adaptive:
         self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, seconds) as priced
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
-    def acceptance(self, request) -> float:
-        """The request's estimated probability of accepting the next drafted token."""
+    def acceptance(self, request, child: str | None = None, family=None) -> float:
+        """The request's estimated probability of accepting the next drafted token (of auto's
+        `child`: its own, else `family`'s, every request's with that child, as its prior)."""
+        if child is not None:
+            rate = self._child_rates.get(request, {}).get(child)
+            shared = self._family.get(family)
+            tuned = self.measured.get(child)
+            base, weight = (tuned.acceptance, 8.0) if tuned is not None else (self.prior, 2.0)
+            prior = (shared.hits + base * weight) / (shared.tries + weight) if shared is not None else base
+            return prior if rate is None else (rate.hits + prior * 2.0) / (rate.tries + 2.0)
         rate = self._rates.get(request)
         prior_weight = 2.0
         if rate is None:
@@ -93,19 +129,19 @@ class Adaptive:
         return (rate.hits + self.prior * prior_weight) / (rate.tries + prior_weight)
 
     def observe(self, request, drafted: int, accepted: int, propose_seconds: float, forwards: int,
-                rows: int = 1) -> None:
+                rows: int = 1, child: str | None = None) -> None:
         """One round of `request`: `drafted` tokens proposed (a tree's nodes), `accepted` on its path;
         its group's proposal took propose_seconds (its prefill left out) over `forwards` draft
-        forwards for `rows` rows."""
+        forwards for `rows` rows; child: the auto child that drafted it."""
         if drafted <= 0:
             return
-        rate = self._rates.setdefault(request, _Rate())
-        d = self.decay
-        rate.hits = d * rate.hits + accepted
-        rate.tries = d * rate.tries + min(accepted + 1, drafted)
-        rate.gained = d * rate.gained + accepted
-        rate.rounds = d * rate.rounds + 1
         key = request.options.proposer_key()
+        if child is not None:
+            self._child_rates.setdefault(request, {}).setdefault(child, _Rate()).update(self.decay, drafted, accepted)
+            self._family.setdefault((key, child), _Rate()).update(0.98, drafted, accepted)
+            key = (key, child)
+        else:
+            self._rates.setdefault(request, _Rate()).update(self.decay, drafted, accepted)
         if forwards > 0:
             if key not in self._ran_model:  # proposals without a forward kept before say nothing of one
                 self._ran_model.add(key)
@@ -153,7 +189,11 @@ class Adaptive:
         before it ran, its cost line's, unless the group's rows (`unread`: their _unread, where
         known) have nothing for it to read and draft for (`draft+pld` rows with long prompts are
         lookup's alone: those proposals are priced as measured); else 0 before any."""
-        if (key.spec.needs == DRAFT_MODEL and key not in self._ran_model and self.draft_costs is not None
+        tuned = self.measured.get(key[1]) if isinstance(key, tuple) else None
+        if tuned is not None and key not in (self._ran_model if _runs_model(key) else self._step):
+            # auto's child before its first forward here (a lookup-only round is no measure of one): as tuned
+            return tuned.step_seconds * (self.costs(rows) / self.costs(1) if _runs_model(key) else 1.0)
+        if (_needs(key) == DRAFT_MODEL and key not in self._ran_model and self.draft_costs is not None
                 and (unread is None or any(unread))):
             return self.draft_costs(rows)
         steps = self._step.get(key)
@@ -191,12 +231,16 @@ class Adaptive:
         """Per group key (GenerationOptions.proposer_key): its draft length cap this round (0: none;
         None: a tree kept whole)."""
         self._predicted = None
-        groups = [(key, g) for key, g in batch.groups.items() if g.requests and g.proposer is not None]
+        every = [(key, g) for key, g in batch.groups.items() if g.requests and g.proposer is not None]
+        planned = [(key, g) for key, g in every if g.proposer.plans]
+        groups = [(key, g) for key, g in every if not g.proposer.plans]
         rows = len(batch.requests)
         # groups whose k this policy leaves alone: a k set by the request, or a seeded sampled request
-        seeded = {key for key, g in groups if key.k is not None or any(r.seeded for r in g.requests)}
+        seeded = {key for key, g in groups if key.k is not None or any(r.seeded for r in g.requests) or self.plans_only}
         trees = {key for key, g in groups if g.proposer.shape == "tree"}
         free = [(key, g) for key, g in groups if key not in seeded]
+        if planned:
+            return self._plan(batch, groups, planned, rows)
         if not free:
             self.last = {}
             return {}
@@ -235,3 +279,145 @@ class Adaptive:
                     self.last[key] = 1
                     self._predicted = None  # not the round priced
         return self.last
+
+    # ---------------------------------------------------------------- auto
+    def _options(self, key, g, r) -> list[Choice]:
+        """A row's choices: no draft, and each child at each draft length (a tree: whole)."""
+        out = [NO_DRAFT]
+        cap = key.k
+        for name, child in g.proposer.children.items():
+            most = child.k if cap is None else min(cap, child.k)
+            if child.shape == "tree":
+                out.append(Choice(name, most))
+            else:
+                out += [Choice(name, k) for k in range(1, most + 1)]
+        return out
+
+    def _child_tokens(self, key, g, r, choice: Choice) -> float:
+        """Tokens the round commits for row r with `choice` (the target's own included)."""
+        if choice.child is None:
+            return 1.0
+        child = g.proposer.children[choice.child]
+        if child.shape == "tree":
+            rate = self._child_rates.get(r, {}).get(choice.child)
+            shared = self._family.get((key, choice.child))
+            if rate is not None and rate.rounds:
+                return 1.0 + rate.gained / rate.rounds
+            if shared is not None and shared.rounds:
+                return 1.0 + shared.gained / shared.rounds
+            tuned = self.measured.get(choice.child)
+            return 1.0 + (tuned.gained if tuned is not None else self.prior * 2)
+        a = min(self.acceptance(r, choice.child, (key, choice.child)), 0.999)
+        return (1.0 - a ** (choice.k + 1)) / (1.0 - a)
+
+    def _width(self, key, g, choice: Choice) -> int:
+        if choice.child is None:
+            return 0
+        child = g.proposer.children[choice.child]
+        if child.shape != "tree":
+            return choice.k
+        seen = self._nodes.get((key, choice.child))
+        if seen is None and choice.child in self.measured:
+            seen = self.measured[choice.child].nodes or None
+        return child.max_nodes if seen is None else max(1, round(seen))
+
+    def _price(self, plans: list[tuple], rows: int, tokens0: float, width0: int) -> tuple[float, float, bool]:
+        """(tokens per second, seconds, drafting) of a round whose auto rows take `plans`: a list
+        of (key, group, request, choice, unread by child)."""
+        tokens, width, used = tokens0, width0, {}
+        catch_up = 0.0
+        for key, g, r, choice, unread in plans:
+            tokens += self._child_tokens(key, g, r, choice)
+            width = max(width, self._width(key, g, choice))
+            if choice.child is None:
+                continue
+            child = g.proposer.children[choice.child]
+            at = (key, choice.child)
+            count, depth = used.get(at, (0, 0))
+            used[at] = (count + 1, max(depth, choice.k if child.runs_model else 1))
+            seen = unread.get(choice.child, 0)
+            if child.reads_context and seen > 2:  # this round's share of reading what it has not read
+                reading = self.draft_costs if self.draft_costs is not None else self.costs
+                expected = self._child_tokens(key, g, r, choice)
+                catch_up += reading(seen) / max(1.0, r.tokens_left / expected)
+        drafting = sum(self._step_seconds(at, count) * depth for at, (count, depth) in used.items())
+        seconds = self.costs(rows * (1 + width)) + drafting
+        return tokens / (seconds * self.ratio(rows, width > 0) + catch_up), seconds, width > 0
+
+    def _plan(self, batch, groups, planned, rows) -> dict:
+        """Each auto row's Choice for this round (set on its group's proposer); the other groups
+        keep their k. Returns {} (no caps for the others)."""
+        tokens0, width0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
+        for key, g in groups:  # the other groups at their own k
+            tokens0 += sum(self._expected(r, g.proposer.k, g.proposer.shape == "tree") - 1.0 for r in g.requests)
+            width0 = max(width0, self._tree_width(key, g) if g.proposer.shape == "tree" else g.proposer.k)
+        free, fixed = [], []
+        for key, g in planned:
+            contexts = [r.context for r in g.requests]
+            unread = {name: c.unread(contexts) for name, c in g.proposer.children.items() if c.reads_context}
+            for b, r in enumerate(g.requests):
+                own = {name: u[b] for name, u in unread.items()}
+                entry = [key, g, r, NO_DRAFT, own]
+                if r.seeded:  # its draws on its seed alone: the first child at its own k, always
+                    name, child = next(iter(g.proposer.children.items()))
+                    entry[3] = Choice(name, child.k if key.k is None else min(key.k, child.k))
+                    fixed.append(entry)
+                else:
+                    free.append(entry)
+        if free:
+            every = [e for e in free]
+            options = {id(e): self._options(e[0], e[1], e[2]) for e in every}
+            uniform = {c for e in every for c in options[id(e)]}
+            best_rate, best = -1.0, None
+            for choice in sorted(uniform, key=lambda c: (c.child or "", c.k)):  # every row on one choice
+                for e in every:
+                    e[3] = choice if choice in options[id(e)] else NO_DRAFT
+                rate = self._price([tuple(e) for e in fixed + every], rows, tokens0, width0)[0]
+                if rate > best_rate * (1 + 1e-9):
+                    best_rate, best = rate, [e[3] for e in every]
+            for e, c in zip(every, best):
+                e[3] = c
+            if len(every) > 1:  # then each row in turn to its own best, the others held
+                for e in every:
+                    held = e[3]
+                    for choice in options[id(e)]:
+                        e[3] = choice
+                        rate = self._price([tuple(x) for x in fixed + every], rows, tokens0, width0)[0]
+                        if rate > best_rate * (1 + 1e-9):
+                            best_rate, held = rate, choice
+                    e[3] = held
+            self._rounds += 1
+            if self._rounds % self.probe == 0:  # a probe: a row off learns nothing of acceptance
+                for e in every:
+                    if e[3].child is None:
+                        cheap = next((n for n, c in e[1].proposer.children.items() if not c.runs_model), None)
+                        if cheap is not None:
+                            e[3] = Choice(cheap, 1)
+        plans = [tuple(e) for e in fixed + free]
+        _, seconds, drafting = self._price(plans, rows, tokens0, width0)
+        self._predicted = (rows, drafting, seconds) if free else None
+        for key, g in planned:
+            mine = {id(r): c for k2, g2, r, c, _ in plans if g2 is g}
+            g.proposer.plan = [mine[id(r)] for r in g.requests]
+            for r, c in zip(g.requests, g.proposer.plan):
+                before = self._chosen.get(r)
+                if before is not None and before.child != c.child:
+                    tokens = self._child_tokens(key, g, r, c)
+                    r.stats.plan_switches.append(
+                        f"round {r.stats.target_forwards}: {before.child or 'none'} -> {c.child or 'none'} "
+                        f"(expected {tokens:.2f} tokens per round)")
+                    del r.stats.plan_switches[:-16]  # the last 16
+                self._chosen[r] = c
+        self.last = {key: [c for c in g.proposer.plan] for key, g in planned}
+        return {}
+
+
+def _runs_model(key) -> bool:
+    spec = REGISTRY.get(key[1]) if isinstance(key, tuple) else key.spec
+    return spec is None or spec.runs_model
+
+
+def _needs(key) -> str:
+    """What the method of a step-time key needs: a group key's, or (auto's group key, its child)'s."""
+    spec = REGISTRY.get(key[1]) if isinstance(key, tuple) else key.spec
+    return spec.needs if spec is not None else ""

@@ -109,6 +109,7 @@ class Batch:
         self.groups: dict[GenerationOptions, _Group] = {}
         self._prompt_hidden: dict[int, dict[int, list[torch.Tensor]]] = {}  # by id(request): a proposer's prompt states, by layer
         self.eos = set(engine.target.eos_token_ids)
+        self._policy = None  # the policy the round in progress was planned by
 
     def join(self, request: Request) -> Request:
         if request.done or any(r is request for r in self.requests + self.joining):
@@ -271,15 +272,27 @@ class Batch:
         verdicts = [self._verify(p, scored.logits) for p in proposals]
         t2 = time.perf_counter()
         self._commit_round(proposals, verdicts, scored, verify_seconds=t2 - t1)
-        if self.speculation is not None:  # the round's time against its price (a draft's catch-up is priced apart)
-            self.speculation.timed(time.perf_counter() - t0 - sum(p.prefill_seconds for p in proposals))
+        if self._policy is not None:  # the round's time against its price (a draft's catch-up is priced apart)
+            self._policy.timed(time.perf_counter() - t0 - sum(p.prefill_seconds for p in proposals))
         self._leave()
         return requests
 
+    @property
+    def policy(self):
+        """The speculation policy of this batch's rounds: its own, else, while an auto group
+        (Proposer.plans) decodes, the engine's planner (which leaves the other groups' k alone)."""
+        if self.speculation is not None:
+            return self.speculation
+        if any(g.proposer is not None and g.proposer.plans for g in self.groups.values()):
+            return self.engine.planner()
+        return None
+
     def _propose_all(self) -> list[_Proposal]:
-        """1. propose: each group's draft for its rows, capped by the speculation policy."""
+        """1. propose: each group's draft for its rows, capped by the speculation policy (auto
+        groups: planned per row)."""
         row_of = {id(r): b for b, r in enumerate(self.requests)}
-        caps = self.speculation.caps(self) if self.speculation is not None else {}
+        policy = self._policy = self.policy
+        caps = policy.caps(self) if policy is not None else {}
         return [self._propose(g, [row_of[id(r)] for r in g.requests], caps.get(key))
                 for key, g in self.groups.items() if g.requests]
 
@@ -321,10 +334,18 @@ class Batch:
                 self._count(r, p, i, verdict, verify_seconds, scored.seconds)
                 if counts is not None:
                     r.stats.add_counts(counts[i])
-                if self.speculation is not None:
-                    self.speculation.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]),
-                                             p.seconds - p.prefill_seconds, p.draft.forwards,
-                                             p.draft.forward_rows or len(p.rows))
+                if self._policy is None:
+                    pass
+                elif proposer is not None and proposer.plans:  # auto: its row's child, timed apart
+                    child = proposer.last[i].child
+                    if child is not None:
+                        seconds, reading, forwards, rows = proposer.spent.get(child, (0.0, 0.0, 0, 1))
+                        self._policy.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]), seconds - reading,
+                                             forwards, rows, child=child)
+                else:
+                    self._policy.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]),
+                                         p.seconds - p.prefill_seconds, p.draft.forwards,
+                                         p.draft.forward_rows or len(p.rows))
                 self._commit(r, verdict.committed(i))
                 r.stats.new_tokens = len(r.generated)
                 r.stats.wall_seconds = time.perf_counter() - r.joined_at

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from speclm.methods import DRAFT_MODEL, HEADS, method
+from speclm.methods import DRAFT_MODEL, method
 from speclm.errors import UsageError
 from speclm.options import GenerationOptions
 from speclm.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -74,7 +74,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     async def models():
         o = config.options
         k = o.draft_length(engine.target.quantize, engine.draft.quantize if engine.draft is not None else None)
-        own = {"method": o.method, "k": k, "speculation": "adaptive" if scheduler.speculation is not None else "fixed",
+        own = {"method": o.method, "k": None if o.spec.plans else k, "speculation": "adaptive" if scheduler.speculation is not None else "fixed",
                "max_batch": scheduler.max_batch, "max_tokens": config.max_tokens_cap,
                "context": engine.target.max_context, "draft": engine.draft.name if engine.draft is not None else None}
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
@@ -226,9 +226,10 @@ def _options(defaults: GenerationOptions, body, max_tokens: int) -> GenerationOp
                    stop=tuple(body.stop or ()), chat=False, ignore_eos=body.ignore_eos)
     if spec is not None:
         if spec.method is not None and spec.method != defaults.method:
-            heads = method(spec.method).needs == HEADS
+            takes = method(spec.method).options  # the server's heads and acceptance, where the method takes them
             changes.update(method=spec.method, k=None, tree=None, lookahead=None, layers=None, self_weights=None,
-                           heads=defaults.heads if heads else None, acceptance=defaults.acceptance if heads else "exact")
+                           heads=defaults.heads if "heads" in takes else None,
+                           acceptance=defaults.acceptance if "acceptance" in takes else "exact")
         if spec.k is not None:
             changes["k"] = spec.k
         if spec.tree is not None:
@@ -326,4 +327,5 @@ def speculation(ticket: Ticket) -> dict:
     r, s = ticket.request, ticket.request.stats
     return {"method": r.options.method, "draft_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
             "target_forwards": s.target_forwards, "tokens_per_forward": round(s.mean_accepted_tokens, 4),
-            "acceptance_rate": round(s.acceptance_rate, 4), "cached_prompt_tokens": s.cached_tokens}
+            "acceptance_rate": round(s.acceptance_rate, 4), "cached_prompt_tokens": s.cached_tokens,
+            **({"planned": dict(s.planned), "plan_switches": list(s.plan_switches)} if s.planned else {})}

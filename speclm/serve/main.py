@@ -16,7 +16,7 @@ def check(args) -> str:
     """The options' own checks, before anything loads; returns the method."""
     from speclm.methods import DRAFT_MODEL, method as spec
 
-    method = args.method or ("draft+pld" if args.draft else "pld")
+    method = args.method or "auto"
     if spec(method).needs == DRAFT_MODEL and not args.draft:
         raise UsageError(f"--method {method} needs --draft MODEL")
     for name, value, low in (("max-batch", args.max_batch, 1), ("max-queue", args.max_queue, 0),
@@ -47,6 +47,9 @@ def build(args, progress: bool = False):
         draft_prompt_ratio=args.draft_prompt_ratio)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECLM_API_KEY") or None
     check_model_name(args.target)
+    from speclm.runtime import family_draft
+
+    args.draft = args.draft or family_draft(args.target, method)
     if args.draft:
         check_model_name(args.draft)
     quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)

@@ -266,4 +266,6 @@ class Scheduler:
         if self.speculation is None:
             return
         for key, cap in self.speculation.last.items():
+            if isinstance(cap, list):  # auto: per row, its child's draft length (0: none); their mean
+                cap = sum(c.k for c in cap) / len(cap) if cap else 0
             self.metrics.draft_length.labels(key.method).set(-1 if cap is None else cap)

@@ -1,0 +1,204 @@
+"""`speclm tune`: what auto plans by, measured once per machine and model pair, not in a request.
+
+A profile holds, for each of auto's children on this engine (speclm.methods.children), what a
+short run of it on the tuning prompts below measured: a draft forward's seconds (one row; a
+lookup's: one proposal's), the probability that the target accepts its next drafted token, and
+the tokens it gains and the nodes it verifies per drafting round. The target's and the draft
+model's forward costs by tokens read (speclm.forward.costs) are measured beside it (they are
+kept in their own files). The planner (speclm.round.adaptive) starts from the profile: a child
+is priced by its measured step before it runs in this process, and a request's acceptance of a
+child starts from the profile's instead of a flat prior.
+
+A profile is kept in `$SPECLM_HOME/profiles/`, its file named by the target and draft (name and
+weights), the heads, the processor and thread count, and the compiled kernels' build
+(speclm.forward.costs.cache_path): a profile from another CPU, model or build is never read. The
+tuning prompts are the project's own, never an evaluation set's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from tqdm.auto import tqdm
+
+from speclm.errors import UsageError
+from speclm.forward.costs import cache_path
+from speclm.options import GenerationOptions
+
+FORM = 1  # the profile file's layout; another is measured again
+TOKENS = 64  # new tokens per tuning prompt
+# Tuning prompts: a few kinds of work a user asks for (code, rewriting given text, explaining,
+# a list), written for speclm; none is from Spec-Bench or any test set.
+PROMPTS = (
+    "Write a Python function that merges two sorted lists into one sorted list, with a docstring.",
+    "Rewrite this sentence in plain words: The committee has determined that the allocation of resources "
+    "shall be deferred until such time as the requisite documentation has been furnished by all parties.",
+    "Explain in three sentences why a hash table lookup takes constant time on average.",
+    "List five things to check before deploying a web service to production, one line each.",
+)
+
+
+@dataclass
+class ChildProfile:
+    """One child method's measurements on the tuning prompts."""
+
+    step_seconds: float  # a draft forward over one row (a lookup: one proposal)
+    acceptance: float  # P(the target accepts the next drafted token), over its drafting rounds
+    gained: float  # accepted tokens per drafting round
+    nodes: float  # verified nodes per drafting round
+    rounds: int  # drafting rounds measured
+
+
+@dataclass
+class Profile:
+    key: str
+    processor: str
+    created: str
+    seconds: float  # the measuring took
+    children: dict[str, ChildProfile] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"form": FORM, **asdict(self)}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Profile":
+        data = json.loads(text)
+        if data.get("form") != FORM:
+            raise ValueError("another layout")
+        kids = {name: ChildProfile(**c) for name, c in data["children"].items()}
+        return Profile(data["key"], data["processor"], data["created"], float(data["seconds"]), kids)
+
+
+def key_of(engine, opts: GenerationOptions) -> str:
+    """The pair and heads a profile is for (the processor and build are added by cache_path)."""
+    t, d = engine.target, engine.draft
+    draft = f"{d.name}-{d.quantize}" if d is not None else "no-draft"
+    heads = os.path.basename(opts.heads) if opts.heads else "shipped-heads"
+    return f"{t.name}-{t.quantize}+{draft}+{heads}"
+
+
+def path_of(engine, opts: GenerationOptions):
+    return cache_path("profiles", key_of(engine, opts), engine.target.model)
+
+
+def load(engine, opts: GenerationOptions) -> Profile | None:
+    """The stored profile for this engine, or None."""
+    try:
+        return Profile.from_json(path_of(engine, opts).read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def estimate_seconds(engine, opts: GenerationOptions) -> float:
+    """About how long `measure` takes here: each child's tuning tokens at a plain step each."""
+    from speclm.methods import children
+
+    return len(children(engine, opts, False)) * len(PROMPTS) * (TOKENS + 8) * engine.forward_costs()(1) * 1.3
+
+
+def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallback: bool = True) -> Profile:
+    """Run each of auto's children on the tuning prompts (after the forward cost tables) and keep
+    what they measured; stored where the home is writable. fallback: set up and measure the
+    fallback children too (self: a calibration and an int4 copy; `speclm tune` does, a request
+    that finds no profile does not)."""
+    from speclm.forward.costs import _processor
+    from speclm.methods import children
+
+    t0 = time.perf_counter()
+    engine.forward_costs()
+    if engine.draft is not None:
+        engine.draft_costs()
+    kids = children(engine, opts, fallback)
+    chat = bool(getattr(engine.target.tokenizer, "chat_template", None))
+    bar = tqdm(total=len(kids) * len(PROMPTS), desc="tune", unit="run", file=sys.stderr, disable=progress is False)
+    profile = Profile(key_of(engine, opts), _processor(engine.target.model), time.strftime("%Y-%m-%dT%H:%M:%S%z"), 0.0)
+    for child in kids:
+        bar.set_postfix_str(child.method)
+        engine.prepare(child)
+        engine.generate("Hi", method=child.method, heads=child.heads, max_new_tokens=4, chat=chat)  # warm-up
+        step = forwards = drafted = accepted = tries = rounds = nodes = 0.0
+        for prompt in PROMPTS:
+            out = engine.generate(prompt, method=child.method, heads=child.heads, max_new_tokens=TOKENS, chat=chat)
+            s = out.stats
+            drafting = s.draft_seconds - s.draft_prefill_seconds
+            rounds_here = max(0, s.target_forwards - 1)
+            step += drafting
+            forwards += s.draft_forwards
+            accepted += s.accepted_tokens
+            drafted += s.drafted_tokens
+            tries += min(s.drafted_tokens, s.accepted_tokens + rounds_here)
+            nodes += s.verified_nodes
+            rounds += rounds_here
+            bar.update()
+        per = step / forwards if forwards else step / max(rounds, 1)
+        profile.children[child.method] = ChildProfile(
+            step_seconds=per, acceptance=accepted / tries if tries else 0.0, gained=accepted / max(rounds, 1),
+            nodes=nodes / max(rounds, 1), rounds=int(rounds))
+    bar.close()
+    profile.seconds = time.perf_counter() - t0
+    engine.measured_children.update(profile.children)  # the engine plans by it from now on
+    path = path_of(engine, opts)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(profile.to_json())
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable home: measured again next time
+    return profile
+
+
+def predicted(engine, profile: Profile, rows: int, prompt: int, new: int = 128) -> dict[str, float]:
+    """Per child (its best draft length), and auto (the best, or 1.0: no draft), the predicted
+    speedup over plain decoding of `rows` requests of `prompt` tokens each generating `new`,
+    decoding together: (prefill + new forwards of `rows` rows) over (prefill + the draft's reading
+    of the prompts + new / tokens per round rounds, each a forward over rows * (1 + nodes) tokens
+    and its draft forwards)."""
+    from speclm.methods import REGISTRY
+
+    costs = engine.forward_costs()
+    draft_costs = engine.draft_costs() if engine.draft is not None else None
+    prefill = rows * costs(prompt)
+    plain = prefill + new * costs(rows)
+    out = {}
+    for name, c in profile.children.items():
+        m = REGISTRY[name]
+        best = 0.0
+        depths = range(1, 9) if c.nodes <= 0 or not m.runs_model else [0]
+        for k in depths:
+            if k:  # a chain of k: expected tokens per round from its acceptance
+                a = min(c.acceptance, 0.999)
+                tokens, width, forwards = (1 - a ** (k + 1)) / (1 - a), k, k if m.runs_model else 1
+            else:  # as measured (a tree, or a method whose length is its own)
+                tokens, width, forwards = 1 + c.gained, max(1, round(c.nodes)), max(1, round(c.nodes))
+            step = c.step_seconds * (costs(rows) / costs(1)) if m.runs_model else c.step_seconds
+            reading = rows * draft_costs(prompt) if draft_costs is not None and m.needs else 0.0
+            spent = prefill + reading + new / tokens * (costs(rows * (1 + width)) + forwards * step)
+            best = max(best, plain / spent)
+        out[name] = best
+    out["auto"] = max([1.0, *out.values()])
+    return out
+
+
+def show(engine, opts: GenerationOptions) -> str:
+    """The stored profile and its predicted speedups, as text (UsageError where there is none)."""
+    profile = load(engine, opts)
+    if profile is None:
+        raise UsageError(f"no profile for {key_of(engine, opts)} on this machine: run speclm tune without --show")
+    lines = [f"profile {profile.key} on {profile.processor}, measured {profile.created} in {profile.seconds:.0f} s",
+             f"{'method':<12}{'step ms':>9}{'acceptance':>12}{'gained/round':>14}{'nodes/round':>13}"]
+    for name, c in profile.children.items():
+        lines.append(f"{name:<12}{c.step_seconds * 1e3:>9.2f}{c.acceptance:>12.2f}{c.gained:>14.2f}{c.nodes:>13.2f}")
+    lines.append("")
+    lines.append("predicted speedup over none (128 new tokens; auto: the best, or none)")
+    names = [*profile.children, "auto"]
+    lines.append(f"{'prompt':<8}{'batch':>6}" + "".join(f"{n:>12}" for n in names))
+    for prompt in (64, 2048):
+        for rows in (1, 2, 4, 8):
+            p = predicted(engine, profile, rows, prompt)
+            lines.append(f"{prompt:<8}{rows:>6}" + "".join(f"{p[n]:>11.2f}x" for n in names))
+    return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""auto: the planner picks, per request and round, a child method (the registry's planned methods
+the loaded models allow), its draft length, or no draft. Whatever it picks, greedy output is plain
+decoding's token for token (fp32 and int8, alone and batched, random plans and the planner's own);
+it chooses no draft where drafting is priced above a plain step and moves away from a child whose
+acceptance collapses; a seeded sampled request is reproducible in any batch. Its exact-distribution
+test is in test_sampling_distribution.py (case auto)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+from speclm import SpecEngine, tune
+from speclm.errors import UsageError
+from speclm.forward.costs import ForwardCosts
+from speclm.methods import children
+from speclm.options import GenerationOptions
+from speclm.proposers.auto import NO_DRAFT, AutoProposer, Choice
+from speclm.proposers.base import Draft, Proposer
+from speclm.quant.weights import quantize_model
+from speclm.requests import Request
+from speclm.round.adaptive import Adaptive
+from tiny import loaded, random_heads, random_plan
+
+PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick",
+           "def f(x):\n    return x\n\ndef f("]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, target):
+    return random_heads("eagle", target.model, tmp_path_factory.mktemp("auto") / "eagle.safetensors", seed=1, std=0.3)
+
+
+@pytest.fixture(scope="module")
+def same_draft(target, tok):
+    """A draft equal to the target: it drafts what the target will commit (long accepted paths)."""
+    return loaded(copy.deepcopy(target.model), tok, name="tiny-draft-same")
+
+
+@pytest.fixture(scope="module")
+def int8_pair(target, tok):
+    int8 = lambda: quantize_model(copy.deepcopy(target.model), "int8")  # noqa: E731
+    return loaded(int8(), tok, name="tiny-int8"), loaded(int8(), tok, name="tiny-int8-draft")
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("models", ["draft+heads", "target alone"])
+def test_any_plan_gives_plain_greedy_output(target, same_draft, int8_pair, heads, weights, models):
+    """Random plans: rows of one round drafted by different children (and none), in every mix.
+    With a draft and heads: draft+pld, eagle+pld, pld; the target alone: pld and self (its layers
+    drafting on the target's own cache)."""
+    t, d = (target, same_draft) if weights == "fp32" else int8_pair
+    engine = SpecEngine(t, draft=d) if models == "draft+heads" else SpecEngine(t)
+    kw = dict(heads=heads) if models == "draft+heads" else {}
+    if models == "target alone":
+        tune.measure(engine, GenerationOptions(method="auto"))  # self is a child once tuned
+    random_plan(engine, seed=len(models))
+    refs = engine.generate(PROMPTS, method="none", max_new_tokens=N)
+    for prompt, ref in zip(PROMPTS, refs):
+        out = engine.generate(prompt, method="auto", max_new_tokens=N, **kw)
+        assert out.token_ids == ref.token_ids, prompt
+    outs = engine.generate(PROMPTS, method="auto", max_new_tokens=N, **kw)  # one batch
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    planned = {}
+    for o in outs:
+        for name, n in o.stats.planned.items():
+            planned[name] = planned.get(name, 0) + n
+    every = {"none", "pld", "draft+pld", "eagle+pld"} if models == "draft+heads" else {"none", "pld", "self"}
+    assert every <= set(planned), planned  # every child took rounds
+    assert sum(o.stats.accepted_tokens for o in outs) > 0
+
+
+def test_the_planner_gives_plain_greedy_output(target, same_draft, heads):
+    engine = SpecEngine(target, draft=same_draft)
+    refs = engine.generate(PROMPTS, method="none", max_new_tokens=N)
+    outs = engine.generate(PROMPTS, method="auto", max_new_tokens=N, heads=heads)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    outs = engine.generate(PROMPTS, method="auto", max_new_tokens=N, heads=heads, batch_size=1)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    for o in outs:  # every round is counted under the child that drafted it, or none
+        assert sum(o.stats.planned.values()) == o.stats.target_forwards - 1
+
+
+def test_children_are_what_the_loaded_models_allow(target, same_draft, heads):
+    names = lambda engine, **kw: [o.method for o in children(engine, GenerationOptions(method="auto", **kw))]  # noqa: E731
+    assert names(SpecEngine(target, draft=same_draft)) == ["draft+pld", "pld"]
+    assert names(SpecEngine(target, draft=same_draft), heads=heads) == ["draft+pld", "eagle+pld", "pld"]
+    assert names(SpecEngine(target), heads=heads) == ["eagle+pld", "pld"]
+    alone = SpecEngine(target)
+    assert names(alone) == ["pld"]  # self only where nothing else runs a model, and once tuned
+    assert [o.method for o in children(alone, GenerationOptions(method="auto"), fallback=True)] == ["pld", "self"]
+    tune.measure(alone, GenerationOptions(method="auto"))  # what `speclm tune` runs: self set up and measured
+    assert names(alone) == ["pld", "self"]
+    with pytest.raises(UsageError):
+        GenerationOptions(method="auto", tree="auto")  # a child's option, not auto's
+
+
+def test_no_draft_where_drafting_costs_more_than_it_gains(target, same_draft):
+    """Every forward past one token priced at 10 plain steps: no child pays; only the probes (one
+    round in 32 tries prompt lookup for one token) draft."""
+    engine = SpecEngine(target, draft=same_draft)
+    steep = ForwardCosts({1: 1.0, 2: 10.0, 64: 640.0})
+    engine._planner = Adaptive(steep, draft_costs=steep, plans_only=True)
+    outs = engine.generate(PROMPTS, method="auto", max_new_tokens=N, batch_size=1)
+    for o in outs:
+        rounds = o.stats.target_forwards - 1
+        assert o.stats.planned.get("none", 0) >= rounds - (rounds // 32 + 1), o.stats.planned
+        assert "draft+pld" not in o.stats.planned
+    cheap = ForwardCosts({1: 1.0, 64: 1.0})  # verification as cheap as a step: the draft equal to the target pays
+    engine._planner = Adaptive(cheap, draft_costs=ForwardCosts({1: 0.01, 64: 0.01}), plans_only=True)
+    out = engine.generate(PROMPTS[2], method="auto", max_new_tokens=N)
+    assert out.stats.planned.get("draft+pld", 0) > out.stats.planned.get("none", 0), out.stats.planned
+
+
+class _Child(Proposer):
+    runs_model = True
+
+    def __init__(self, k):
+        self.k = self.max_nodes = k
+
+    def propose(self, contexts, max_tokens, params, generators):
+        return Draft.from_rows([[1] * m for m in max_tokens])
+
+
+def _round(policy, batch, group, accepted: dict[str, int]):
+    """One planned round where child c's draft is accepted for accepted[c] tokens."""
+    policy.caps(batch)
+    choice = group.proposer.plan[0]
+    if choice.child is not None:
+        policy.observe(group.requests[0], choice.k, min(choice.k, accepted[choice.child]), 0.001, choice.k, 1,
+                       child=choice.child)
+    return choice
+
+
+def test_the_planner_moves_away_from_a_child_whose_acceptance_collapses():
+    costs = ForwardCosts({1: 1.0, 2: 1.3, 5: 2.0, 64: 20.0})
+    policy = Adaptive(costs)
+    options = GenerationOptions(method="auto")
+    proposer = AutoProposer({"a": _Child(4), "b": _Child(4)})
+    request = Request.of(0, list(range(10)), replace_max(options, 200), 0, None)
+    group = SimpleNamespace(options=options.proposer_key(), proposer=proposer, requests=[request])
+    batch = SimpleNamespace(groups={options.proposer_key(): group}, requests=[request])
+    for _ in range(30):  # a accepts everything, b nothing
+        _round(policy, batch, group, {"a": 4, "b": 0})
+    assert _round(policy, batch, group, {"a": 4, "b": 0}).child == "a"
+    chosen = [_round(policy, batch, group, {"a": 0, "b": 4}).child for _ in range(40)]  # a collapses
+    moved = chosen.index("b")  # as a's decayed acceptance (ADAPTIVE_DECAY a round) falls below b's prior
+    assert moved < 20 and set(chosen[moved:]) == {"b"}, chosen
+    assert any("a -> b" in line for line in request.stats.plan_switches), request.stats.plan_switches
+    for _ in range(40):  # then both collapse: no draft pays for its verification
+        last = _round(policy, batch, group, {"a": 0, "b": 0})
+    assert last == NO_DRAFT
+
+
+def replace_max(options, n):
+    from dataclasses import replace
+
+    return replace(options, max_new_tokens=n)
+
+
+def test_a_seeded_sampled_request_is_reproducible_in_any_batch(target, same_draft, heads):
+    engine = SpecEngine(target, draft=same_draft)
+    kw = dict(method="auto", max_new_tokens=30, temperature=1.0, heads=heads)
+    alone = engine.generate(PROMPTS[0], seed=7, **kw)
+    batched = engine.generate(PROMPTS, seed=7, **kw)[0]
+    assert alone.token_ids == batched.token_ids
+    assert set(alone.stats.planned) == {"draft+pld"}  # its first child, at its own k
+
+
+def test_choice_options_cover_children_and_lengths():
+    policy = Adaptive(ForwardCosts({1: 1.0}))
+    proposer = AutoProposer({"a": _Child(3), "b": _Child(1)})
+    key = GenerationOptions(method="auto", k=2).proposer_key()
+    options = policy._options(key, SimpleNamespace(proposer=proposer), None)
+    assert options == [NO_DRAFT, Choice("a", 1), Choice("a", 2), Choice("b", 1)]  # k caps every child
+
+
+def test_after_tune_a_request_measures_nothing(target, same_draft, heads, monkeypatch, tmp_path):
+    """`speclm tune` stores the profile (and the cost tables); a new engine's first auto request
+    reads them: measuring anything then fails this test (counted, not timed)."""
+    import speclm.forward.costs as costs
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
+    monkeypatch.setattr(costs, "BUSY", 0.0)  # a busy test machine's table is kept all the same
+    opts = GenerationOptions(method="auto", heads=heads)
+    tuned = SpecEngine(target, draft=same_draft)
+    profile = tune.measure(tuned, opts)
+    assert set(profile.children) == {"draft+pld", "eagle+pld", "pld"} and tune.path_of(tuned, opts).exists()
+    measured = []
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: measured.append("costs"))
+    monkeypatch.setattr(tune, "measure", lambda *a, **k: measured.append("profile"))
+    engine = SpecEngine(target, draft=same_draft)
+    out = engine.generate(PROMPTS[0], method="auto", heads=heads, max_new_tokens=N)
+    assert measured == [] and out.stats.target_forwards > 1
+    assert engine.measured_children.keys() == profile.children.keys()
+    shown = tune.show(engine, opts)
+    assert "predicted speedup" in shown and all(name in shown for name in profile.children)
+    with pytest.raises(UsageError):  # another draft: another profile, none stored
+        tune.show(SpecEngine(target, draft=loaded(same_draft.model, same_draft.tokenizer, name="other")), opts)
+
+
+def test_the_catalogs_draft_is_used_only_where_it_is_in_the_store(monkeypatch, capsys):
+    """With no --draft, auto drafts with the draft the catalog names for the target, only where that
+    is already in the store (said on stderr); nothing is pulled, and a method that drafts no model
+    is given none."""
+    from speclm import catalog
+    from speclm.models import store
+    from speclm.runtime import family_draft
+
+    assert catalog.CATALOG["qwen2.5-coder-1.5b"].draft == "qwen2.5-coder-0.5b"
+    monkeypatch.setattr(store, "cached_path", lambda name: None)  # not pulled
+    assert family_draft("qwen2.5-coder-1.5b", "auto") is None
+    monkeypatch.setattr(store, "cached_path", lambda name: f"/store/{name}")
+    assert family_draft("qwen2.5-coder-1.5b", "pld") is None and capsys.readouterr().err == ""
+    assert family_draft("qwen2.5-coder-1.5b", "auto") == "qwen2.5-coder-0.5b"
+    assert "the catalog's draft for qwen2.5-coder-1.5b" in capsys.readouterr().err
+    assert family_draft("smollm2-135m", "auto") is None  # it names no draft
