@@ -19,8 +19,9 @@ def home() -> Path:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """path holds text, replaced whole (a reader never sees half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
+    """path holds text, replaced whole (a reader never sees half a file; two processes writing it at
+    once each write their own temporary file)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
 

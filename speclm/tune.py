@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from tqdm.auto import tqdm
 
 from speclm.errors import UsageError
+from speclm.files import atomic_write
 from speclm.forward.costs import cache_path
 from speclm.options import GenerationOptions
 
@@ -120,7 +121,7 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
         bar.set_postfix_str(child.method)
         engine.prepare(child)
         engine.generate("Hi", method=child.method, heads=child.heads, max_new_tokens=4, chat=chat)  # warm-up
-        step = forwards = drafted = accepted = tries = rounds = nodes = 0.0
+        step = forwards = accepted = tries = rounds = nodes = 0.0
         for prompt in PROMPTS:
             out = engine.generate(prompt, method=child.method, heads=child.heads, max_new_tokens=TOKENS, chat=chat)
             s = out.stats
@@ -129,7 +130,6 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
             step += drafting
             forwards += s.draft_forwards
             accepted += s.accepted_tokens
-            drafted += s.drafted_tokens
             tries += min(s.drafted_tokens, s.accepted_tokens + rounds_here)
             nodes += s.verified_nodes
             rounds += rounds_here
@@ -144,9 +144,7 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
     path = path_of(engine, opts)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(profile.to_json())
-        tmp.replace(path)
+        atomic_write(path, profile.to_json())
     except OSError:
         pass  # an unwritable home: measured again next time
     return profile

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from speclm.files import cpu_name, home as model_home
+from speclm.files import atomic_write, cpu_name, home as model_home
 from speclm.defaults import COST_REPEATS
 from speclm.quant import kernels
 
@@ -205,9 +205,7 @@ def verification_costs(model, key: str) -> ForwardCosts:
         return costs
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "seconds": costs.to_dict()}, indent=1))
-        tmp.replace(path)
+        atomic_write(path, json.dumps({"key": key, "seconds": costs.to_dict()}, indent=1))
     except OSError:
         return costs  # an unwritable home: measured again next time
     _remove_stale(path, prefix, suffix)
