@@ -133,11 +133,12 @@ class SpecEngine:
         each round's draft length (`adaptive()`; None: the methods' k)."""
         return Batch(self, rows, capacity, prefill_chunk, speculation)
 
-    def adaptive(self) -> Adaptive:
+    def adaptive(self, plans_only: bool = False) -> Adaptive:
         """Speculation that adapts each round's draft length to the batch (speclm.round.adaptive), from
-        this machine's measured forward costs (the target's, and the draft model's where there is one)."""
+        this machine's measured forward costs (the target's, and the draft model's where there is one)
+        and what `speclm tune` measured of auto's children; plans_only: it plans auto requests alone."""
         return Adaptive(self.forward_costs(), draft_costs=self.draft_costs() if self.draft is not None else None,
-                        measured=self.measured_children)
+                        plans_only=plans_only, measured=self.measured_children)
 
     def profile(self, opts: GenerationOptions):
         """auto's profile for this engine (speclm.tune): read from the cache, else measured now
@@ -163,8 +164,7 @@ class SpecEngine:
         one (one per engine: what it measures of the proposers is kept across calls); it leaves
         every other method's k alone."""
         if self._planner is None:
-            self._planner = Adaptive(self.forward_costs(), draft_costs=self.draft_costs() if self.draft is not None else None,
-                                     plans_only=True, measured=self.measured_children)
+            self._planner = self.adaptive(plans_only=True)
         return self._planner
 
     def forward_costs(self) -> ForwardCosts:

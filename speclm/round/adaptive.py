@@ -193,7 +193,7 @@ class Adaptive:
         if tuned is not None and key not in (self._ran_model if _runs_model(key) else self._step):
             # auto's child before its first forward here (a lookup-only round is no measure of one): as tuned
             return tuned.step_seconds * (self.costs(rows) / self.costs(1) if _runs_model(key) else 1.0)
-        if (_needs(key) == DRAFT_MODEL and key not in self._ran_model and self.draft_costs is not None
+        if (getattr(_spec(key), "needs", None) == DRAFT_MODEL and key not in self._ran_model and self.draft_costs is not None
                 and (unread is None or any(unread))):
             return self.draft_costs(rows)
         steps = self._step.get(key)
@@ -412,12 +412,12 @@ class Adaptive:
         return {}
 
 
+def _spec(key):
+    """The method of a step-time key: a group key's, or (auto's group key, its child)'s; None for a
+    child the registry does not hold (tests' stand-ins)."""
+    return REGISTRY.get(key[1]) if isinstance(key, tuple) else key.spec
+
+
 def _runs_model(key) -> bool:
-    spec = REGISTRY.get(key[1]) if isinstance(key, tuple) else key.spec
+    spec = _spec(key)
     return spec is None or spec.runs_model
-
-
-def _needs(key) -> str:
-    """What the method of a step-time key needs: a group key's, or (auto's group key, its child)'s."""
-    spec = REGISTRY.get(key[1]) if isinstance(key, tuple) else key.spec
-    return spec.needs if spec is not None else ""
