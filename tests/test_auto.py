@@ -131,7 +131,7 @@ def _round(policy, batch, group, accepted: dict[str, int]):
     choice = group.proposer.plan[0]
     if choice.child is not None:
         policy.observe(group.requests[0], choice.k, min(choice.k, accepted[choice.child]), 0.001, choice.k, 1,
-                       child=choice.child)
+                       child=choice.child, cap=choice.k)
     return choice
 
 
@@ -153,6 +153,33 @@ def test_the_planner_moves_away_from_a_child_whose_acceptance_collapses():
     for _ in range(40):  # then both collapse: no draft pays for its verification
         last = _round(policy, batch, group, {"a": 0, "b": 0})
     assert last == NO_DRAFT
+
+
+def _one_row(children):
+    options = GenerationOptions(method="auto")
+    proposer = AutoProposer(children)
+    request = Request.of(0, list(range(10)), replace_max(options, 200), 0, None)
+    group = SimpleNamespace(options=options.proposer_key(), proposer=proposer, requests=[request])
+    return options.proposer_key(), group, request
+
+
+def test_a_chain_is_priced_by_its_positions_not_as_geometric():
+    """Prompt lookup's spans pass whole or not at all: half the rounds accept all 4 tokens, half
+    none, so a 4-token chain commits 1 + 2 tokens a round (a geometric chain of the same per-token
+    acceptance, 0.8, would say 3.36); a draft that stops below its confidence after 2 of its 6
+    positions is priced for 2 draft forwards and a 2-token verification, not 6."""
+    policy = Adaptive(ForwardCosts({1: 1.0, 64: 20.0}))
+    key, group, request = _one_row({"lookup": _Child(4), "model": _Child(6)})
+    for n in range(200):
+        accepted = 4 if n % 2 else 0
+        policy.observe(request, 4, accepted, 0.001, 0, 1, child="lookup", cap=4)
+        policy.observe(request, 2, 2, 0.001, 2, 1, child="model", cap=6)
+    # within 0.2: decayed counts weigh the last (accepted) round a little more
+    assert abs(policy._child_tokens(key, group, request, Choice("lookup", 4)) - 3.0) < 0.2
+    assert abs(policy._child_tokens(key, group, request, Choice("lookup", 1)) - 1.5) < 0.2
+    accepted, drafted = policy._chain(key, request, Choice("model", 6))
+    assert abs(drafted - 2.0) < 0.2 and abs(accepted - 2.0) < 0.2  # the unseen positions' prior: drafted
+    assert policy._width(key, group, request, Choice("model", 6)) == drafted
 
 
 def replace_max(options, n):

@@ -44,8 +44,11 @@ its ratio (`ratio`).
 `auto` (speclm.proposers.auto) is planned here too, per row: each round every row of an auto
 group gets one of its children (a method's proposer) and a draft length, or no draft, the choice
 that maximises the same tokens per second with the other rows' choices held (`_plan`: every row
-on one choice, the best of those, then each row in turn moved to its own best). A row's
-acceptance is kept per child; a child it has not tried is priced by that child's acceptance over
+on one choice, the best of those, then each row in turn moved to its own best). A chain child is
+priced by position, not as geometric (`_Curve`, `_chain`): per position, how often it was drafted
+and accepted over every request, scaled by the row's own acceptance of that child against every
+request's; its width and a draft model's forwards are the positions it is expected to draft. A
+row's acceptance is kept per child; a child it has not tried is priced by that child's acceptance over
 every request (decayed), else the prior, and a child not run yet by its cost line (a draft
 model's) or as free (prompt lookup, heads), so each is tried early and measured. A child whose
 acceptance collapses prices itself below another and the row moves; each move is written in the
@@ -63,7 +66,7 @@ follows the target's distribution whatever the draft).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from speclm import defaults
@@ -88,6 +91,43 @@ class _Rate:
         self.rounds = decay * self.rounds + 1
 
 
+@dataclass
+class _Curve:
+    """An auto child's chain rounds by draft position, over every request (decayed counts): of the
+    rounds whose cap let it draft position i (`reach`), those that drafted it and those whose
+    path accepted it. A chain's acceptance is not geometric: prompt lookup's copied spans are taken
+    whole or not at all (a later position, once reached, is likelier accepted than the first), and a
+    draft model that stops below a confidence drafts fewer positions than its cap, which is then
+    neither drafted, verified nor paid for."""
+
+    reach: list[float] = field(default_factory=list)
+    drafted: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def update(self, decay: float, cap: int, drafted: int, accepted: int) -> None:
+        for counts in (self.reach, self.drafted, self.accepted):
+            counts.extend([0.0] * (cap - len(counts)))
+            counts[:] = [decay * c for c in counts]
+        for i in range(cap):
+            self.reach[i] += 1.0
+            self.drafted[i] += float(drafted > i)
+            self.accepted[i] += float(accepted > i)
+
+    def at(self, i: int, prior: float, weight: float = 2.0) -> tuple[float, float]:
+        """(P(position i drafted), P(positions 0..i all accepted)) for a round capped past i; where
+        little is counted, a chain drafted to its cap whose tokens each pass with probability `prior`."""
+        seen = i < len(self.reach)
+        reach = self.reach[i] if seen else 0.0
+        drafted = self.drafted[i] if seen else 0.0
+        accepted = self.accepted[i] if seen else 0.0
+        return (drafted + weight) / (reach + weight), (accepted + weight * prior ** (i + 1)) / (reach + weight)
+
+
+def _geometric(a: float, k: int) -> float:
+    """Expected accepted tokens of a k-token chain whose tokens each pass with probability a."""
+    return sum(a ** (i + 1) for i in range(k))
+
+
 class Adaptive:
     def __init__(self, costs: ForwardCosts, prior: float = defaults.ADAPTIVE_PRIOR, decay: float = defaults.ADAPTIVE_DECAY, probe: int = 32,
                  draft_costs: Callable[[int], float] | None = None, plans_only: bool = False,
@@ -102,6 +142,8 @@ class Adaptive:
         # auto: (request, child) -> _Rate via a per-request dict; (group key, child) -> every request's
         self._child_rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Rate}
         self._family: dict = {}  # (group key, child) -> _Rate over every request
+        self._curves: dict = {}  # (group key, chain child) -> _Curve over every request
+        self._chains: dict = {}  # (id(request), group key, Choice) -> _chain's answer, until the next observe
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._ran_model: set = set()  # group keys whose proposals ran model forwards
         self._rounds = 0
@@ -117,10 +159,7 @@ class Adaptive:
         `child`: its own, else `family`'s, every request's with that child, as its prior)."""
         if child is not None:
             rate = self._child_rates.get(request, {}).get(child)
-            shared = self._family.get(family)
-            tuned = self.measured.get(child)
-            base, weight = (tuned.acceptance, 8.0) if tuned is not None else (self.prior, 2.0)
-            prior = (shared.hits + base * weight) / (shared.tries + weight) if shared is not None else base
+            prior = self._shared_acceptance(child, family)
             return prior if rate is None else (rate.hits + prior * 2.0) / (rate.tries + 2.0)
         rate = self._rates.get(request)
         prior_weight = 2.0
@@ -128,17 +167,29 @@ class Adaptive:
             return self.prior
         return (rate.hits + self.prior * prior_weight) / (rate.tries + prior_weight)
 
+    def _shared_acceptance(self, child: str, family) -> float:
+        """Auto's `child` over every request of its group (`family`: (group key, child)), its prior
+        what `speclm tune` measured of it, else the policy's prior."""
+        shared = self._family.get(family)
+        tuned = self.measured.get(child)
+        base, weight = (tuned.acceptance, 8.0) if tuned is not None else (self.prior, 2.0)
+        return (shared.hits + base * weight) / (shared.tries + weight) if shared is not None else base
+
     def observe(self, request, drafted: int, accepted: int, propose_seconds: float, forwards: int,
-                rows: int = 1, child: str | None = None) -> None:
+                rows: int = 1, child: str | None = None, cap: int | None = None) -> None:
         """One round of `request`: `drafted` tokens proposed (a tree's nodes), `accepted` on its path;
         its group's proposal took propose_seconds (its prefill left out) over `forwards` draft
-        forwards for `rows` rows; child: the auto child that drafted it."""
+        forwards for `rows` rows; child: the auto child that drafted it; cap: the chain length
+        it was planned (None: a tree)."""
         if drafted <= 0:
             return
         key = request.options.proposer_key()
+        self._chains.clear()
         if child is not None:
             self._child_rates.setdefault(request, {}).setdefault(child, _Rate()).update(self.decay, drafted, accepted)
             self._family.setdefault((key, child), _Rate()).update(0.98, drafted, accepted)
+            if cap is not None:
+                self._curves.setdefault((key, child), _Curve()).update(0.98, cap, min(drafted, cap), accepted)
             key = (key, child)
         else:
             self._rates.setdefault(request, _Rate()).update(self.decay, drafted, accepted)
@@ -307,15 +358,36 @@ class Adaptive:
                 return 1.0 + shared.gained / shared.rounds
             tuned = self.measured.get(choice.child)
             return 1.0 + (tuned.gained if tuned is not None else self.prior * 2)
-        a = min(self.acceptance(r, choice.child, (key, choice.child)), 0.999)
-        return (1.0 - a ** (choice.k + 1)) / (1.0 - a)
+        return 1.0 + self._chain(key, r, choice)[0]
 
-    def _width(self, key, g, choice: Choice) -> int:
+    def _chain(self, key, r, choice: Choice) -> tuple[float, float]:
+        """(accepted tokens, drafted positions) expected of row r's chain `choice`: the child's
+        curve over every request (_Curve) scaled by how the row's own acceptance of that child
+        compares with every request's (both as geometric chains of the choice's length)."""
+        memo = (id(r), key, choice)
+        if memo in self._chains:  # a round prices each choice many times over (every row's move)
+            return self._chains[memo]
+        family = (key, choice.child)
+        shared = min(self._shared_acceptance(choice.child, family), 0.999)
+        own = min(self.acceptance(r, choice.child, family), 0.999)
+        curve = self._curves.get(family) or _Curve()
+        accepted = drafted = 0.0
+        for i in range(choice.k):
+            p_drafted, p_accepted = curve.at(i, shared)
+            drafted += p_drafted
+            accepted += p_accepted
+        scale = _geometric(own, choice.k) / max(_geometric(shared, choice.k), 1e-9)
+        self._chains[memo] = min(accepted * scale, drafted), drafted
+        return self._chains[memo]
+
+    def _width(self, key, g, r, choice: Choice) -> float:
+        """Tokens the row's draft puts in the target's forward: a chain's expected drafted positions
+        (the cost table interpolates between token counts), a tree's nodes."""
         if choice.child is None:
             return 0
         child = g.proposer.children[choice.child]
         if child.shape != "tree":
-            return choice.k
+            return self._chain(key, r, choice)[1]
         seen = self._nodes.get((key, choice.child))
         if seen is None and choice.child in self.measured:
             seen = self.measured[choice.child].nodes or None
@@ -328,13 +400,15 @@ class Adaptive:
         catch_up = 0.0
         for key, g, r, choice, unread in plans:
             tokens += self._child_tokens(key, g, r, choice)
-            width = max(width, self._width(key, g, choice))
+            width = max(width, self._width(key, g, r, choice))
             if choice.child is None:
                 continue
             child = g.proposer.children[choice.child]
             at = (key, choice.child)
             count, depth = used.get(at, (0, 0))
-            used[at] = (count + 1, max(depth, choice.k if child.runs_model else 1))
+            # a draft model's forwards: one per position it is expected to draft (a tree: its depth)
+            steps = (self._chain(key, r, choice)[1] if child.shape != "tree" else choice.k) if child.runs_model else 1
+            used[at] = (count + 1, max(depth, steps))
             seen = unread.get(choice.child, 0)
             if child.reads_context and seen > 2:  # this round's share of reading what it has not read
                 reading = self.draft_costs if self.draft_costs is not None else self.costs
@@ -347,6 +421,7 @@ class Adaptive:
     def _plan(self, batch, groups, planned, rows) -> dict:
         """Each auto row's Choice for this round (set on its group's proposer); the other groups
         keep their k. Returns {} (no caps for the others)."""
+        self._chains.clear()  # ids of requests that left may come back as new ones
         tokens0, width0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
         for key, g in groups:  # the other groups at their own k
             tokens0 += sum(self._expected(r, g.proposer.k, g.proposer.shape == "tree") - 1.0 for r in g.requests)

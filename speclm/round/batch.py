@@ -340,8 +340,9 @@ class Batch:
                     child = proposer.last[i].child
                     if child is not None:
                         seconds, reading, forwards, rows = proposer.spent.get(child, (0.0, 0.0, 0, 1))
+                        cap = proposer.last[i].k if proposer.children[child].shape != "tree" else None
                         self._policy.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]), seconds - reading,
-                                             forwards, rows, child=child)
+                                             forwards, rows, child=child, cap=cap)
                 else:
                     self._policy.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]),
                                          p.seconds - p.prefill_seconds, p.draft.forwards,
