@@ -167,7 +167,9 @@ def test_a_chain_is_priced_by_its_positions_not_as_geometric():
     """Prompt lookup's spans pass whole or not at all: half the rounds accept all 4 tokens, half
     none, so a 4-token chain commits 1 + 2 tokens a round (a geometric chain of the same per-token
     acceptance, 0.8, would say 3.36); a draft that stops below its confidence after 2 of its 6
-    positions is priced for 2 draft forwards and a 2-token verification, not 6."""
+    positions is priced for 2 draft forwards and a 2-token verification, not 6; a lookup that
+    drafts in half its rounds (no match in the others), all accepted, is priced at 1 + 2 tokens,
+    not 1 + 4; and each request by its own rounds."""
     policy = Adaptive(ForwardCosts({1: 1.0, 64: 20.0}))
     key, group, request = _one_row({"lookup": _Child(4), "model": _Child(6)})
     for n in range(200):
@@ -178,6 +180,19 @@ def test_a_chain_is_priced_by_its_positions_not_as_geometric():
     assert abs(policy._child_tokens(key, group, request, Choice("lookup", 4)) - 3.0) < 0.2
     assert abs(policy._child_tokens(key, group, request, Choice("lookup", 1)) - 1.5) < 0.2
     accepted, drafted = policy._chain(key, request, Choice("model", 6))
+    sparse = Adaptive(ForwardCosts({1: 1.0, 64: 20.0}))  # a lookup that finds a match in half its rounds
+    for n in range(200):
+        sparse.observe(request, 4 if n % 2 else 0, 4 if n % 2 else 0, 0.001, 0, 1, child="lookup", cap=4)
+    assert abs(sparse._child_tokens(key, group, request, Choice("lookup", 4)) - 3.0) < 0.2  # not 5
+    # per request: where lookup copies whole spans for one request and finds nothing for another
+    # (a summary beside a question), each is priced by its own rounds, not by their mean
+    mixed = Adaptive(ForwardCosts({1: 1.0, 64: 20.0}))
+    other = Request.of(1, list(range(10)), request.options, 1, None)
+    for _ in range(100):
+        mixed.observe(request, 4, 4, 0.001, 0, 1, child="lookup", cap=4)
+        mixed.observe(other, 0, 0, 0.001, 0, 1, child="lookup", cap=4)
+    assert mixed._child_tokens(key, group, request, Choice("lookup", 4)) > 4.5
+    assert mixed._child_tokens(key, group, other, Choice("lookup", 4)) < 1.5
     assert abs(drafted - 2.0) < 0.2 and abs(accepted - 2.0) < 0.2  # the unseen positions' prior: drafted
     assert policy._width(key, group, request, Choice("model", 6)) == drafted
 

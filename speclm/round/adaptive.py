@@ -45,9 +45,9 @@ its ratio (`ratio`).
 group gets one of its children (a method's proposer) and a draft length, or no draft, the choice
 that maximises the same tokens per second with the other rows' choices held (`_plan`: every row
 on one choice, the best of those, then each row in turn moved to its own best). A chain child is
-priced by position, not as geometric (`_Curve`, `_chain`): per position, how often it was drafted
-and accepted over every request, scaled by the row's own acceptance of that child against every
-request's; its width and a draft model's forwards are the positions it is expected to draft. A
+priced by position, not as geometric (`_Curve`, `_chain`): per position, how often the row's rounds
+with it drafted and accepted it (a round that drafted nothing included), its prior the same over
+every request; its width and a draft model's forwards are the positions it is expected to draft. A
 row's acceptance is kept per child; a child it has not tried is priced by that child's acceptance over
 every request (decayed), else the prior, and a child not run yet by its cost line (a draft
 model's) or as free (prompt lookup, heads), so each is tried early and measured. A child whose
@@ -96,9 +96,10 @@ class _Curve:
     """An auto child's chain rounds by draft position, over every request (decayed counts): of the
     rounds whose cap let it draft position i (`reach`), those that drafted it and those whose
     path accepted it. A chain's acceptance is not geometric: prompt lookup's copied spans are taken
-    whole or not at all (a later position, once reached, is likelier accepted than the first), and a
-    draft model that stops below a confidence drafts fewer positions than its cap, which is then
-    neither drafted, verified nor paid for."""
+    whole or not at all (a later position, once reached, is likelier accepted than the first), a
+    lookup finds no match in some rounds (it drafts nothing there), and a draft model that stops
+    below a confidence drafts fewer positions than its cap, which are then neither drafted,
+    verified nor paid for."""
 
     reach: list[float] = field(default_factory=list)
     drafted: list[float] = field(default_factory=list)
@@ -113,19 +114,14 @@ class _Curve:
             self.drafted[i] += float(drafted > i)
             self.accepted[i] += float(accepted > i)
 
-    def at(self, i: int, prior: float, weight: float = 2.0) -> tuple[float, float]:
-        """(P(position i drafted), P(positions 0..i all accepted)) for a round capped past i; where
-        little is counted, a chain drafted to its cap whose tokens each pass with probability `prior`."""
+    def at(self, i: int, prior: tuple[float, float], weight: float = 2.0) -> tuple[float, float]:
+        """(P(position i drafted), P(positions 0..i all accepted)) for a round capped past i, the
+        counts blended with `prior` (those two, as `weight` rounds' worth)."""
         seen = i < len(self.reach)
         reach = self.reach[i] if seen else 0.0
         drafted = self.drafted[i] if seen else 0.0
         accepted = self.accepted[i] if seen else 0.0
-        return (drafted + weight) / (reach + weight), (accepted + weight * prior ** (i + 1)) / (reach + weight)
-
-
-def _geometric(a: float, k: int) -> float:
-    """Expected accepted tokens of a k-token chain whose tokens each pass with probability a."""
-    return sum(a ** (i + 1) for i in range(k))
+        return (drafted + weight * prior[0]) / (reach + weight), (accepted + weight * prior[1]) / (reach + weight)
 
 
 class Adaptive:
@@ -143,6 +139,7 @@ class Adaptive:
         self._child_rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Rate}
         self._family: dict = {}  # (group key, child) -> _Rate over every request
         self._curves: dict = {}  # (group key, chain child) -> _Curve over every request
+        self._own_curves: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {chain child: _Curve}
         self._chains: dict = {}  # (id(request), group key, Choice) -> _chain's answer, until the next observe
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._ran_model: set = set()  # group keys whose proposals ran model forwards
@@ -179,17 +176,22 @@ class Adaptive:
                 rows: int = 1, child: str | None = None, cap: int | None = None) -> None:
         """One round of `request`: `drafted` tokens proposed (a tree's nodes), `accepted` on its path;
         its group's proposal took propose_seconds (its prefill left out) over `forwards` draft
-        forwards for `rows` rows; child: the auto child that drafted it; cap: the chain length
-        it was planned (None: a tree)."""
+        forwards for `rows` rows; child: the auto child planned for it; cap: the chain length it
+        was planned (within what the request had left; None: a tree). A chain child's round counts
+        in its curve even where it drafted nothing (a lookup that found no match): what it drafts
+        how often is its price."""
+        key = request.options.proposer_key()
+        if child is not None and cap:
+            self._chains.clear()
+            self._curves.setdefault((key, child), _Curve()).update(0.98, cap, min(drafted, cap), accepted)
+            own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
+            own.update(self.decay, cap, min(drafted, cap), accepted)
         if drafted <= 0:
             return
-        key = request.options.proposer_key()
         self._chains.clear()
         if child is not None:
             self._child_rates.setdefault(request, {}).setdefault(child, _Rate()).update(self.decay, drafted, accepted)
             self._family.setdefault((key, child), _Rate()).update(0.98, drafted, accepted)
-            if cap is not None:
-                self._curves.setdefault((key, child), _Curve()).update(0.98, cap, min(drafted, cap), accepted)
             key = (key, child)
         else:
             self._rates.setdefault(request, _Rate()).update(self.decay, drafted, accepted)
@@ -361,23 +363,23 @@ class Adaptive:
         return 1.0 + self._chain(key, r, choice)[0]
 
     def _chain(self, key, r, choice: Choice) -> tuple[float, float]:
-        """(accepted tokens, drafted positions) expected of row r's chain `choice`: the child's
-        curve over every request (_Curve) scaled by how the row's own acceptance of that child
-        compares with every request's (both as geometric chains of the choice's length)."""
+        """(accepted tokens, drafted positions) expected of row r's chain `choice`, position by
+        position: the row's own rounds with that child (_Curve, decayed by the policy's decay),
+        their prior the child's rounds over every request, theirs a chain drafted to its cap whose
+        tokens each pass with the child's acceptance over every request."""
         memo = (id(r), key, choice)
         if memo in self._chains:  # a round prices each choice many times over (every row's move)
             return self._chains[memo]
         family = (key, choice.child)
         shared = min(self._shared_acceptance(choice.child, family), 0.999)
-        own = min(self.acceptance(r, choice.child, family), 0.999)
-        curve = self._curves.get(family) or _Curve()
+        every = self._curves.get(family) or _Curve()
+        own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
         accepted = drafted = 0.0
         for i in range(choice.k):
-            p_drafted, p_accepted = curve.at(i, shared)
+            p_drafted, p_accepted = own.at(i, every.at(i, (1.0, shared ** (i + 1))))
             drafted += p_drafted
             accepted += p_accepted
-        scale = _geometric(own, choice.k) / max(_geometric(shared, choice.k), 1e-9)
-        self._chains[memo] = min(accepted * scale, drafted), drafted
+        self._chains[memo] = min(accepted, drafted), drafted
         return self._chains[memo]
 
     def _width(self, key, g, r, choice: Choice) -> float:

@@ -340,7 +340,8 @@ class Batch:
                     child = proposer.last[i].child
                     if child is not None:
                         seconds, reading, forwards, rows = proposer.spent.get(child, (0.0, 0.0, 0, 1))
-                        cap = proposer.last[i].k if proposer.children[child].shape != "tree" else None
+                        cap = (min(proposer.last[i].k, r.tokens_left - 1)  # what it could draft
+                               if proposer.children[child].shape != "tree" else None)
                         self._policy.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]), seconds - reading,
                                              forwards, rows, child=child, cap=cap)
                 else:
