@@ -181,14 +181,13 @@ class Adaptive:
         in its curve even where it drafted nothing (a lookup that found no match): what it drafts
         how often is its price."""
         key = request.options.proposer_key()
+        self._chains.clear()  # priced from the counts this round changes
         if child is not None and cap:
-            self._chains.clear()
             self._curves.setdefault((key, child), _Curve()).update(0.98, cap, min(drafted, cap), accepted)
             own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
             own.update(self.decay, cap, min(drafted, cap), accepted)
         if drafted <= 0:
             return
-        self._chains.clear()
         if child is not None:
             self._child_rates.setdefault(request, {}).setdefault(child, _Rate()).update(self.decay, drafted, accepted)
             self._family.setdefault((key, child), _Rate()).update(0.98, drafted, accepted)
