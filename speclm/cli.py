@@ -501,7 +501,7 @@ def _bench(args) -> int:
     print(f"results in {out}/", file=sys.stderr)
     bad = [r for r in results["runs"] if r["lossless"] is False]
     if bad:
-        print(f"speclm: WARNING: {len(bad)} greedy output(s) differ from none; see report.md", file=sys.stderr)
+        print(f"speclm: WARNING: {len(bad)} output(s) differ from none; see report.md", file=sys.stderr)
     return 0 if results["complete"] else 130
 
 

@@ -1,8 +1,10 @@
 """The speculative decoding engine's facade: `generate`, `stream`, and `batch` for requests that
 join and leave a running decode (speclm.round.batch holds the round and its contract).
 
-A request's seed: `generate(prompts, seed=s)` gives prompt i the generator seeded s + i, so a
-prompt's output with a seed is the same alone, in any batch, and whichever requests share it.
+A request's seed: `generate(prompts, seed=s)` gives prompt i the seed s + i; it draws each token by
+position (speclm.sampling.Coupled), so its output with a seed is its plain decoding's with that
+seed, alone, in any batch, whatever the method. Without one, a random seed seeds its own
+generator, and the verifier samples by rejection.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class SpecEngine:
         if size < 1:
             raise UsageError(f"batch-size must be >= 1, got {size}")
         seed = opts.seed if opts.seed is not None else secrets.randbits(62)
-        requests = [Request.of(i, ids, opts, seed + i, self.target.max_context, seeded=opts.seed is not None)
+        requests = [Request.of(i, ids, opts, seed + i, self.target.max_context, seeded=opts.seed is not None,
+                               vocab=self.target.vocab_size)
                     for i, ids in enumerate(encoded)]
         check_fits(self.target.model, min(size, len(requests)), max(r.prompt_len + r.max_new for r in requests))
         self.prepare(opts)
@@ -188,7 +191,7 @@ class SpecEngine:
         ids = self.encode([prompt], opts.chat)[0]
         seeded = seed is not None or opts.seed is not None
         seed = seed if seed is not None else opts.seed if opts.seed is not None else secrets.randbits(62)
-        request = Request.of(index, ids, opts, seed, self.target.max_context, seeded)
+        request = Request.of(index, ids, opts, seed, self.target.max_context, seeded, self.target.vocab_size)
         check_fits(self.target.model, 1, request.prompt_len + request.max_new)
         self.prepare(opts)
         return request

@@ -52,7 +52,7 @@ class Method:
     ngram_min: int = 1  # prompt lookup's shortest n-gram by default, where it looks up
     tree_default: str | None = None  # --tree's default, where it takes one
     runs_model: bool = False  # a model's forwards draft (a draft model, heads, the target's own layers)
-    # auto's children: their order (1 first: a seeded sampled request's method, the first tried); 0: not a child
+    # auto's children: their order (1 first: the first tried); 0: not a child
     planned: int = 0
     fallback: bool = False  # auto: a child only where no other child runs a model (it costs a setup of its own)
     plans: bool = False  # the planner's own method (auto): its proposer plans each row among the planned methods

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speclm.options import GenerationOptions
+from speclm.sampling import Coupled
 from speclm.stats import RequestStats
 
 
@@ -23,15 +24,23 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length" or "cancelled"; None while it runs
     joined_at: float = 0.0  # time.perf_counter() when its prefill began
-    seeded: bool = False  # the caller chose its seed: its sampled output is to be reproducible (speclm.round.adaptive)
+    # the caller chose its seed (sampling): every token drawn by position from it (speclm.sampling.Coupled),
+    # so its text is its plain decoding's with that seed, whatever the method, plan or batch
+    coupled: Coupled | None = None
+
+    @property
+    def seeded(self) -> bool:
+        return self.coupled is not None
 
     @staticmethod
     def of(index: int, ids: list[int], options: GenerationOptions, seed: int, max_context: int | None,
-           seeded: bool = False) -> "Request":
+           seeded: bool = False, vocab: int = 0) -> "Request":
+        """vocab: the target's output ids (a seeded sampled request's draws are made over them)."""
         limit = max_context or 1 << 62
         generator = None if options.sampling.greedy else torch.Generator().manual_seed(seed)
+        coupled = Coupled(seed, vocab) if seeded and generator is not None and vocab > 0 else None
         return Request(index, list(ids), len(ids), min(options.max_new_tokens, limit - len(ids)), options, generator,
-                       seeded=seeded and generator is not None)
+                       coupled=coupled)
 
     @property
     def prompt(self) -> list[int]:

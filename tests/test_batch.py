@@ -1,5 +1,6 @@
 """Requests that join a running decode between rounds and leave when done (speclm.round.batch): each
-request's output is its output alone, greedy or sampled with its seed, whatever shares its batch."""
+request's output is its output alone, greedy or sampled (seeded: plain decoding's with its seed;
+unseeded: with its generator seeded alike), whatever shares its batch."""
 
 import copy
 
@@ -70,30 +71,48 @@ def test_greedy_requests_joining_late_equal_plain_decoding(int8_pair, method, tr
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
 
 
-def test_sampled_requests_keep_their_seeds_in_a_batch_of_others(int8_pair):
-    """Same options, other seeds and prompts around them: a seeded request samples what it samples
-    alone (its own generator, its own draft vocabulary), joining first or last."""
+def _generator_seeds(monkeypatch, first: int) -> None:
+    """Requests that set no seed get first, first + 1, ... for their generators (the engine's
+    random seed fixed), so that rejection sampling, which they are verified by, can be compared."""
+    seeds = iter(range(first, first + 100))
+    monkeypatch.setattr("speclm.engine.secrets.randbits", lambda bits: next(seeds))
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_requests_keep_their_draws_in_a_batch_of_others(int8_pair, monkeypatch, seeded):
+    """Same options, other seeds and prompts around them: a sampled request samples what it samples
+    alone, joining first or last. Seeded: by position (its plain decoding's text, whatever the
+    draft); unseeded: by rejection sampling, from its own generator over its own draft vocabulary."""
     t8, d8 = int8_pair
     engine = SpecEngine(t8, draft=t8)  # a draft equal to the target: long accepted runs
     options = dict(method="draft", draft_vocab=64, max_new_tokens=N, temperature=1.0)
-    alone = [engine.generate(p, seed=100 + i, **options).token_ids for i, p in enumerate(PROMPTS)]
-    requests = [engine.request(p, seed=100 + i, **options) for i, p in enumerate(PROMPTS)]
+    seed = (lambda i: {"seed": 100 + i}) if seeded else (lambda i: {})
+    if not seeded:
+        _generator_seeds(monkeypatch, 100)
+    alone = [engine.generate(p, **seed(i), **options).token_ids for i, p in enumerate(PROMPTS)]
+    if not seeded:
+        _generator_seeds(monkeypatch, 100)
+    requests = [engine.request(p, **seed(i), **options) for i, p in enumerate(PROMPTS)]
+    assert [r.seeded for r in requests] == [seeded] * len(PROMPTS)
     got = run_joined(engine, requests, [3, 0, 1, 1, 0], rows=5)
     assert [c.token_ids for c in got] == alone
 
 
 def test_a_shared_draft_vocabulary_would_couple_requests(int8_pair, monkeypatch):
     """The test above has power: rows drafting over the union of the batch's vocabularies (a row
-    then proposes from other prompts' tokens) sample otherwise than alone."""
+    then proposes from other prompts' tokens) sample otherwise than alone (unseeded rows: a seeded
+    row's text does not depend on its draft at all)."""
     from speclm.proposers.draft_vocab import RowVocabs
 
     t8, _ = int8_pair
     engine = SpecEngine(t8, draft=t8)
     options = dict(method="draft", draft_vocab=64, max_new_tokens=N, temperature=1.0)
-    alone = [engine.generate(p, seed=100 + i, **options).token_ids for i, p in enumerate(PROMPTS)]
+    _generator_seeds(monkeypatch, 100)
+    alone = [engine.generate(p, **options).token_ids for i, p in enumerate(PROMPTS)]
     monkeypatch.setattr(RowVocabs, "logits", lambda self, b, logits: logits)
     monkeypatch.setattr(RowVocabs, "token_ids", lambda self, b: self.head.ids if self.head is not None else None)
-    requests = [engine.request(p, seed=100 + i, **options) for i, p in enumerate(PROMPTS)]
+    _generator_seeds(monkeypatch, 100)
+    requests = [engine.request(p, **options) for i, p in enumerate(PROMPTS)]
     got = run_joined(engine, requests, [0, 0, 0, 0, 0], rows=5)
     assert [c.token_ids for c in got] != alone
 

@@ -153,7 +153,35 @@ def test_lossless_check_catches_planted_mismatch(engine, tmp_path, monkeypatch, 
     bad = [r for r in results["runs"] if r["lossless"] is False]
     assert len(bad) == 1 and bad[0]["mismatch"]["position"] == 5
     assert bad[0]["mismatch"]["top2_margin"] > 0
-    assert "1 greedy output(s) differ from their plain decoding" in (tmp_path / "out" / "report.md").read_text()
+    assert "1 output(s) differ from their plain decoding" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_sampled_outputs_are_checked_against_plain_decodings_with_the_same_seed(engine, tmp_path, monkeypatch, dataset):
+    """At temperature 1 every speclm method's output is its plain decoding's with the same seed
+    (speclm.sampling.Coupled), so the bench checks it; a changed token is reported, without a margin."""
+    import speclm.bench.runner as runner
+    from speclm.bench.methods import RunResult
+
+    specs = parse_methods("none,pld,draft+pld,draft")
+    results = run_bench(engine, specs, load_prompts(dataset, ["qa", "rag"], 1), config(temperature=1.0, repeats=2),
+                        tmp_path / "out", progress=False, measure_cost_model=False)
+    checked = [r["lossless"] for r in results["runs"] if r["method"] != "none"]
+    assert len(checked) == 12 and all(checked)
+    assert "sampled output equals its plain decoding's" in (tmp_path / "out" / "report.md").read_text()
+    real = runner.run_method
+
+    def corrupt(spec, eng, ids, n, temperature, seed, peer=None):
+        r = real(spec, eng, ids, n, temperature, seed)
+        if spec.name == "draft" and n > 8:
+            r = RunResult(r.token_ids[:3] + [(r.token_ids[3] + 1) % 257] + r.token_ids[4:], r.seconds, r.stats)
+        return r
+
+    monkeypatch.setattr(runner, "run_method", corrupt)
+    results = run_bench(engine, parse_methods("none,draft"), load_prompts(dataset, ["qa"], 1), config(temperature=1.0),
+                        tmp_path / "out2", progress=False, measure_cost_model=False)
+    bad = [r for r in results["runs"] if r["lossless"] is False]
+    assert len(bad) == 1 and bad[0]["mismatch"] == {"position": 3, "expected": bad[0]["mismatch"]["expected"],
+                                                     "got": bad[0]["token_ids"][3], "top2_margin": None}
 
 
 def test_interrupted_run_keeps_finished_part(engine, tmp_path, monkeypatch, dataset):

@@ -66,10 +66,10 @@ def _spy_drafts(monkeypatch):
     seen: list[int] = []
     real = engine_mod.verify_tree
 
-    def spy(logits, tree, params, generators, acceptance="exact"):
+    def spy(logits, tree, params, generators, **options):
         for b, size in enumerate(tree.sizes):
             seen.extend(tree.tokens[b, :size].tolist())
-        return real(logits, tree, params, generators, acceptance)
+        return real(logits, tree, params, generators, **options)
 
     monkeypatch.setattr(engine_mod, "verify_tree", spy)
     return seen

@@ -14,10 +14,11 @@ requests, one row each with its own generator, are decoded as one batch per case
 auto, and auto under draft+pld; a tree two deep fills the same window; trained heads' trees:
 medusa grown and static, eagle (reading the final feature, and fused with a lower layer's), eagle+pld's and lookahead+pld's rows of lookup chains beside rows of the other's trees, lookahead, self (chains, a tree, a restricted head),
 with untrained random heads; auto with a random plan: each row's child and draft length drawn
-each round) and their counts compared with the
+each round; seeded requests, which draw each token by position: plain, draft+pld and auto) and
+their counts compared with the
 exact joint by a chi-square test (chisq.py: each check fails a correct sampler with probability
-about ALPHA = 1e-4; this file's 30 checks, by the union bound, with probability at most 3.0e-3
-nominally, 6.0e-3 with the chi-square approximation's error as measured there). An auto tree
+about ALPHA = 1e-4; this file's 33 checks, by the union bound, with probability at most 3.3e-3
+nominally, 6.6e-3 with the chi-square approximation's error as measured there). An auto tree
 sized from cost lines (its nodes' children counts chosen from their distributions) is one of them.
 
 The check has power: each mutation below breaks the verifier or a proposer in one way and must
@@ -41,7 +42,9 @@ fail the very check (same case, seed and sample count) the real code passes:
                                 target's layers, and on their int4 copy);
   auto_rows_claim_uniform_draws  auto: a round whose rows several children drafted reported as
                                 uniform draws (a point mass verified as one is exact whatever
-                                drew it, so uniform is the claim that must fail).
+                                drew it, so uniform is the claim that must fail);
+  coupled_draws_ignore_position  a seeded request's exponential variables the same at every
+                                position (its tokens then depend on one another).
 Measured locally over 5 disjoint batches (seeds 11 + i * 10**6, i = 0..4: no request's generator
 seed shared between them): every mutation failed its check 5 times out of 5, with p-values
 between 0 and 5e-78 (ALPHA = 1e-4), and the real code passed all 11 checks 5 times out of 5
@@ -59,13 +62,17 @@ self-tree (self's auto tree) and self-vocab (its head over the prompt's tokens),
 10 passed (smallest p-value 0.128); siblings reporting the first draw on self's tree failed 5 of 5
 (largest p-value 1.6e-12). auto (draft+pld, eagle+pld and pld rows, of every length, and rows not
 drafting, in one round), the same way: 5 of 5 passed (smallest p-value 0.171), uniform claims failed
-5 of 5 (every p-value 0 to double precision).
+5 of 5 (every p-value 0 to double precision). The seeded cases (coupled-plain, coupled-draft+pld,
+coupled-auto), the same way: 15 of 15 passed (smallest p-value 0.131; coupled-auto's p-values are
+coupled-plain's, its outputs being plain decoding's), variables ignoring the position failed 5 of 5
+(every p-value 0 to double precision).
 """
 
 import itertools
 import json
 import os
 import tempfile
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -113,12 +120,19 @@ def exact_joint(target, prompt_ids, params, depth: int = DEPTH) -> np.ndarray:
 
 
 def decode(engine, prompt_ids, method, params, depth: int = DEPTH, k: int = K, samples: int = SAMPLES,
-           seed: int = SEED, **options):
-    """`samples` requests for `depth` tokens, decoded as one batch drafting `k` tokens a round."""
-    return engine.generate(
-        [prompt_ids] * samples, method=method, k=k, max_new_tokens=depth, seed=seed,
+           seed: int = SEED, coupled: bool = False, **options):
+    """`samples` requests for `depth` tokens, decoded as one batch drafting `k` tokens a round.
+    coupled: the requests set their seed, so each draws by position (speclm.sampling.Coupled);
+    else they set none and are verified by rejection sampling, their generators seeded seed + i
+    all the same (the engine's random seed fixed here, so that a run repeats)."""
+    run = lambda given: engine.generate(  # noqa: E731
+        [prompt_ids] * samples, method=method, k=k, max_new_tokens=depth, seed=given,
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, **options,
     )
+    if coupled:
+        return run(seed)
+    with mock.patch("speclm.engine.secrets.randbits", lambda bits: seed):
+        return run(None)
 
 
 def counted(outs, vocab: int, depth: int = DEPTH) -> np.ndarray:
@@ -209,6 +223,10 @@ CASES = {
                                                                      "draft_vocab": 1}),
     # auto: in each round each row drafted by draft+pld, eagle+pld or pld, at any length, or not at all
     "auto": ("auto", T1, {"heads": HEADS["eagle"]}),
+    # seeded requests: every token drawn by position (plain decoding's draws), whatever was drafted
+    "coupled-plain": ("none", T1, {"coupled": True}),
+    "coupled-draft+pld": ("draft+pld", SamplingParams(temperature=0.7, top_k=4, top_p=0.9), {"coupled": True}),
+    "coupled-auto": ("auto", T1, {"heads": HEADS["eagle"], "coupled": True}),
 }
 
 
@@ -247,8 +265,8 @@ def _redraw_after_verify(monkeypatch, position):
     its accepted ones is drawn again from the target's processed distribution at that position."""
     real = verify_mod.verify_tree
 
-    def verify(target_logits, tree, params, generators, acceptance="exact"):
-        verdict = real(target_logits, tree, params, generators, acceptance)
+    def verify(target_logits, tree, params, generators, acceptance="exact", coupled=None):
+        verdict = real(target_logits, tree, params, generators, acceptance, coupled)
         probs = processed_probs(target_logits.cpu(), params)
         depths = tree.max_depths()
         for b, g in enumerate(generators):
@@ -396,6 +414,15 @@ def self_samples_sharper(monkeypatch):
     monkeypatch.setattr(self_draft, "sample", lambda probs, generator: real(probs**2 / (probs**2).sum(), generator))
 
 
+def coupled_draws_ignore_position(monkeypatch):
+    """A seeded request's variables made from its seed alone, the same at every position (its
+    tokens then depend on one another)."""
+    from speclm.sampling import Coupled
+
+    real = Coupled.token
+    monkeypatch.setattr(Coupled, "token", lambda self, probs, position, ids=None: real(self, probs, 0, ids))
+
+
 MUTATIONS = {  # each with the case whose check it must fail
     "bonus_from_previous_position": (bonus_from_previous_position, "draft"),
     "no_residual": (no_residual, "pld"),
@@ -412,6 +439,7 @@ MUTATIONS = {  # each with the case whose check it must fail
     "self_int4_samples_sharper": (self_samples_sharper, "self-int4"),
     "self_tree_siblings_report_first_draw": (siblings_report_first_draw, "self-tree"),
     "auto_rows_claim_uniform_draws": (auto_rows_claim_uniform_draws, "auto"),
+    "coupled_draws_ignore_position": (coupled_draws_ignore_position, "coupled-plain"),
 }
 
 

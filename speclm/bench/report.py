@@ -268,7 +268,7 @@ def markdown(results: dict, summary: dict) -> str:
               "", "Time outside model forwards: share of each request's wall time spent outside target and draft "
               "forwards (drafting logic, verification, bookkeeping); it is what a faster engine loop could remove. "
               "`none` in a row's label means plain decoding on that row's weights; identical to plain decoding compares "
-              "each greedy output token for token with `none`'s on the same weights (a peer's with its own engine's plain "
+              "each output (greedy; sampled: speclm's, same seed) token for token with `none`'s on the same weights (a peer's with its own engine's plain "
               "decoding: `llama.cpp`, `openvino`). Verified draft tokens / forward: the draft tokens (a tree's nodes) each target forward after the prefill scored; acceptance rate is accepted over drafted, so a tree's is lower by design. Peak resident memory: the process's largest resident size during "
               "any of the method's runs (the peak is reset before each run). Every method's models and heads are loaded "
               "(its warm-up) before the first run, so this is one process holding all of them: it shows a run's own "
@@ -343,7 +343,7 @@ def markdown(results: dict, summary: dict) -> str:
     bad = [r for r in results["runs"] if r["lossless"] is False]
     lines += ["", "## Lossless check", ""]
     if bad:
-        lines += [f"**{len(bad)} greedy output(s) differ from their plain decoding's:**", "",
+        lines += [f"**{len(bad)} output(s) differ from their plain decoding's:**", "",
                   "| method | prompt | first differing position | expected | got | target top-2 logit margin there |", "|---|---|---|---|---|---|"]
         for r in bad:
             mm = r["mismatch"]
@@ -354,7 +354,9 @@ def markdown(results: dict, summary: dict) -> str:
     elif cfg["temperature"] == 0:
         lines.append("Every greedy output equals its plain decoding's token for token.")
     else:
-        lines.append("Sampling run: outputs are not compared token for token.")
+        lines.append("Every speclm method's sampled output equals its plain decoding's with the same seed, token for "
+                     "token (each token drawn by its position: docs/methods.md#sampling); peers' and transformers' "
+                     "samples are not compared.")
     shown = ["speedup.png", "accepted_per_position.png"] + (["v_k.png"] if results.get("cost_model") else [])  # plots()'s
     lines += ["", "Plots: " + ", ".join(f"`{name}`" for name in shown) + ".", ""]
     return "\n".join(lines)

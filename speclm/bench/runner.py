@@ -12,7 +12,8 @@
 5. Greedy outputs of every method are compared with `none` token for token (a peer's with its
    own engine's plain decoding, speclm.bench.peers.PLAIN); a mismatch is reported with its
    first differing position and the target's top-2 logit margin there, which tells a
-   floating-point near-tie from a bug.
+   floating-point near-tie from a bug. Sampled outputs of speclm's methods are compared too:
+   a seeded request's text is its plain decoding's with that seed (speclm.sampling.Coupled).
 6. Each run records the process's peak resident memory during it (its peak is reset before the
    run: speclm.memory). Every method's models and heads were loaded by the warm-up, so a peak is
    a run's growth over all of them, not what the method needs alone.
@@ -155,9 +156,11 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
 
 def _record(engine, prompt, spec, repeat, r, prompt_ids, reference, config) -> dict:
     lossless = mismatch = None
-    if config.temperature == 0 and reference is not None and spec.name != spec.plain:
+    # sampled: speclm's seeded requests only (a peer's or transformers' draws are their own)
+    compared = config.temperature == 0 or not (spec.is_peer or spec.is_hf)
+    if compared and reference is not None and spec.name != spec.plain:
         lossless = r.token_ids == reference
-        if not lossless and spec.is_peer:  # speclm's target is not the peer's model: no margin from it
+        if not lossless and (spec.is_peer or config.temperature > 0):  # no greedy margin to show
             mismatch = {**first_difference(reference, r.token_ids), "top2_margin": None}
         elif not lossless:
             mismatch = first_mismatch(engine, prompt_ids, reference, r.token_ids)

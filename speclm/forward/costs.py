@@ -7,7 +7,7 @@ token's logits are kept, as in a verification). The costs are measured once per 
 weights, thread count and build of the compiled kernels, over a cached 256-token context (each
 size's median of REPEATS forwards: on a shared VM one forward varies by a third), and kept in
 `$SPECLM_HOME/costs/<key>.json`, so the trees a model grows do not depend on a timing taken
-during the request (and a sampled request with a seed stays reproducible on this machine). A
+during the request. A
 table is touched when read; storing one removes the tables of other kernel builds for the same
 model and processor that nobody read for STALE_DAYS (an upgrade leaves the old build's behind,
 and two installs sharing the folder keep each their own). A

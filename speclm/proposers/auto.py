@@ -14,9 +14,9 @@ what it had read and reads the rest when it drafts that row again), except for a
 the target's states along the committed path (heads: `hidden_layers`; lookahead: `needs_logits`),
 which is given the path that was taken, whoever drafted it, as lookup-first methods give it.
 
-Greedy output does not depend on the plan (every path is verified by the target). A sampled row
-draws only from its own generator, in its own child, so a plan that depends only on the row's own
-history (a seeded request's: speclm.round.adaptive) keeps it reproducible.
+Greedy output does not depend on the plan (every path is verified by the target), nor does a
+seeded sampled row's (it draws each token by position: speclm.sampling.Coupled). An unseeded
+sampled row draws only from its own generator, in its own child.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ class AutoProposer(Proposer):
             if not any(budgets):
                 continue
             t0, read0 = time.perf_counter(), child.prefill_seconds
+            child.draws = self.draws
             draft = child.propose(contexts, budgets, params, generators).trimmed()
             drafts[name] = draft
             rows = sum(b > 0 for b in budgets)

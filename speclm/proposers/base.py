@@ -135,6 +135,10 @@ class Proposer:
     needs_logits = False  # `accept` receives the target's logits at the root and every node (Verified.logits)
     drafts_on_target = False  # it drafts through the target's own KV cache (`bind_target` before each proposal)
     plans = False  # auto (speclm.proposers.auto): the policy sets its per-row `plan` before each proposal
+    # per row, set before each proposal: a seeded sampled request's draws by position (speclm.sampling.Coupled)
+    # or None; a proposer that samples its tokens may draw them so (the verifier takes the target's draw
+    # at each position whatever was drafted: this only makes a sampled draft likelier to hold it)
+    draws: tuple = ()
 
     def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
               max_new_tokens: list[int] | None = None, pool: int = 0) -> None:

@@ -164,7 +164,9 @@ class DraftModelProposer(Proposer):
                 dists = [processed_probs(vocab.logits(b, logits[i : i + 1]), params)[0].cpu()
                          for i, b in enumerate(rows)]  # (S_b,) each
                 probs.append(torch.stack([on_vocabulary(d, vocab.token_ids(b), vocab_size) for d, b in zip(dists, rows)]))
-                columns = [sample(d, g) if j < n else 0 for d, g, n in zip(dists, generators, drafted)]
+                draws = [self.draws[b] if len(self.draws) > b else None for b in rows]
+                columns = [(c.token(d, len(ctx) + j, vocab.token_ids(b)) if c is not None else sample(d, g)) if j < n else 0
+                           for d, g, n, c, ctx, b in zip(dists, generators, drafted, draws, contexts, rows)]
                 ids = torch.tensor([token_of(vocab.token_ids(b), c) for b, c in zip(rows, columns)], dtype=torch.long)
                 sure = torch.tensor([float(d[c]) for d, c in zip(dists, columns)]) if gauge else None
             if others is not None:  # rows unsure of this token get an alternative for it

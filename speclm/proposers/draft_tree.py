@@ -18,7 +18,7 @@ r: the r-th draw, carrying the distribution it was drawn from), and whether a no
 and how many, is decided before they are drawn, from what was drawn earlier and from the
 distribution itself; every drawn node is verified (a choice among drawn nodes by their own
 probability would bias them). With the cost lines set (`costs`, `draft_costs`: measured once per
-model, so a seeded request's tree does not depend on timings or on its batch), a sampled auto
+model, so a row's tree does not depend on timings or on its batch), a sampled auto
 tree is sized as it grows: a node's children count is the one maximising expected tokens per
 second, the chance that the target's token is among c draws estimated from the distribution as
 sum_x q(x) (1 - (1 - q(x))^c); a level is expanded where the expected gain pays for a draft

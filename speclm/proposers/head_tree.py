@@ -45,8 +45,7 @@ def verified_size(nodes: list[Node], costs: Callable[[int], float] | None, limit
     descendants) the target verifies: N maximising the expected committed tokens, 1 + the N best
     cumulative probabilities, per second of the target's measured forward over 1 + N tokens;
     without costs, `limit`. Per row and from the measured cost line alone, so a row's tree depends
-    neither on the other rows of its batch nor on a timing taken during the request (a seeded
-    sampled request stays reproducible)."""
+    neither on the other rows of its batch nor on a timing taken during the request."""
     longest = min(limit, len(nodes))
     if costs is None:
         return longest

@@ -56,11 +56,9 @@ request's stats (`plan_switches`), and the rounds each child took (`planned`). T
 plans auto for `generate` and `stream` leaves every other method's k alone (`plans_only`).
 
 A request that sets k keeps it (auto: k caps every child). Greedy output does not depend on the
-draft, so it is unchanged. A seeded sampled auto request keeps its first child at its own k (its
-draws then depend on its seed alone, as below).
-A sampled request that asked for a seed keeps its method's fixed k: its draws then depend on
-nothing but its own seed, so it is reproducible in any batch; an unseeded one adapts (its output
-follows the target's distribution whatever the draft).
+draft, so it is unchanged; nor does a seeded sampled request's, which draws each token by its
+position (speclm.sampling.Coupled): its text is its plain decoding's with that seed. An unseeded
+sampled request's output follows the target's distribution whatever the draft.
 """
 
 from __future__ import annotations
@@ -287,20 +285,21 @@ class Adaptive:
         planned = [(key, g) for key, g in every if g.proposer.plans]
         groups = [(key, g) for key, g in every if not g.proposer.plans]
         rows = len(batch.requests)
-        # groups whose k this policy leaves alone: a k set by the request, or a seeded sampled request
-        seeded = {key for key, g in groups if key.k is not None or any(r.seeded for r in g.requests) or self.plans_only}
+        # groups whose k this policy leaves alone: a k set by the request (a seeded sampled request
+        # draws by position, speclm.sampling.Coupled: its text does not depend on k)
+        kept = {key for key, g in groups if key.k is not None or self.plans_only}
         trees = {key for key, g in groups if g.proposer.shape == "tree"}
-        free = [(key, g) for key, g in groups if key not in seeded]
+        free = [(key, g) for key, g in groups if key not in kept]
         if planned:
             return self._plan(batch, groups, planned, rows)
         if not free:
             self.last = {}
             return {}
-        # rows whose draft this policy does not choose: plain ones commit one token, seeded ones their method's
+        # rows whose draft this policy does not choose: plain ones commit one token, kept ones their method's
         tokens0 = rows - sum(len(g.requests) for _, g in groups)
         width0 = 0
         for key, g in groups:
-            if key in seeded:
+            if key in kept:
                 tokens0 += sum(self._expected(r, g.proposer.k, key in trees) for r in g.requests)
                 width0 = max(width0, self._tree_width(key, g) if key in trees else g.proposer.k)
         longest = max((g.proposer.k for key, g in free if key not in trees), default=0)
@@ -427,19 +426,13 @@ class Adaptive:
         for key, g in groups:  # the other groups at their own k
             tokens0 += sum(self._expected(r, g.proposer.k, g.proposer.shape == "tree") - 1.0 for r in g.requests)
             width0 = max(width0, self._tree_width(key, g) if g.proposer.shape == "tree" else g.proposer.k)
-        free, fixed = [], []
+        free = []
         for key, g in planned:
             contexts = [r.context for r in g.requests]
             unread = {name: c.unread(contexts) for name, c in g.proposer.children.items() if c.reads_context}
             for b, r in enumerate(g.requests):
                 own = {name: u[b] for name, u in unread.items()}
-                entry = [key, g, r, NO_DRAFT, own]
-                if r.seeded:  # its draws on its seed alone: the first child at its own k, always
-                    name, child = next(iter(g.proposer.children.items()))
-                    entry[3] = Choice(name, child.k if key.k is None else min(key.k, child.k))
-                    fixed.append(entry)
-                else:
-                    free.append(entry)
+                free.append([key, g, r, NO_DRAFT, own])  # a seeded row draws by position: any plan keeps its text
         if free:
             every = [e for e in free]
             options = {id(e): self._options(e[0], e[1], e[2]) for e in every}
@@ -448,7 +441,7 @@ class Adaptive:
             for choice in sorted(uniform, key=lambda c: (c.child or "", c.k)):  # every row on one choice
                 for e in every:
                     e[3] = choice if choice in options[id(e)] else NO_DRAFT
-                rate = self._price([tuple(e) for e in fixed + every], rows, tokens0, width0)[0]
+                rate = self._price([tuple(e) for e in every], rows, tokens0, width0)[0]
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best = rate, [e[3] for e in every]
             for e, c in zip(every, best):
@@ -458,7 +451,7 @@ class Adaptive:
                     held = e[3]
                     for choice in options[id(e)]:
                         e[3] = choice
-                        rate = self._price([tuple(x) for x in fixed + every], rows, tokens0, width0)[0]
+                        rate = self._price([tuple(x) for x in every], rows, tokens0, width0)[0]
                         if rate > best_rate * (1 + 1e-9):
                             best_rate, held = rate, choice
                     e[3] = held
@@ -469,7 +462,7 @@ class Adaptive:
                         cheap = next((n for n, c in e[1].proposer.children.items() if not c.runs_model), None)
                         if cheap is not None:
                             e[3] = Choice(cheap, 1)
-        plans = [tuple(e) for e in fixed + free]
+        plans = [tuple(e) for e in free]
         _, seconds, drafting = self._price(plans, rows, tokens0, width0)
         self._predicted = (rows, drafting, seconds) if free else None
         for key, g in planned:

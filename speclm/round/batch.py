@@ -235,7 +235,7 @@ class Batch:
             by_sampling.setdefault(reading[i].options.sampling, []).append((j, i))
         for params, at in by_sampling.items():
             first = verify_tree(logits[[i for _, i in at]], Draft.empty(len(at)).tree(), params,
-                                [reading[i].generator for _, i in at])
+                                [reading[i].generator for _, i in at], coupled=[_coupled(reading[i]) for _, i in at])
             for n, (_, i) in enumerate(at):
                 self._commit(reading[i], first.committed(n))
         for r in read:
@@ -367,6 +367,7 @@ class Batch:
             budgets = [min(k, r.tokens_left - 1) for r in group.requests]
             if proposer.drafts_on_target:  # the target's own layers draft, over its cache's rows
                 proposer.bind_target(self.kv, rows)
+            proposer.draws = [r.coupled for r in group.requests]  # seeded rows: draws by position
             draft = proposer.propose([r.context for r in group.requests], budgets, group.options.sampling,
                                      [r.generator for r in group.requests]).trimmed()
             prefill = proposer.prefill_seconds - read_before
@@ -379,7 +380,8 @@ class Batch:
     def _verify(p: _Proposal, logits: torch.Tensor) -> Verdict:
         """The group's rows, verified with its sampling options; each request draws from its own generator."""
         return verify_tree(logits[p.rows, : 1 + p.tree.width], p.tree, p.group.options.sampling,
-                           [r.generator for r in p.group.requests], acceptance=p.group.options.acceptance)
+                           [r.generator for r in p.group.requests], acceptance=p.group.options.acceptance,
+                           coupled=[_coupled(r) for r in p.group.requests])
 
     @staticmethod
     def _count(r: Request, p: _Proposal, i: int, verdict: Verdict, verify_seconds: float, target_seconds: float) -> None:
@@ -469,3 +471,8 @@ def _feed(contexts: list[list[int]], have: list[int], tree: DraftTree) -> tuple[
         chain = chain and all(s == len(c) + n - 1 for n, s in enumerate(slot))
         links.append([-1] * (len(c) - h) + slot)
     return feed, None if chain else links
+
+
+def _coupled(r: Request):
+    """A seeded sampled request's draws and the position of the token after its context (verify_tree)."""
+    return (r.coupled, len(r.context)) if r.coupled is not None else None

@@ -22,6 +22,13 @@ Chen et al. 2023) against the distribution the tries before it left, so the comm
 follows the target's processed distribution exactly, whatever the tree's shape. If every child
 is rejected the recovered token is drawn from the last residual; an accepted child's own
 children are tried next against the target's distribution after it.
+
+Seeded sampling (a request that set a seed: speclm.sampling.Coupled): at each node the row takes
+the token its draws for that position give from the target's processed distribution (an exact
+draw from it) and accepts the child holding it, as greedy does the argmax; where none holds it,
+that token is the recovered one. So it commits what plain decoding with its seed commits, token
+for token, whatever was drafted (where the target's logits are the same bits in both: speclm's
+quantized kernels; fp32 may differ at near-ties of the race, as greedy at near-ties).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 
 from speclm.proposers.base import Draft
 from speclm.tree import PAD, ROOT, DraftTree
-from speclm.sampling import SamplingParams, processed_probs
+from speclm.sampling import Coupled, SamplingParams, processed_probs
 
 
 @dataclass
@@ -72,11 +79,15 @@ def verify_tree(
     params: SamplingParams,
     generators: list[torch.Generator | None],
     acceptance: str = "exact",
+    coupled: list[tuple[Coupled, int] | None] | None = None,
 ) -> Verdict:
     """target_logits (B, 1+N, V): the root's logits at 0, node n's at 1 + n (speclm.tree). Each
     row draws from its own generator only, as its own tree asks: what a row commits does not
     depend on the other rows of the batch. acceptance "typical": Medusa's lossy rule
-    (`typical_paths`) in place of rejection sampling when sampling."""
+    (`typical_paths`) in place of rejection sampling when sampling. coupled: per row, a seeded
+    request's draws and the position of the token after the root (its context's length), or None:
+    such a row takes, at each node, the token its draws give there (speclm.sampling.Coupled), and
+    the child holding it, as a greedy row does the argmax."""
     target_logits = target_logits.cpu()
     tokens = tree.tokens.tolist()
     paths, finals = [], []
@@ -105,6 +116,17 @@ def verify_tree(
     probs = tree.probs.cpu() if tree.probs is not None else None
     for b, g in enumerate(generators):
         children, node, path = tree.children(b), ROOT, []
+        if coupled is not None and coupled[b] is not None:  # the token its draws give, node by node
+            draws, position = coupled[b]
+            while True:
+                want = draws.token(target_probs[b, 1 + node], position + len(path))
+                node = next((c for c in children.get(node, ()) if tokens[b][c] == want), None)
+                if node is None:
+                    break
+                path.append(node)
+            paths.append(path)
+            finals.append(want)
+            continue
         dist = target_probs[b, 0]
         while True:
             accepted = None
