@@ -6,7 +6,6 @@ test_sampling_distribution.py (cases coupled-*, and a mutation that must fail th
 
 from __future__ import annotations
 
-import copy
 from unittest import mock
 
 import pytest
@@ -14,9 +13,9 @@ import torch
 
 from speclm import SpecEngine
 from speclm.proposers.draft_model import DraftModelProposer
-from speclm.quant.weights import quantize_model
 from speclm.sampling import Coupled
-from tiny import loaded, random_heads, random_plan
+from test_auto import int8_pair, same_draft  # noqa: F401 (fixtures: a draft equal to the target, an int8 pair)
+from tiny import random_heads, random_plan
 
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick",
            "def f(x):\n    return x\n\ndef f("]
@@ -28,17 +27,6 @@ SAMPLED = dict(temperature=1.0, top_p=0.95, seed=5)
 def heads(tmp_path_factory, target):
     return {kind: random_heads(kind, target.model, tmp_path_factory.mktemp("coupled") / f"{kind}.safetensors", seed=1,
                                std=0.3) for kind in ("eagle", "medusa")}
-
-
-@pytest.fixture(scope="module")
-def same_draft(target, tok):
-    return loaded(copy.deepcopy(target.model), tok, name="tiny-draft-same")
-
-
-@pytest.fixture(scope="module")
-def int8_pair(target, tok):
-    int8 = lambda: quantize_model(copy.deepcopy(target.model), "int8")  # noqa: E731
-    return loaded(int8(), tok, name="tiny-int8"), loaded(int8(), tok, name="tiny-int8-draft")
 
 
 METHODS = [("draft", {}), ("draft", {"tree": "auto"}), ("pld", {}), ("draft+pld", {}), ("medusa", {"heads": "medusa"}),

@@ -101,15 +101,9 @@ def verify_tree(
     if params.greedy:
         argmax = target_logits.argmax(-1).tolist()  # (B, 1+N)
         for b in range(len(tokens)):
-            children, node, path = tree.children(b), ROOT, []
-            while True:
-                want = argmax[b][1 + node]
-                node = next((c for c in children.get(node, ()) if tokens[b][c] == want), None)
-                if node is None:
-                    break
-                path.append(node)
+            path, final = _walk(tokens[b], tree.children(b), lambda node, depth: argmax[b][1 + node])
             paths.append(path)
-            finals.append(want)
+            finals.append(final)
         return _verdict(tokens, paths, finals)
 
     target_probs = processed_probs(target_logits, params)  # (B, 1+N, V)
@@ -118,14 +112,10 @@ def verify_tree(
         children, node, path = tree.children(b), ROOT, []
         if coupled is not None and coupled[b] is not None:  # the token its draws give, node by node
             draws, position = coupled[b]
-            while True:
-                want = draws.token(target_probs[b, 1 + node], position + len(path))
-                node = next((c for c in children.get(node, ()) if tokens[b][c] == want), None)
-                if node is None:
-                    break
-                path.append(node)
+            path, final = _walk(tokens[b], children,
+                                lambda node, depth: draws.token(target_probs[b, 1 + node], position + depth))
             paths.append(path)
-            finals.append(want)
+            finals.append(final)
             continue
         dist = target_probs[b, 0]
         while True:
@@ -145,6 +135,18 @@ def verify_tree(
         paths.append(path)
         finals.append(int(torch.multinomial(dist, 1, generator=g)))
     return _verdict(tokens, paths, finals)
+
+
+def _walk(row_tokens: list[int], children: dict, want) -> tuple[list[int], int]:
+    """A row whose token at each node is fixed (greedy: the argmax; seeded: its draw): from the root,
+    the child holding want(node, depth) while there is one. Its accepted path and the final token."""
+    node, path = ROOT, []
+    while True:
+        token = want(node, len(path))
+        node = next((c for c in children.get(node, ()) if row_tokens[c] == token), None)
+        if node is None:
+            return path, token
+        path.append(node)
 
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior threshold (epsilon)
