@@ -135,18 +135,24 @@ def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_lossless_check_catches_planted_mismatch(engine, tmp_path, monkeypatch, dataset):
+def _plant_mismatch(monkeypatch, method: str, position: int) -> None:
+    """`method`'s outputs (past the warm-up) get a wrong token at `position`."""
     import speclm.bench.runner as runner
 
     real = runner.run_method
 
     def corrupt(spec, eng, ids, n, temperature, seed, peer=None):
         r = real(spec, eng, ids, n, temperature, seed)
-        if spec.name == "pld" and n > 8:
-            r = RunResult(r.token_ids[:5] + [(r.token_ids[5] + 1) % 257] + r.token_ids[6:], r.seconds, r.stats)
+        if spec.name == method and n > 8:
+            wrong = (r.token_ids[position] + 1) % 257
+            r = RunResult(r.token_ids[:position] + [wrong] + r.token_ids[position + 1:], r.seconds, r.stats)
         return r
 
     monkeypatch.setattr(runner, "run_method", corrupt)
+
+
+def test_lossless_check_catches_planted_mismatch(engine, tmp_path, monkeypatch, dataset):
+    _plant_mismatch(monkeypatch, "pld", 5)
     specs = parse_methods("none,pld")
     results = run_bench(engine, specs, load_prompts(dataset, ["qa"], 1), config(), tmp_path / "out", progress=False,
                         measure_cost_model=False)
@@ -159,24 +165,13 @@ def test_lossless_check_catches_planted_mismatch(engine, tmp_path, monkeypatch, 
 def test_sampled_outputs_are_checked_against_plain_decodings_with_the_same_seed(engine, tmp_path, monkeypatch, dataset):
     """At temperature 1 every speclm method's output is its plain decoding's with the same seed
     (speclm.sampling.Coupled), so the bench checks it; a changed token is reported, without a margin."""
-    import speclm.bench.runner as runner
-    from speclm.bench.methods import RunResult
-
     specs = parse_methods("none,pld,draft+pld,draft")
     results = run_bench(engine, specs, load_prompts(dataset, ["qa", "rag"], 1), config(temperature=1.0, repeats=2),
                         tmp_path / "out", progress=False, measure_cost_model=False)
     checked = [r["lossless"] for r in results["runs"] if r["method"] != "none"]
     assert len(checked) == 12 and all(checked)
     assert "sampled output equals its plain decoding's" in (tmp_path / "out" / "report.md").read_text()
-    real = runner.run_method
-
-    def corrupt(spec, eng, ids, n, temperature, seed, peer=None):
-        r = real(spec, eng, ids, n, temperature, seed)
-        if spec.name == "draft" and n > 8:
-            r = RunResult(r.token_ids[:3] + [(r.token_ids[3] + 1) % 257] + r.token_ids[4:], r.seconds, r.stats)
-        return r
-
-    monkeypatch.setattr(runner, "run_method", corrupt)
+    _plant_mismatch(monkeypatch, "draft", 3)
     results = run_bench(engine, parse_methods("none,draft"), load_prompts(dataset, ["qa"], 1), config(temperature=1.0),
                         tmp_path / "out2", progress=False, measure_cost_model=False)
     bad = [r for r in results["runs"] if r["lossless"] is False]

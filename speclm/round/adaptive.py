@@ -434,30 +434,29 @@ class Adaptive:
                 own = {name: u[b] for name, u in unread.items()}
                 free.append([key, g, r, NO_DRAFT, own])  # a seeded row draws by position: any plan keeps its text
         if free:
-            every = [e for e in free]
-            options = {id(e): self._options(e[0], e[1], e[2]) for e in every}
-            uniform = {c for e in every for c in options[id(e)]}
+            options = {id(e): self._options(e[0], e[1], e[2]) for e in free}
+            uniform = {c for e in free for c in options[id(e)]}
             best_rate, best = -1.0, None
             for choice in sorted(uniform, key=lambda c: (c.child or "", c.k)):  # every row on one choice
-                for e in every:
+                for e in free:
                     e[3] = choice if choice in options[id(e)] else NO_DRAFT
-                rate = self._price([tuple(e) for e in every], rows, tokens0, width0)[0]
+                rate = self._price([tuple(e) for e in free], rows, tokens0, width0)[0]
                 if rate > best_rate * (1 + 1e-9):
-                    best_rate, best = rate, [e[3] for e in every]
-            for e, c in zip(every, best):
+                    best_rate, best = rate, [e[3] for e in free]
+            for e, c in zip(free, best):
                 e[3] = c
-            if len(every) > 1:  # then each row in turn to its own best, the others held
-                for e in every:
+            if len(free) > 1:  # then each row in turn to its own best, the others held
+                for e in free:
                     held = e[3]
                     for choice in options[id(e)]:
                         e[3] = choice
-                        rate = self._price([tuple(x) for x in every], rows, tokens0, width0)[0]
+                        rate = self._price([tuple(x) for x in free], rows, tokens0, width0)[0]
                         if rate > best_rate * (1 + 1e-9):
                             best_rate, held = rate, choice
                     e[3] = held
             self._rounds += 1
             if self._rounds % self.probe == 0:  # a probe: a row off learns nothing of acceptance
-                for e in every:
+                for e in free:
                     if e[3].child is None:
                         cheap = next((n for n, c in e[1].proposer.children.items() if not c.runs_model), None)
                         if cheap is not None:
