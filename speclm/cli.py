@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--concurrency", default="1,2,4,8", help="comma list of requests in flight at once "
                     "(default %(default)s)")
     bs.add_argument("--modes", default=None, help="comma list of off (plain decoding), on (the server's method, its "
-                    "k fixed), adaptive (the server's default); default all three the server can run")
+                    "k fixed), adaptive (the server's default), a method M (that method under the server's "
+                    "policy; M:k=N: k fixed at N); default off,on,adaptive, those the server can run")
     bs.add_argument("--dataset", default="spec-bench", help="'spec-bench' (shipped) or a JSON-lines file")
     bs.add_argument("--categories", help="comma list of categories (default: all)")
     bs.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")

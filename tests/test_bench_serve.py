@@ -11,7 +11,8 @@ import test_serve
 from test_serve import KEY, Server
 
 from speclm.cli import main
-from speclm.serve.bench import choose_modes
+from speclm.errors import UsageError
+from speclm.serve.bench import _body, choose_modes
 
 models = test_serve.models  # the tiny model folders (a module-scoped fixture)
 
@@ -87,3 +88,34 @@ def test_modes_the_server_cannot_run():
     assert choose_modes(None, {"method": "none", "k": 4, "speculation": "adaptive"})[0] == ["off"]
     with pytest.raises(Exception, match="choose from"):
         choose_modes("off,fast", fixed)
+
+
+def test_modes_naming_methods():
+    served = {"method": "auto", "k": None, "speculation": "adaptive", "draft": "tiny-draft"}
+    modes, skipped = choose_modes("off,pld,draft+pld:k=3,auto", served)
+    assert modes == ["off", "pld", "draft+pld:k=3", "auto"] and skipped == {}
+    assert _body("m", "pld", served, 8)["speculation"] == "pld"
+    assert _body("m", "draft+pld:k=3", served, 8)["speculation"] == {"method": "draft+pld", "k": 3}
+    assert "speculation" not in _body("m", "adaptive", served, 8)
+    for bad, words in (("off,fast", "choose from"), ("pld:k=0", "k=N"), ("pld:n=2", "k=N"), ("pld:k=x", "k=N")):
+        with pytest.raises(UsageError, match=words):
+            choose_modes(bad, served)
+    with pytest.raises(UsageError, match="needs a draft model"):
+        choose_modes("off,draft+pld", {**served, "draft": None})
+    assert choose_modes("off,pld", {**served, "draft": None})[0] == ["off", "pld"]
+
+
+def test_method_modes_run_each_method(server, tmp_path, monkeypatch, capsys):
+    """Modes named by method send that method: the server runs it (its stats say so), beside off."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "category": "code"}) + "\n" for p in ("def fib(n):", "x = [1, 2,")))
+    monkeypatch.setenv("SPECLM_API_KEY", KEY)
+    out = tmp_path / "out"
+    argv = ["bench-serve", "--url", server.url, "--concurrency", "1", "--requests", "2", "--max-tokens", "12",
+            "--modes", "off,pld,draft:k=2", "--dataset", str(data), "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    methods = {(r["mode"], r["speculation"]["method"]) for r in results["requests"]}
+    assert methods == {("off", "none"), ("pld", "pld"), ("draft:k=2", "draft")}
+    assert [s["same_text_as_off"] for s in results["summary"] if s["mode"] != "off"] == [[2, 2], [2, 2]]
+    assert "| 1 | draft:k=2 | 2 |" in (out / "report.md").read_text()

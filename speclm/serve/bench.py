@@ -6,7 +6,9 @@ sends its next request as soon as its last one has ended, so exactly c requests 
 the prompts run out (or the cell's time limit passes: no request starts after it). Requests are
 streamed chat completions (each prompt one user message; temperature 0, max_tokens, usage on).
 Modes: off (`"speculation": "off"`, plain decoding), on (the server's method with its k fixed every
-round) and adaptive (no speculation field: the server's adaptive policy picks each round's length).
+round), adaptive (no speculation field: the server's adaptive policy picks each round's length), and
+a method by name, `M` (`"speculation": "M"`: that method under the server's policy, so `auto` beside
+`draft+pld` on one server, interleaved) or `M:k=N` (that method with k fixed at N).
 
 Per request, timed on the client (time.perf_counter) as each server-sent event arrives: TTFT (send
 to the first chunk with text), the arrival of every text chunk, the end of the stream, and the
@@ -191,9 +193,11 @@ def choose_modes(requested: str | None, info: dict) -> tuple[list[str], dict[str
     """The modes to run and those left out, with why. A mode the server cannot run is an error when
     asked for by name; left out of the default list with a note in the report."""
     modes = [m.strip() for m in (requested or ",".join(MODES)).split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise UsageError(f"--modes: choose from {', '.join(MODES)}, got '{requested}'")
+    if not modes:
+        raise UsageError(f"--modes: choose from {', '.join(MODES)} or a method, got '{requested}'")
+    for m in modes:
+        if m not in MODES:
+            _method_mode(m, info)
     modes = list(dict.fromkeys(modes))
     why = {}
     if info["method"] == "none":
@@ -207,6 +211,23 @@ def choose_modes(requested: str | None, info: dict) -> tuple[list[str], dict[str
     return [m for m in modes if m not in skipped], skipped
 
 
+def _method_mode(mode: str, info: dict) -> str | dict:
+    """A mode naming a method, `M` or `M:k=N`, as the request's speculation field."""
+    from speclm.methods import DRAFT_MODEL, NAMES, method
+
+    name, colon, rest = mode.partition(":")
+    if name not in NAMES:
+        raise UsageError(f"--modes: choose from {', '.join(MODES)} or a method ({', '.join(NAMES)}), got '{mode}'")
+    if method(name).needs == DRAFT_MODEL and not info.get("draft"):
+        raise UsageError(f"--modes {mode}: {name} needs a draft model and the server has none (speclm serve --draft)")
+    if not colon:
+        return name
+    key, _, value = rest.partition("=")
+    if key != "k" or not value.isdigit() or int(value) < 1:
+        raise UsageError(f"--modes {mode}: write a method's fixed draft length as {name}:k=N, N >= 1")
+    return {"method": name, "k": int(value)}
+
+
 def _body(model: str, mode: str, info: dict, max_tokens: int) -> dict:
     body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -214,6 +235,8 @@ def _body(model: str, mode: str, info: dict, max_tokens: int) -> dict:
         body["speculation"] = "off"
     elif mode == "on":  # a request that sets k keeps it every round
         body["speculation"] = {"method": info["method"], "k": info["k"]}
+    elif mode != "adaptive":
+        body["speculation"] = _method_mode(mode, info)
     return body  # adaptive: the server's default
 
 
@@ -225,6 +248,8 @@ async def _run(url, headers, prompts, distinct, concurrency, modes, bodies, time
     client = httpx.AsyncClient(base_url=url, headers=headers, trust_env=False,
                                timeout=httpx.Timeout(30, read=600), limits=httpx.Limits(max_connections=most + 1))
     async with client:
+        for mode in modes[:-1]:  # a mode the server refuses (a method it cannot run) stops the run here
+            await _warm_up(client, prompts[:1], bodies[mode], 1)
         await _warm_up(client, prompts[:distinct], bodies[modes[-1]], most)
         out.mkdir(parents=True, exist_ok=True)
         bar = tqdm(total=len(concurrency) * len(modes) * len(prompts), desc="bench-serve", unit="req",
@@ -394,7 +419,8 @@ def markdown(results: dict, summary: list[dict]) -> str:
         f"Each cell: {cfg['requests']} streamed chat completions (dataset {cfg['dataset']}, each prompt one user "
         f"message), temperature 0, max_tokens {cfg['max_tokens']}, with exactly `concurrency` requests in flight; "
         f"time limit {cfg['time_limit']:g} s per cell. Modes: off = plain decoding; on = the server's method with "
-        f"k {info['k']} fixed; adaptive = the server's adaptive draft length.", "",
+        f"k {info['k']} fixed; adaptive = the server's adaptive draft length; a method's name = that method under the "
+        f"server's policy (`M:k=N`: k fixed at N).", "",
         f"Machine: {mach['cpu']}, {mach['cpu_count']} CPUs{', GPU ' + mach['cuda'] if mach.get('cuda') else ''}; "
         f"the client ran on it too.", "",
         "| concurrency | mode | requests | tokens | wall s | tokens/s | speedup vs off | TTFT p50 ms | TTFT p99 ms "
