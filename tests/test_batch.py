@@ -615,3 +615,38 @@ def test_a_group_whose_requests_all_left_while_another_is_read_drops_their_rows(
         batch.step()
     for r, tail in zip(late, ("", " ipsum")):
         assert r.generated == engine.generate(LONG + tail, max_new_tokens=N, **options).token_ids
+
+
+class _SitOut:
+    """A speculation policy that gives every group a cap of 0 (plain decoding) on every other round."""
+
+    def __init__(self):
+        self.rounds = 0
+
+    def caps(self, batch) -> dict:
+        self.rounds += 1
+        return {key: 0 for key in batch.groups} if self.rounds % 2 else {}
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def timed(self, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("method", ["eagle+pld", "lookahead+pld"])
+def test_rounds_a_proposer_sits_out_count_nothing(int8_pair, method, tmp_path):
+    """A lookup-first group capped at 0 in its first round (a new request, as a server's policy may
+    do) and in later ones, with requests joining: no stale per-row counts, output as plain."""
+    t8, d8 = int8_pair
+    options = {"method": method, "max_new_tokens": N}
+    if method == "eagle+pld":
+        options["heads"] = random_heads("eagle", t8.model, tmp_path / "heads.safetensors")
+    plain = SpecEngine(t8).generate(PROMPTS, method="none", max_new_tokens=N)
+    engine = SpecEngine(t8, draft=d8)
+    requests = [engine.request(p, **options) for p in PROMPTS]
+    got = run_joined(engine, requests, [0, 0, 1, 3, 3], rows=4, speculation=_SitOut())
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    for r in requests:  # lookup rounds only among the rounds it drafted in, every other one
+        assert r.stats.lookup_rounds <= r.stats.target_forwards // 2 + 1, (r.stats.lookup_rounds, r.stats.target_forwards)
+    assert sum(r.stats.lookup_rounds for r in requests) > 0

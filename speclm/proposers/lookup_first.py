@@ -39,7 +39,7 @@ class LookupFirstProposer(Proposer):
         self.hidden_layers, self.prompt_hidden, self.shape = heads.hidden_layers, heads.prompt_hidden, heads.shape
         self.runs_model, self.needs_logits = heads.runs_model, heads.needs_logits
         assert not heads.reads_context and not heads.drafts_on_target, "lookup first: a proposer that passes rows over"
-        self.by_lookup: list[bool] = []  # the last round's, per row
+        self.by_lookup: list[bool] | None = None  # this round's, per row (None: it has not proposed)
 
     def start(self, batch_size, capacity, prompt_lengths=None, max_new_tokens=None, pool=0):
         self.heads.start(batch_size, capacity, prompt_lengths, max_new_tokens, pool)
@@ -68,11 +68,15 @@ class LookupFirstProposer(Proposer):
         return mixed_draft(rows, [bool(chain) for chain in chains], draft, params)
 
     def accept(self, verified: Verified) -> None:
+        if self.by_lookup is None:  # a round it sat out (a cap of 0): no row looked anything up
+            self.by_lookup = [False] * len(verified.paths)
         self.heads.accept(verified)
 
     def round_counts(self) -> list[dict[str, int]] | None:
-        inner = self.heads.round_counts() or [{} for _ in self.by_lookup]
-        return [{**counts, "lookup_rounds": int(looked)} for counts, looked in zip(inner, self.by_lookup)]
+        """Per row of the round just accepted; the next round starts unproposed."""
+        looked, self.by_lookup = self.by_lookup or [], None
+        inner = self.heads.round_counts() or [{} for _ in looked]
+        return [{**counts, "lookup_rounds": int(x)} for counts, x in zip(inner, looked)]
 
     def select(self, rows):
         self.heads.select(rows)
