@@ -223,6 +223,31 @@ def test_choice_options_cover_children_and_lengths():
     assert options == [NO_DRAFT, Choice("a", 1), Choice("a", 2), Choice("b", 1)]  # k caps every child
 
 
+class _LookupOnly(_Child):
+    """A draft+pld child whose draft model is off for the rows marked (their prompts too long)."""
+
+    def __init__(self, k, off):
+        super().__init__(k)
+        self.off = off
+
+    def lookup_only(self):
+        return self.off
+
+
+def test_a_child_that_would_draft_a_row_by_lookup_alone_is_not_planned_for_it():
+    """A draft+pld row whose prompt is too long for the draft model (a server's warm-up: 4 new
+    tokens) is prompt lookup's: planned it, its lookup rounds taught the child's curve over every
+    request that its model drafts nothing, and auto chose pld for every later request."""
+    policy = Adaptive(ForwardCosts({1: 1.0, 2: 1.01, 64: 1.5}))  # verification nearly free: the model pays
+    key, group, request = _one_row({"model": _LookupOnly(4, [True]), "lookup": _Child(2)})
+    batch = SimpleNamespace(groups={key: group}, requests=[request])
+    for _ in range(5):
+        assert _round(policy, batch, group, {"model": 4, "lookup": 0}).child != "model"
+    group.proposer.children["model"].off = [False]
+    assert _round(policy, batch, group, {"model": 4, "lookup": 0}).child == "model"
+    assert policy._options(key, group, request, frozenset({"model"})) == [NO_DRAFT, Choice("lookup", 1), Choice("lookup", 2)]
+
+
 def test_after_tune_a_request_measures_nothing(target, same_draft, heads, monkeypatch, tmp_path):
     """`speclm tune` stores the profile (and the cost tables); a new engine's first auto request
     reads them: measuring anything then fails this test (counted, not timed)."""

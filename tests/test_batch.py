@@ -650,3 +650,25 @@ def test_rounds_a_proposer_sits_out_count_nothing(int8_pair, method, tmp_path):
     for r in requests:  # lookup rounds only among the rounds it drafted in, every other one
         assert r.stats.lookup_rounds <= r.stats.target_forwards // 2 + 1, (r.stats.lookup_rounds, r.stats.target_forwards)
     assert sum(r.stats.lookup_rounds for r in requests) > 0
+
+
+def test_adaptive_policy_measures_a_tree_before_turning_it_off():
+    """A tree (eagle+pld) not measured yet is kept whole until it is: priced before that at its
+    most nodes and the prior's tokens, it stayed off, was never measured, and a server's
+    eagle+pld ran as plain decoding."""
+    from speclm.round.adaptive import Adaptive
+    from speclm.forward.costs import ForwardCosts
+    from speclm.options import GenerationOptions
+
+    options = GenerationOptions(method="eagle+pld")
+    key = options.proposer_key()
+    policy = Adaptive(ForwardCosts({1: 0.1, 8: 0.12, 64: 0.6}))  # 64 nodes cost 6 steps
+    batch, rows = _policy_batch(1, options)
+    group = batch.groups[key]
+    group.proposer.shape, group.proposer.max_nodes = "tree", 64
+    assert key not in policy.caps(batch)  # not measured: kept whole
+    policy.observe(rows[0], 8, 3, 0.004, 1, rows=1)  # measured: 8 nodes, 3 accepted
+    assert policy.caps(batch)[key] is None  # 4 tokens for the price of 8 nodes (1.2 steps): kept
+    for _ in range(30):
+        policy.observe(rows[0], 8, 0, 0.004, 1, rows=1)  # nothing accepted any more
+    assert policy.caps(batch)[key] == 0

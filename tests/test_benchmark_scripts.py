@@ -52,6 +52,10 @@ SCRIPTS = {
                        ["| repeat | run | wall s | tokens | tokens/s | rounds | draft model s | of which reading prompts s "
                         "| identical to none |", re.compile(r"\| 1 \| draft\+pld, this \| .* \| 2/2 \|"),
                         "this / none "], True),
+    "batch_generate.py": (["--target", "{target}", "--draft", "{draft}"],
+                          ["| batch size | method | wall s | tokens | tokens/s | x none | identical to none | auto's plan |",
+                           re.compile(r"\| 2 \| none \| .* \| 1\.000 \| 2/2 \| – \|"),
+                           re.compile(r"\| 2 \| auto \| .* \| 2/2 \| .*%.* \|")], True),
     "engine_thread.py": (["--model", "{target}"],
                          ["| where | tokens/s (each run) | vs main thread |", "| main thread | ",
                           "| second thread, main thread's OpenMP workers freed | ",

@@ -126,3 +126,51 @@ def test_longest_prefix_least_recently_used_and_extension(int8_pair):
 def test_negative_size_is_a_usage_error(int8_pair):
     with pytest.raises(UsageError, match="prefix-cache"):
         SpecEngine(int8_pair[0], prefix_cache=-1)
+
+
+def test_a_head_reads_a_cached_prompt_as_if_it_had_read_it(int8_pair, tmp_path, monkeypatch):
+    """EAGLE's head reads the target's features of every prompt token. A prompt taken from the
+    cache hands the head the cached prefix's states (kept with the entry) and the rest: the same
+    states, from the same first token, as a cold read; only entries holding those states are
+    reused by such a request."""
+    from speclm.proposers.eagle import EagleProposer
+    from tiny import random_heads
+
+    target, _ = int8_pair
+    heads = random_heads("eagle", target.model, tmp_path / "eagle.safetensors", seed=2)
+    seen = []  # (start, layer -> states) per prompt read
+    real = EagleProposer.read_prompt
+    monkeypatch.setattr(EagleProposer, "read_prompt", lambda self, hidden, starts: (
+        seen.extend((s, {k: v.clone() for k, v in h.items()}) for h, s in zip(hidden, starts)),
+        real(self, hidden, starts))[1])
+    kw = dict(method="eagle", heads=heads, max_new_tokens=N)
+    cold = SpecEngine(target, prefix_cache=0).generate(PROMPTS[2], **kw)
+    engine = SpecEngine(target)
+    engine.generate(PROMPTS[0], method="none", max_new_tokens=2)  # an entry without states: not for a head
+    first = engine.generate(PROMPTS[0], **kw)
+    assert first.stats.cached_tokens == 0
+    warm = engine.generate(PROMPTS[2], **kw)  # extends PROMPTS[0]'s entry (with states)
+    assert warm.stats.cached_tokens > len(ids(target.tokenizer, HEAD))
+    (start_cold, states_cold), (start_warm, states_warm) = seen[0], seen[2]
+    assert start_cold == start_warm == 0
+    assert states_cold.keys() == states_warm.keys()
+    assert all(torch.equal(states_cold[k], states_warm[k]) for k in states_cold)
+    assert warm.token_ids == cold.token_ids
+
+
+def test_entries_with_states_are_kept_for_the_heads(int8_pair):
+    target, _ = int8_pair
+    kv = StaticKV(target.model, 1, 64)
+    kv.forward([list(range(1, 31))], 1)
+    states = {3: torch.arange(20 * 4, dtype=torch.float32).reshape(20, 4)}
+    cache = PrefixCache(100)
+    cache.add(kv, 0, list(range(1, 21)), {3: states[3]})
+    cache.add(kv, 0, list(range(1, 26)))  # extends it, without states: both kept
+    assert sorted(len(e.tokens) for e in cache.entries) == [20, 25]
+    fresh = StaticKV(target.model, 1, 64)
+    assert cache.reuse_states(fresh, 0, list(range(1, 31)), 29) == (25, {})  # no states asked: the longest
+    n, got = cache.reuse_states(StaticKV(target.model, 1, 64), 0, list(range(1, 31)), 29, (3,))
+    assert n == 20 and torch.equal(got[3], states[3])
+    assert cache.reuse_states(StaticKV(target.model, 1, 64), 0, list(range(1, 31)), 29, (5,)) == (0, {})
+    cache.add(kv, 0, list(range(1, 26)), {3: torch.zeros(25, 4)})  # now with states: replaces both
+    assert [len(e.tokens) for e in cache.entries] == [25] and cache.nbytes > 0

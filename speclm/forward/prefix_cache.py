@@ -15,6 +15,11 @@ whole, and speculative output still equals plain output whatever either found he
 Entries are whole prompts (at most `max_tokens` tokens in all, least recently used dropped
 first); a prompt that extends an entry replaces it. Matching is a scan over the entries'
 tokens: at most `max_tokens` comparisons.
+
+An entry may also hold the target's hidden states of its prompt at the layers an EAGLE head reads
+(a proposer with prompt_hidden "all"): a request whose head reads every prompt token's features
+only reuses an entry that holds them, so its head starts from the whole prompt, as if it had
+read it (without them it would draft from the uncached tail's features alone).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class _Entry:
     tokens: list[int]
     keys: list[torch.Tensor]  # per layer (H_kv, n, D)
     values: list[torch.Tensor]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (n, E): the target's features
 
 
 @dataclass
@@ -45,14 +51,16 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         """Memory its keys and values hold."""
-        return sum(t.numel() * t.element_size() for e in self.entries for t in (*e.keys, *e.values))
+        return sum(t.numel() * t.element_size() for e in self.entries for t in (*e.keys, *e.values, *e.hidden.values()))
 
     def clear(self) -> None:
         self.entries.clear()
 
-    def _longest(self, ids: list[int]) -> tuple[_Entry | None, int]:
+    def _longest(self, ids: list[int], layers: tuple[int, ...] = ()) -> tuple[_Entry | None, int]:
         best, most = None, 0
         for entry in self.entries:
+            if any(layer not in entry.hidden for layer in layers):
+                continue
             n, stop = 0, min(len(entry.tokens), len(ids))
             while n < stop and entry.tokens[n] == ids[n]:
                 n += 1
@@ -63,31 +71,39 @@ class PrefixCache:
     def reuse(self, kv, row: int, ids: list[int], limit: int) -> int:
         """Row `row` of StaticKV `kv` (empty) starts with the keys and values of the longest
         cached prefix of `ids`, at most `limit` tokens; returns its length (0: none found)."""
+        return self.reuse_states(kv, row, ids, limit)[0]
+
+    def reuse_states(self, kv, row: int, ids: list[int], limit: int,
+                     layers: tuple[int, ...] = ()) -> tuple[int, dict[int, torch.Tensor]]:
+        """`reuse` from entries that also hold the hidden states at `layers`: (its length n, layer ->
+        the prefix's states (n, E))."""
         if self.max_tokens <= 0 or limit <= 0 or not kv.chunk_invariant:
-            return 0
-        entry, n = self._longest(ids)
+            return 0, {}
+        entry, n = self._longest(ids, layers)
         n = min(n, limit)
         if entry is None or n == 0:
-            return 0
+            return 0, {}
         self.entries.remove(entry)
         self.entries.append(entry)  # most recently used
         kv.load_prefix(row, entry.keys, entry.values, n)
-        return n
+        return n, {layer: entry.hidden[layer][:n] for layer in layers}
 
-    def add(self, kv, row: int, ids: list[int]) -> None:
-        """Remember row `row`'s first len(ids) slots of `kv` as the keys and values of `ids`."""
-        n = len(ids)
+    def add(self, kv, row: int, ids: list[int], hidden: dict[int, torch.Tensor] | None = None) -> None:
+        """Remember row `row`'s first len(ids) slots of `kv` as the keys and values of `ids`, and
+        `hidden` (layer -> (len(ids), E)), the target's states there, where given."""
+        n, hidden = len(ids), hidden or {}
         if self.max_tokens <= 0 or n == 0 or n > self.max_tokens or not kv.chunk_invariant:
             return
-        entry, common = self._longest(ids)
+        entry, common = self._longest(ids, tuple(hidden))
         if entry is not None and common == n:  # already held (as itself or inside a longer prompt)
             self.entries.remove(entry)
             self.entries.append(entry)
             return
-        if entry is not None and common == len(entry.tokens):  # this prompt extends it
-            self.entries.remove(entry)
+        for old in [e for e in self.entries if len(e.tokens) <= n and e.tokens == ids[: len(e.tokens)]
+                    and set(e.hidden) <= set(hidden)]:
+            self.entries.remove(old)  # this prompt extends it (or holds it, with the states it lacked)
         keys, values = kv.export(row, n)
-        self.entries.append(_Entry(list(ids), keys, values))
+        self.entries.append(_Entry(list(ids), keys, values, {layer: h.clone() for layer, h in hidden.items()}))
         while self.tokens > self.max_tokens:
             self.entries.pop(0)
 

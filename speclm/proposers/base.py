@@ -171,6 +171,11 @@ class Proposer:
         for it (a new prompt, tokens committed while it sat out), 0 where it never reads the row."""
         return [0] * len(contexts)
 
+    def lookup_only(self) -> list[bool]:
+        """Per row: whether this proposer drafts the row by prompt lookup alone whatever happens (a
+        draft+pld row whose prompt is too long for its draft model); [] where it never does."""
+        return []
+
     def propose(
         self,
         contexts: list[list[int]],

@@ -65,6 +65,9 @@ class DraftLookupProposer(DraftModelProposer):
         super().select(rows)
         self.model_on = [self.model_on[r] for r in rows]
 
+    def lookup_only(self) -> list[bool]:
+        return [not on for on in self.model_on]
+
     def unread(self, contexts) -> list[int]:
         return [n if on else 0 for n, on in zip(super().unread(contexts), self.model_on)]  # lookup rows: never
 

@@ -12,7 +12,8 @@ tokens the round is expected to commit per second:
 where E = (1 - a^(k+1)) / (1 - a) for a chain whose row accepts each next token with
 probability a. Each row's a is measured from its own rounds (decayed counts, starting from
 `prior`); a group's drafting time per draft forward is measured too. A tree-shaped draft is
-either kept whole or turned off (k = 0) by the same comparison, its expected tokens measured.
+either kept whole or turned off (k = 0) by the same comparison, its expected tokens measured; until
+its first round is measured it is kept whole (priced by its most nodes, it would stay off unmeasured).
 While k = 0 nothing is learnt about acceptance, so for prompt lookup one round in `probe` drafts
 anyway (k = 1): at most one round in 32 costs a few more verified tokens per row. A draft model is
 not probed: after rounds without drafting it would first have to read every token it missed
@@ -51,7 +52,9 @@ every request; its width and a draft model's forwards are the positions it is ex
 row's acceptance is kept per child; a child it has not tried is priced by that child's acceptance over
 every request (decayed), else the prior, and a child not run yet by its cost line (a draft
 model's) or as free (prompt lookup, heads), so each is tried early and measured. A child whose
-acceptance collapses prices itself below another and the row moves; each move is written in the
+acceptance collapses prices itself below another and the row moves; a child that would draft the row
+by prompt lookup alone (`Proposer.lookup_only`: draft+pld for a prompt too long for its draft) is not
+offered for it, so its curve stays its model's; each move is written in the
 request's stats (`plan_switches`), and the rounds each child took (`planned`). The policy that
 plans auto for `generate` and `stream` leaves every other method's k alone (`plans_only`).
 
@@ -287,8 +290,10 @@ class Adaptive:
         rows = len(batch.requests)
         # groups whose k this policy leaves alone: a k set by the request (a seeded sampled request
         # draws by position, speclm.sampling.Coupled: its text does not depend on k)
-        kept = {key for key, g in groups if key.k is not None or self.plans_only}
         trees = {key for key, g in groups if g.proposer.shape == "tree"}
+        # and a tree not yet measured here, kept whole until it is: priced at its most nodes and the
+        # prior's tokens it stayed off and was never measured (a served eagle+pld ran as plain)
+        kept = {key for key, g in groups if key.k is not None or self.plans_only or (key in trees and key not in self._nodes)}
         free = [(key, g) for key, g in groups if key not in kept]
         if planned:
             return self._plan(batch, groups, planned, rows)
@@ -332,11 +337,16 @@ class Adaptive:
         return self.last
 
     # ---------------------------------------------------------------- auto
-    def _options(self, key, g, r) -> list[Choice]:
-        """A row's choices: no draft, and each child at each draft length (a tree: whole)."""
+    def _options(self, key, g, r, lookup_only: frozenset = frozenset()) -> list[Choice]:
+        """A row's choices: no draft, and each child at each draft length (a tree: whole); not the
+        children that would draft the row by lookup alone (`lookup_only`: a draft+pld row whose
+        prompt is too long for its draft model is prompt lookup's, and its rounds would teach the
+        child's curve, over every request, that its model drafts nothing)."""
         out = [NO_DRAFT]
         cap = key.k
         for name, child in g.proposer.children.items():
+            if name in lookup_only:
+                continue
             most = child.k if cap is None else min(cap, child.k)
             if child.shape == "tree":
                 out.append(Choice(name, most))
@@ -426,15 +436,17 @@ class Adaptive:
         for key, g in groups:  # the other groups at their own k
             tokens0 += sum(self._expected(r, g.proposer.k, g.proposer.shape == "tree") - 1.0 for r in g.requests)
             width0 = max(width0, self._tree_width(key, g) if g.proposer.shape == "tree" else g.proposer.k)
-        free = []
+        free, alone = [], {}
         for key, g in planned:
             contexts = [r.context for r in g.requests]
             unread = {name: c.unread(contexts) for name, c in g.proposer.children.items() if c.reads_context}
+            lookup = {name: c.lookup_only() for name, c in g.proposer.children.items()}
             for b, r in enumerate(g.requests):
                 own = {name: u[b] for name, u in unread.items()}
+                alone[id(r)] = frozenset(name for name, rows in lookup.items() if b < len(rows) and rows[b])
                 free.append([key, g, r, NO_DRAFT, own])  # a seeded row draws by position: any plan keeps its text
         if free:
-            options = {id(e): self._options(e[0], e[1], e[2]) for e in free}
+            options = {id(e): self._options(e[0], e[1], e[2], alone[id(e[2])]) for e in free}
             uniform = {c for e in free for c in options[id(e)]}
             best_rate, best = -1.0, None
             for choice in sorted(uniform, key=lambda c: (c.child or "", c.k)):  # every row on one choice

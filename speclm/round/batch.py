@@ -183,7 +183,11 @@ class Batch:
         cache = self.engine.prefix.target
         for b, r in zip(rows, joining):
             r.joined_at = now
-            r.stats.cached_tokens = cache.reuse(self.kv, b, r.prompt, r.prompt_len - 1)
+            proposer = self.groups[r.options.proposer_key()].proposer
+            layers = proposer.hidden_layers if proposer is not None and proposer.prompt_hidden == "all" else ()
+            r.stats.cached_tokens, hidden = cache.reuse_states(self.kv, b, r.prompt, r.prompt_len - 1, tuple(layers))
+            if hidden:  # the head reads the cached prefix's features as if it had read them
+                self._prompt_hidden[id(r)] = {layer: [h] for layer, h in hidden.items()}
         self.reading += joining
 
     def _prefill(self) -> list[Request]:
@@ -213,8 +217,13 @@ class Batch:
             return []
         read = [reading[i] for i in done]
         cache = self.engine.prefix.target
+        states = {}  # id(request) -> layer -> its prompt's hidden states, as its proposer reads them
         for i in done:
-            cache.add(kv, rows[i], reading[i].prompt)
+            r = reading[i]
+            states[id(r)] = {layer: torch.cat(parts) for layer, parts in self._prompt_hidden.pop(id(r), {}).items()}
+            whole = states[id(r)] and proposers[i].prompt_hidden == "all" and all(
+                len(h) == r.prompt_len for h in states[id(r)].values())
+            cache.add(kv, rows[i], r.prompt, states[id(r)] if whole else None)
         # the read requests decode from now on: their rows move up behind the decoding ones (a
         # permutation of the batch's rows; no keys or values move)
         still = [i for i, end in enumerate(ends) if end < reading[i].prompt_len]
@@ -225,10 +234,11 @@ class Batch:
             group.requests.append(r)
             if group.proposer is not None:
                 group.proposer.add(1, [r.prompt_len], [r.max_new])
-                if group.proposer.prompt_hidden:
-                    hidden = self._prompt_hidden.pop(id(r))
-                    group.proposer.read_prompt([{layer: torch.cat(parts) for layer, parts in hidden.items()}],
-                                               [r.stats.cached_tokens])
+                if group.proposer.prompt_hidden:  # "all": the states from the first it has (the prefix's, if cached)
+                    hidden = states[id(r)]
+                    start = r.prompt_len - len(next(iter(hidden.values()))) if group.proposer.prompt_hidden == "all" \
+                        else r.stats.cached_tokens
+                    group.proposer.read_prompt([hidden], [start])
         self.requests += read
         by_sampling: dict = {}  # each one's first token, drawn with its own options
         for j, i in enumerate(done):
