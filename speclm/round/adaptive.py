@@ -291,8 +291,8 @@ class Adaptive:
         # groups whose k this policy leaves alone: a k set by the request (a seeded sampled request
         # draws by position, speclm.sampling.Coupled: its text does not depend on k)
         trees = {key for key, g in groups if g.proposer.shape == "tree"}
-        # and a tree not yet measured here, kept whole until it is: priced at its most nodes and the
-        # prior's tokens it stayed off and was never measured (a served eagle+pld ran as plain)
+        # and a tree not yet measured here, kept whole until it is (priced before that at its most
+        # nodes, it was turned off and never measured: a served eagle+pld ran as plain decoding)
         kept = {key for key, g in groups if key.k is not None or self.plans_only or (key in trees and key not in self._nodes)}
         free = [(key, g) for key, g in groups if key not in kept]
         if planned:
