@@ -297,8 +297,9 @@ class Adaptive:
         free = [(key, g) for key, g in groups if key not in kept]
         if planned:
             return self._plan(batch, groups, planned, rows)
+        unmeasured = {key: None for key in kept if key in trees and key not in self._nodes}  # kept whole
         if not free:
-            self.last = {}
+            self.last = unmeasured
             return {}
         # rows whose draft this policy does not choose: plain ones commit one token, kept ones their method's
         tokens0 = rows - sum(len(g.requests) for _, g in groups)
@@ -327,7 +328,8 @@ class Adaptive:
                 best, best_rate, priced = (k, tree_on), rate, (rows, width > 0, seconds)
         k, tree_on = best
         self._predicted = priced
-        self.last = {key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k) for key, g in free}
+        self.last = {**unmeasured, **{key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k)
+                                      for key, g in free}}
         self._rounds += 1
         if self._rounds % self.probe == 0:  # a probe: drafting off learns nothing about acceptance
             for key, g in free:
