@@ -672,3 +672,27 @@ def test_adaptive_policy_measures_a_tree_before_turning_it_off():
     for _ in range(30):
         policy.observe(rows[0], 8, 0, 0.004, 1, rows=1)  # nothing accepted any more
     assert policy.caps(batch)[key] == 0
+
+
+def test_a_round_feeds_each_row_its_own_draft_without_padding(int8_pair, monkeypatch):
+    """A row drafting less than another (here none beside prompt lookup) is fed only its own
+    tokens: the target's round forward is ragged, not padded to the widest draft, and output is
+    plain decoding's."""
+    t8, _ = int8_pair
+    fed = []
+    forward = StaticKV.forward
+
+    def recording(self, rows, *args, **kwargs):
+        if self.model is t8.model and kwargs.get("kept") is not None:  # a round's forward
+            fed.append([len(r) for r in rows])
+        return forward(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(StaticKV, "forward", recording)
+    repeats = "one two three one two three one two three one two"
+    plain = SpecEngine(t8).generate([repeats, PROMPTS[1]], method="none", max_new_tokens=N)
+    engine = SpecEngine(t8)
+    got = run_joined(engine, [engine.request(repeats, method="pld", max_new_tokens=N),
+                              engine.request(PROMPTS[1], method="none", max_new_tokens=N)], [0, 0])
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    mixed = [counts for counts in fed if len(counts) == 2 and counts[0] > 1]
+    assert mixed and all(counts[1] == 1 for counts in mixed), fed

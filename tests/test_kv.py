@@ -287,3 +287,37 @@ def test_forward_returns_hidden_states_only_when_asked(tok, monkeypatch):
         kv.forward([[5, 6, 7]], 2, hidden_layers=(0, -1))
         for layer in (0, -1):
             assert torch.allclose(kv.hidden[layer], lean[layer], atol=1e-5), layer
+
+
+def test_a_ragged_feed_runs_its_real_tokens_alone(tok):
+    """Rows of different lengths: the projections and MLP run on the real tokens packed (not on
+    the padded B x M layout), each row's logits and hidden states are the bits it gets alone, and
+    `kept` rows shorter than logits_to_keep get zeros past their own columns, never computed."""
+    from speclm.quant.weights import quantize_model
+    from tiny import require_compiled_kernels, tiny_model
+
+    require_compiled_kernels()
+    model = tiny_model(len(tok), seed=5)
+    quantize_model(model, "int8")
+    prompts = [tok("a ragged feed").input_ids, tok("rows of their own").input_ids[:4], tok("x").input_ids]
+    feeds, kept = [[5, 6, 7], [8], [9, 10]], [3, 1, 2]
+    kv = StaticKV(model, 3, 64)
+    seen = []
+    for layer in kv.lean.layers:
+        layer.mlp = (lambda mlp: lambda h: seen.append(h.shape[0]) or mlp(h))(layer.mlp)
+    kv.forward(prompts, 1, hidden_layers=(0,), hidden_all=True)
+    prefill_hidden = kv.hidden[0].clone()
+    assert seen[0] == sum(map(len, prompts)), seen  # not 3 x the longest
+    seen.clear()
+    logits = kv.forward(feeds, 3, hidden_layers=(0, -1), kept=kept)  # (3, 3, V)
+    hidden = {k: v.clone() for k, v in kv.hidden.items()}
+    assert seen[0] == 6 and seen[-1] == 6, seen  # 3 + 1 + 2 real tokens, not 3 x 3
+    for b, (prompt, feed, n) in enumerate(zip(prompts, feeds, kept)):
+        alone = StaticKV(model, 1, 64)
+        alone.forward([prompt], 1, hidden_layers=(0,), hidden_all=True)
+        assert torch.equal(alone.hidden[0][0], prefill_hidden[b, : len(prompt)])
+        assert not prefill_hidden[b, len(prompt):].any()
+        own = alone.forward([feed], n, hidden_layers=(0, -1))
+        assert torch.equal(own[0], logits[b, :n]) and not logits[b, n:].any(), b
+        for layer in (0, -1):
+            assert torch.equal(alone.hidden[layer][0], hidden[layer][b, :n]) and not hidden[layer][b, n:].any()

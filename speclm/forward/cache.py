@@ -15,7 +15,9 @@ asks for more rows or tokens than it was made for (doubling).
 A forward feeds each row its own number of new tokens, left-aligned: row b's n_b tokens
 take columns [0, n_b) and the columns after them are padding. Padding writes finite values
 into slots past the row's length (hidden by the mask, never read), and the logits a row
-needs are gathered from its own last columns.
+needs are gathered from its own last columns. The lean forward runs only attention over that
+layout (skipping the padding columns) and every other op on the real tokens packed, so rows of
+different lengths cost their own tokens (speclm.forward.lean.LeanForward).
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ class StaticKV:
     def forward(self, rows: list[list[int]], logits_to_keep: int, head=None,
                 parents: list[list[int] | None] | None = None, hidden_layers: tuple[int, ...] = (),
                 only: list[int] | None = None, hidden_all: bool = False,
-                layers: Stack | None = None) -> torch.Tensor:
+                layers: Stack | None = None, kept: list[int] | None = None) -> torch.Tensor:
         """Append each row's tokens; return logits (B, logits_to_keep, V) of each row's last tokens.
         only: the batch rows `rows` are for, in order (None: every row); the others are untouched.
         head: an output head in place of the model's, (R, E) -> (R, V'); only on the lean forward.
@@ -226,10 +228,15 @@ class StaticKV:
         own tokens are padding), not only for the kept ones.
         layers: a speclm.forward.lean.Stack: run only its decoder layers (with their stand-ins), then
         the final norm and head (None: all; speclm.proposers.self_draft); the others' keys and values
-        are not written. Lean forward only."""
+        are not written. Lean forward only.
+        kept: per row, how many of its last tokens have logits (None: logits_to_keep each), in the
+        first of its logits_to_keep columns; the columns past them are padding (zeros on the lean
+        forward, never computed; read nothing from them): a round's rows whose drafts are narrower
+        than the widest, fed without padding nodes."""
         counts = [len(r) for r in rows]
         width = max(counts)
-        assert width >= 1 and min(counts) >= logits_to_keep >= 1
+        kept = [logits_to_keep] * len(rows) if kept is None else kept
+        assert width >= 1 and logits_to_keep >= 1 and all(1 <= k <= min(c, logits_to_keep) for k, c in zip(kept, counts))
         batch = list(range(self.batch_size)) if only is None else list(only)
         assert len(batch) == len(rows)
         whole = only is None
@@ -256,9 +263,17 @@ class StaticKV:
         # which columns hold each row's last `logits_to_keep` tokens; all rows agree when the
         # feed is not ragged, the usual case after prefill
         ragged = min(counts) < width
-        cols = (n[:, None] - logits_to_keep + self._slots[:logits_to_keep]) if ragged else None  # (B, K)
+        short = min(kept) < logits_to_keep
+        cols = kept_mask = None
+        if ragged or short:
+            k = torch.tensor(kept, dtype=torch.long, device=self.device)[:, None]  # (B, 1)
+            at = self._slots[:logits_to_keep][None, :]  # (1, K)
+            cols = n[:, None] - k + at  # (B, K)
+            if short:
+                kept_mask = at < k  # (B, K)
+                cols = torch.where(kept_mask, cols, n[:, None] - 1)  # padding: the row's last token (not read)
         plan = Plan(ids, slots, starts, counts, window, cache_rows, positions, tree, logits_to_keep, cols, hidden_all,
-                    layers)
+                    layers, kept_mask)
         logits = self.runner.run(self, plan, head, tuple(hidden_layers))
         if whole:
             self.lengths = self.lengths + n

@@ -247,7 +247,7 @@ class LeanForward:
     @torch.inference_mode()
     def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None,
                  hidden_layers: tuple[int, ...] = (), hidden: dict | None = None, cache_rows=None,
-                 hidden_all: bool = False, layers: Stack | None = None):
+                 hidden_all: bool = False, layers: Stack | None = None, kept_mask: torch.Tensor | None = None):
         """ids, slots (B, M); kv: the StaticKV (its buffers are written at `slots`);
         starts, counts: per row, slots before this forward and new tokens; window: slots a
         prefill attends over; keep_cols: which columns' logits to return (a slice or an index tensor);
@@ -262,10 +262,25 @@ class LeanForward:
         reading a prompt's features); the last layer then runs on every row.
         layers: only these decoder layers run, with their stand-ins (None: all), then the final norm
         and the head: the target's own layers as a draft (speclm.proposers.self_draft). The others'
-        keys and values are left as they are."""
+        keys and values are left as they are.
+        kept_mask (B, K): which of keep_cols' columns hold a row's token (None: all); the others'
+        logits and hidden states are zeros, never computed (a round's row whose draft is narrower
+        than the batch's widest).
+
+        A ragged feed (some row shorter than M) is packed: embedding, norms, projections, MLP and
+        head run on the T real tokens alone, and only attention sees the (B, M) layout (whose
+        padding columns it skips), so padding costs nothing where it matters. Rows are
+        independent in every row-wise op, so on speclm's kernels the bits do not change."""
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
+        real = inverse = None  # packed: the real tokens' indices into the R = B M columns, and back
+        if min(counts) < width:
+            real = (kv._slots[:width][None, :] < torch.tensor(counts, device=ids.device)[:, None]).view(-1).nonzero()[:, 0]  # (T,)
+            inverse = torch.full((batch * width,), -1, dtype=torch.long, device=ids.device)
+            inverse[real] = torch.arange(len(real), device=ids.device)
+            h = self.embed(ids.view(-1)[real]).view(len(real), -1)  # (T, E)
+        else:
+            h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
         self._grow_rotary(window)
         half, split = dim // 2, (heads + kv_heads) * dim
         per_query = self.chunk_invariant or not is_prefill(starts)
@@ -289,15 +304,39 @@ class LeanForward:
         kept_rows = None
         if isinstance(keep_cols, slice):
             cols = kv._slots[:width][keep_cols]  # (K,)
-            if len(cols) < width:
+            keep = len(cols)
+            if keep < width or real is not None or kept_mask is not None:
                 kept_rows = (rows * width + cols).view(-1)
         else:
+            keep = keep_cols.shape[1]
             kept_rows = (rows * width + keep_cols).view(-1)
+        kept_flat = None if kept_mask is None else kept_mask.reshape(-1)  # (B K,) which kept entries are tokens
+        if kept_rows is not None:
+            kept_rows = kept_rows if kept_flat is None else kept_rows[kept_flat]
+            kept_rows = kept_rows if inverse is None else inverse[kept_rows]  # into h's rows
+            assert inverse is None or bool((kept_rows >= 0).all()), "logits asked of a padding column"
+
+        def as_kept(x):  # x (S, E) over the kept tokens -> (B, K, E), zeros at kept_mask's padding
+            if kept_flat is None:
+                return x.view(batch, -1, x.shape[-1])
+            out = x.new_zeros(batch * keep, x.shape[-1])
+            out[kept_flat] = x
+            return out.view(batch, keep, -1)
+
+        def as_fed(x):  # x over every fed token (T or R rows) -> (B, M, E), zeros at padding
+            if real is None:
+                return x.view(batch, width, -1)
+            out = x.new_zeros(batch * width, x.shape[-1])
+            out[real] = x
+            return out.view(batch, width, -1)
         running, copies = (range(len(self.layers)), {}) if layers is None else (layers.indices, layers.copies)
         last = running[-1]
         for i in running:
             layer = copies.get(i) or self.layers[i]
-            qkv = _by_rows(layer.attn_in, h)  # (R, (H + 2 H_kv) D)
+            qkv = _by_rows(layer.attn_in, h)  # (R or T, (H + 2 H_kv) D)
+            if real is not None:  # attention reads the (B, M) layout
+                packed, qkv = qkv, qkv.new_zeros(batch * width, qkv.shape[1])
+                qkv[real] = packed
             if compiled is not None:
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
                                                 heads, kv_heads, self.scaling, flat,
@@ -326,20 +365,25 @@ class LeanForward:
                                                        is_causal=True, scale=self.scaling, enable_gqa=heads > kv_heads)
                     out = o.transpose(1, 2)
                 out = out.reshape(batch * width, heads * dim)
+            if real is not None:
+                out = out[real]  # (T, H D)
             if i == last and kept_rows is not None and not hidden_all:
                 out, h = out[kept_rows], h[kept_rows]
             h = _by_rows(layer.attn_out, out, h)
             h = _by_rows(layer.mlp, h)
             if i in hidden_layers:
-                hidden[i] = (h if i == last or kept_rows is None or hidden_all else h[kept_rows]).view(batch, -1, h.shape[-1])
+                if hidden_all:
+                    hidden[i] = as_fed(h)
+                else:
+                    hidden[i] = as_kept(h if i == last or kept_rows is None else h[kept_rows])
         head = self.head if head is None else head
         normed = self.norm(h)
         if -1 in hidden_layers:
-            hidden[-1] = normed.view(batch, -1, normed.shape[-1])
+            hidden[-1] = as_fed(normed) if hidden_all else as_kept(normed)
         if hidden_all and kept_rows is not None:
             normed = normed[kept_rows]
-        kept = normed.shape[0] // batch  # normed (B K, E): the kept rows, row by row
-        return head(normed).float().view(batch, kept, -1)  # (B, K, V)
+        logits = head(normed).float()  # (S, V): the kept tokens, row by row
+        return as_kept(logits) if kept_flat is not None else logits.view(batch, -1, logits.shape[-1])  # (B, K, V)
 
 
 def _flat_tree(tree: list, starts: list[int], width: int) -> list[int]:

@@ -35,6 +35,7 @@ class Plan:
     cols: torch.Tensor | None  # (B, K) columns of each row's last tokens where rows are ragged, else None
     hidden_all: bool = False  # hidden states of every fed token (B, M, E), not only the kept ones
     layers: Stack | None = None  # the decoder layers that run, a speclm.forward.lean.Stack (None: all)
+    kept_mask: torch.Tensor | None = None  # (B, K) which of cols hold a token (None: all); the rest are padding
 
 
 class ModelRunner:
@@ -62,7 +63,7 @@ class ModelRunner:
             keep_cols = plan.cols if plan.cols is not None else slice(width - plan.logits_to_keep, width)
             logits = self.lean(plan.ids, plan.slots, kv, plan.starts, plan.counts, plan.window, keep_cols, head,
                                plan.positions, plan.tree, hidden_layers, self.hidden, plan.cache_rows,
-                               plan.hidden_all, plan.layers)
+                               plan.hidden_all, plan.layers, plan.kept_mask)
         else:
             assert head is None, "a replaced output head needs speclm's lean forward"
             assert plan.layers is None, "a subset of the layers needs speclm's lean forward"

@@ -1,7 +1,8 @@
 """Speculation that adapts to the batch: each round's draft length from measured costs.
 
 On a CPU a target forward's cost grows with the tokens it reads (speclm.forward.costs), and a
-batch of B rows that each verify k drafted tokens reads B * (k + 1) of them. With one row reading
+batch of B rows that each verify k drafted tokens reads B * (k + 1) of them (a row drafting fewer
+reads only its own: rounds feed no padding, speclm.round.batch._feed). With one row reading
 the weights dominates and drafting is nearly free to verify; with many rows every drafted token
 is paid for whether it is accepted or not. So before
 each round `Adaptive.caps` picks the draft length k (0: plain decoding) that maximises the
@@ -303,17 +304,17 @@ class Adaptive:
             return {}
         # rows whose draft this policy does not choose: plain ones commit one token, kept ones their method's
         tokens0 = rows - sum(len(g.requests) for _, g in groups)
-        width0 = 0
+        fed0 = 0  # drafted tokens the round's forward reads (each row its own: no padding)
         for key, g in groups:
             if key in kept:
                 tokens0 += sum(self._expected(r, g.proposer.k, key in trees) for r in g.requests)
-                width0 = max(width0, self._tree_width(key, g) if key in trees else g.proposer.k)
+                fed0 += len(g.requests) * (self._tree_width(key, g) if key in trees else g.proposer.k)
         longest = max((g.proposer.k for key, g in free if key not in trees), default=0)
         choices = [(k, on) for k in range(longest + 1) for on in ((False, True) if any(key in trees for key, _ in free) else (False,))]
         unread = {key: self._unread(g) for key, g in free}  # once a round, for every choice priced
         best, best_rate, priced = (0, False), -1.0, None
         for k, tree_on in choices:
-            tokens, drafting, catch_up, width = tokens0, 0.0, 0.0, width0
+            tokens, drafting, catch_up, fed = tokens0, 0.0, 0.0, fed0
             for key, g in free:
                 is_tree = key in trees
                 own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
@@ -321,11 +322,11 @@ class Adaptive:
                 if own:
                     drafting += self._step_seconds(key, len(g.requests), unread[key]) * own
                     catch_up += self._catch_up(key, g, own, is_tree, unread[key])
-                    width = max(width, self._tree_width(key, g) if is_tree else own)
-            seconds = self.costs(rows * (1 + width)) + drafting
-            rate = tokens / (seconds * self.ratio(rows, width > 0) + catch_up)
+                    fed += len(g.requests) * (self._tree_width(key, g) if is_tree else own)
+            seconds = self.costs(rows + fed) + drafting
+            rate = tokens / (seconds * self.ratio(rows, fed > 0) + catch_up)
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate, priced = (k, tree_on), rate, (rows, width > 0, seconds)
+                best, best_rate, priced = (k, tree_on), rate, (rows, fed > 0, seconds)
         k, tree_on = best
         self._predicted = priced
         self.last = {**unmeasured, **{key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k)
@@ -405,14 +406,15 @@ class Adaptive:
             seen = self.measured[choice.child].nodes or None
         return child.max_nodes if seen is None else max(1, round(seen))
 
-    def _price(self, plans: list[tuple], rows: int, tokens0: float, width0: int) -> tuple[float, float, bool]:
+    def _price(self, plans: list[tuple], rows: int, tokens0: float, fed0: float) -> tuple[float, float, bool]:
         """(tokens per second, seconds, drafting) of a round whose auto rows take `plans`: a list
-        of (key, group, request, choice, unread by child)."""
-        tokens, width, used = tokens0, width0, {}
+        of (key, group, request, choice, unread by child). The forward reads `rows` roots and
+        every row's own drafted tokens (fed0: the other groups'), no padding."""
+        tokens, fed, used = tokens0, fed0, {}
         catch_up = 0.0
         for key, g, r, choice, unread in plans:
             tokens += self._child_tokens(key, g, r, choice)
-            width = max(width, self._width(key, g, r, choice))
+            fed += self._width(key, g, r, choice)
             if choice.child is None:
                 continue
             child = g.proposer.children[choice.child]
@@ -427,17 +429,17 @@ class Adaptive:
                 expected = self._child_tokens(key, g, r, choice)
                 catch_up += reading(seen) / max(1.0, r.tokens_left / expected)
         drafting = sum(self._step_seconds(at, count) * depth for at, (count, depth) in used.items())
-        seconds = self.costs(rows * (1 + width)) + drafting
-        return tokens / (seconds * self.ratio(rows, width > 0) + catch_up), seconds, width > 0
+        seconds = self.costs(rows + fed) + drafting
+        return tokens / (seconds * self.ratio(rows, fed > 0) + catch_up), seconds, fed > 0
 
     def _plan(self, batch, groups, planned, rows) -> dict:
         """Each auto row's Choice for this round (set on its group's proposer); the other groups
         keep their k. Returns {} (no caps for the others)."""
         self._chains.clear()  # ids of requests that left may come back as new ones
-        tokens0, width0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
+        tokens0, fed0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
         for key, g in groups:  # the other groups at their own k
             tokens0 += sum(self._expected(r, g.proposer.k, g.proposer.shape == "tree") - 1.0 for r in g.requests)
-            width0 = max(width0, self._tree_width(key, g) if g.proposer.shape == "tree" else g.proposer.k)
+            fed0 += len(g.requests) * (self._tree_width(key, g) if g.proposer.shape == "tree" else g.proposer.k)
         free, alone = [], {}
         for key, g in planned:
             contexts = [r.context for r in g.requests]
@@ -454,7 +456,7 @@ class Adaptive:
             for choice in sorted(uniform, key=lambda c: (c.child or "", c.k)):  # every row on one choice
                 for e in free:
                     e[3] = choice if choice in options[id(e)] else NO_DRAFT
-                rate = self._price([tuple(e) for e in free], rows, tokens0, width0)[0]
+                rate = self._price([tuple(e) for e in free], rows, tokens0, fed0)[0]
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best = rate, [e[3] for e in free]
             for e, c in zip(free, best):
@@ -464,7 +466,7 @@ class Adaptive:
                     held = e[3]
                     for choice in options[id(e)]:
                         e[3] = choice
-                        rate = self._price([tuple(x) for x in free], rows, tokens0, width0)[0]
+                        rate = self._price([tuple(x) for x in free], rows, tokens0, fed0)[0]
                         if rate > best_rate * (1 + 1e-9):
                             best_rate, held = rate, choice
                     e[3] = held
@@ -476,7 +478,7 @@ class Adaptive:
                         if cheap is not None:
                             e[3] = Choice(cheap, 1)
         plans = [tuple(e) for e in free]
-        _, seconds, drafting = self._price(plans, rows, tokens0, width0)
+        _, seconds, drafting = self._price(plans, rows, tokens0, fed0)
         self._predicted = (rows, drafting, seconds) if free else None
         for key, g in planned:
             mine = {id(r): c for k2, g2, r, c, _ in plans if g2 is g}

@@ -312,10 +312,11 @@ class Batch:
         seen = kv.forward_seconds  # the target's own forwards from here (a self-draft's ran on its runner)
         tree = _batch_tree(proposals, len(self.requests))  # (B, N)
         contexts = [r.context for r in self.requests]
-        feed, parents = _feed(contexts, kv.lengths_list(), tree)
+        feed, parents, spans = _feed(contexts, kv.lengths_list(), tree)
         wanted = tuple(sorted({layer for p in proposals if p.group.proposer for layer in p.group.proposer.hidden_layers}))
         only = list(range(len(self.requests))) if self.reading else None  # rows still reading sit this out
-        logits = kv.forward(feed, 1 + tree.width, parents=parents, hidden_layers=wanted, only=only)  # (B, 1 + N, V)
+        logits = kv.forward(feed, 1 + tree.width, parents=parents, hidden_layers=wanted, only=only,
+                            kept=[1 + n for n in spans])  # (B, 1 + N, V), zeros past a row's span
         return _Scored(logits, [len(c) for c in contexts], kv.forward_seconds - seen)
 
     def _commit_round(self, proposals: list[_Proposal], verdicts: list[Verdict], scored: _Scored,
@@ -465,22 +466,28 @@ def _batch_tree(proposals: list[_Proposal], batch: int) -> DraftTree:
     return DraftTree(tokens, parents, None)
 
 
-def _feed(contexts: list[list[int]], have: list[int], tree: DraftTree) -> tuple[list[list[int]], list[list[int]] | None]:
+def _feed(contexts: list[list[int]], have: list[int], tree: DraftTree
+          ) -> tuple[list[list[int]], list[list[int]] | None, list[int]]:
     """What the target reads this round, per row: the committed tokens it has not seen (the last
-    of them the tree's root), then every node of the tree (padding nodes too: a row's logits sit
-    at fixed columns). And per token its parent's slot (speclm.forward.cache.StaticKV.forward), or None
-    where every row is a chain: node n sits at slot len(context) + n."""
+    of them the tree's root), then the tree's nodes up to the row's last real one (its span: a
+    padding node between real ones is fed too, so that node n's logits sit at column 1 + n; the
+    padding after them is not, so a row drafting less than the widest costs the forward only its
+    own tokens). Per token its parent's slot (speclm.forward.cache.StaticKV.forward), or None where
+    every row is a chain: node n sits at slot len(context) + n. And per row its span."""
     nodes = tree.tokens.tolist()
     parents = tree.parents.tolist()
-    feed, links, chain = [], [], True
+    feed, links, spans, chain = [], [], [], True
     for c, h, row, up in zip(contexts, have, nodes, parents):
+        span = next((n + 1 for n in range(len(up) - 1, -1, -1) if up[n] != PAD), 0)
+        row, up = row[:span], up[:span]
+        spans.append(span)
         feed.append(c[h:] + row)
         # a padding node (after every real one) continues from the node before it, as in a chain
         slot = [len(c) - 1 if p == ROOT or (p == PAD and n == 0) else len(c) + n - 1 if p == PAD else len(c) + p
                 for n, p in enumerate(up)]
         chain = chain and all(s == len(c) + n - 1 for n, s in enumerate(slot))
         links.append([-1] * (len(c) - h) + slot)
-    return feed, None if chain else links
+    return feed, None if chain else links, spans
 
 
 def _coupled(r: Request):
