@@ -11,7 +11,7 @@ from speclm.errors import PullError, SpeclmError, StoreError, UsageError
 from speclm import defaults
 from speclm.defaults import PREFIX_CACHE_TOKENS
 from speclm.methods import DRAFT_MODEL, HEADS, NAMES as METHODS, REGISTRY, help_text, needing, taking, using
-from speclm.runtime import (QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES, family_draft, keep_freed_memory, set_threads,
+from speclm.runtime import (DRAFT_NONE_HELP, QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES, family_draft, keep_freed_memory, set_threads,
                             weights_for)
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
     g.add_argument("--method", choices=list(METHODS), default="auto", help="default auto; " + help_text())
-    g.add_argument("--draft", help=f"draft model for --method {', '.join(using(DRAFT_MODEL))} (same tokenizer as the target)")
+    g.add_argument("--draft", help=f"draft model for --method {', '.join(using(DRAFT_MODEL))} (same tokenizer as the target)"
+                   + DRAFT_NONE_HELP)
     _add_decoding_options(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure what --method auto plans by on this machine, for a target (and draft), "
                        "once: kept under the cache folder and read by generate, bench and serve")
     t.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
-    t.add_argument("--draft", help="the draft model auto may draft with (same tokenizer as the target)")
+    t.add_argument("--draft", help="the draft model auto may draft with (same tokenizer as the target)" + DRAFT_NONE_HELP)
     t.add_argument("--heads", help="heads file for the head methods (default: those shipped for the target)")
     t.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto", help=QUANTIZE_HELP)
     t.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
@@ -255,7 +256,7 @@ def _tune(args) -> int:
 
     opts = GenerationOptions(method="auto", heads=args.heads)
     check_model_name(args.target)
-    args.draft = args.draft or family_draft(args.target, "auto")
+    args.draft = family_draft(args.target, "auto", args.draft)
     if args.draft:
         check_model_name(args.draft)
     quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
@@ -349,9 +350,9 @@ def _generate(args) -> int:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
     if args.prefix_cache < 0:
         raise UsageError(f"prefix-cache must be >= 0 tokens, got {args.prefix_cache}")
+    args.draft = family_draft(args.target, args.method, args.draft)
     if opts.spec.needs == DRAFT_MODEL and not args.draft:
         raise UsageError(f"--method {args.method} needs --draft MODEL")
-    args.draft = args.draft or family_draft(args.target, args.method)
     uses_draft = bool(args.draft) and args.method in using(DRAFT_MODEL)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     check_model_name(args.target)  # fail fast, before minutes of loading

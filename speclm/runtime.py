@@ -165,12 +165,19 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def family_draft(target: str, method: str) -> str | None:
-    """With no --draft, for a method that may use one (auto): the draft the catalog names for the
-    target, where it is already in the store (said on stderr; never pulled for this)."""
+NO_DRAFT = "none"  # --draft none: no draft model, not even the catalog's (auto then plans without one)
+DRAFT_NONE_HELP = f"; {NO_DRAFT}: no draft model (with none given, auto drafts with the catalog's for the target where it is in the store)"
+
+
+def family_draft(target: str, method: str, draft: str | None = None) -> str | None:
+    """The draft model to load: --draft as given (`none`: no draft model at all); with no --draft,
+    for a method that may use one (auto), the draft the catalog names for the target, where it is
+    already in the store (said on stderr; never pulled for this)."""
     from speclm.methods import DRAFT_MODEL, using
     from speclm.models.store import cached_family_draft
 
+    if draft is not None:
+        return None if draft == NO_DRAFT else draft
     draft = cached_family_draft(target) if method in using(DRAFT_MODEL) else None
     if draft is not None:
         print(f"speclm: {method} may draft with {draft}, the catalog's draft for {target}, found in the store "

@@ -288,3 +288,16 @@ def test_the_catalogs_draft_is_used_only_where_it_is_in_the_store(monkeypatch, c
     assert family_draft("qwen2.5-coder-1.5b", "auto") == "qwen2.5-coder-0.5b"
     assert "the catalog's draft for qwen2.5-coder-1.5b" in capsys.readouterr().err
     assert family_draft("smollm2-135m", "auto") is None  # it names no draft
+    # --draft as given; `none`: no draft model, not even the catalog's (said nothing of)
+    assert family_draft("qwen2.5-coder-1.5b", "auto", "my-draft") == "my-draft"
+    assert family_draft("qwen2.5-coder-1.5b", "auto", "none") is None and capsys.readouterr().err == ""
+
+
+def test_draft_none_with_a_method_that_needs_a_draft_is_a_usage_error(tmp_path, capsys):
+    """`--draft none` beside a method that drafts with a model: one line, exit 2, before anything loads."""
+    from speclm.cli import main
+
+    for command in (["generate", "--prompt", "hi"], ["serve"]):
+        code = main([*command, "--target", str(tmp_path / "absent"), "--method", "draft", "--draft", "none"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.strip().splitlines() == ["speclm: error: --method draft needs --draft MODEL"], (command, err)

@@ -15,9 +15,10 @@ from speclm.options import GenerationOptions
 def check(args) -> str:
     """The options' own checks, before anything loads; returns the method."""
     from speclm.methods import DRAFT_MODEL, method as spec
+    from speclm.runtime import NO_DRAFT
 
     method = args.method or "auto"
-    if spec(method).needs == DRAFT_MODEL and not args.draft:
+    if spec(method).needs == DRAFT_MODEL and args.draft in (None, NO_DRAFT):
         raise UsageError(f"--method {method} needs --draft MODEL")
     for name, value, low in (("max-batch", args.max_batch, 1), ("max-queue", args.max_queue, 0),
                              ("max-tokens", args.max_tokens, 1), ("prefill-chunk", args.prefill_chunk, 1),
@@ -49,7 +50,7 @@ def build(args, progress: bool = False):
     check_model_name(args.target)
     from speclm.runtime import family_draft
 
-    args.draft = args.draft or family_draft(args.target, method)
+    args.draft = family_draft(args.target, method, args.draft)
     if args.draft:
         check_model_name(args.draft)
     quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)

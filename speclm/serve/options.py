@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from speclm.methods import DRAFT_MODEL, NAMES as METHODS, using
-from speclm.runtime import QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES
+from speclm.runtime import DRAFT_NONE_HELP, QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES
 
 MAX_BATCH = 8  # requests decoding at once: the concurrency the load benchmark measures up to
 MAX_QUEUE = 64
@@ -18,7 +18,8 @@ def add_serve_parser(sub, add_draft_options, prefix_cache_help: str, draft_quant
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     s.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
-    s.add_argument("--draft", help=f"draft model (same tokenizer as the target) for methods {', '.join(using(DRAFT_MODEL))}")
+    s.add_argument("--draft", help=f"draft model (same tokenizer as the target) for methods {', '.join(using(DRAFT_MODEL))}"
+                   + DRAFT_NONE_HELP)
     s.add_argument("--method", choices=list(METHODS), default=None,
                    help="each request's method unless it asks for another (its \"speculation\" field); default "
                         "auto: per request and round, the planner picks among the methods the loaded models allow")
