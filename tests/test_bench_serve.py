@@ -119,3 +119,28 @@ def test_method_modes_run_each_method(server, tmp_path, monkeypatch, capsys):
     assert methods == {("off", "none"), ("pld", "pld"), ("draft:k=2", "draft")}
     assert [s["same_text_as_off"] for s in results["summary"] if s["mode"] != "off"] == [[2, 2], [2, 2]]
     assert "| 1 | draft:k=2 | 2 |" in (out / "report.md").read_text()
+
+
+def test_the_report_shows_what_the_prefix_cache_spared_each_cell():
+    """A cell's share of prompt tokens read from the server's prefix cache is in the table, and
+    modes of one concurrency whose shares differ by more than 10 points are called out."""
+    from speclm.serve.bench import markdown, summarize
+
+    def request(mode, cached):
+        return {"concurrency": 1, "mode": mode, "prompt": 0, "error": None, "completion_tokens": 8, "prompt_tokens": 100,
+                "ttft": 0.1, "chunks": [0.1, 0.2], "end": 0.3, "text_sha1": "a",
+                "speculation": {"target_forwards": 8, "draft_tokens": 0, "accepted_tokens": 0, "cached_prompt_tokens": cached}}
+
+    def results(shares):
+        return {"cells": [{"concurrency": 1, "mode": m, "wall_seconds": 1.0, "time_limited": False} for m in shares],
+                "requests": [request(m, c) for m, c in shares.items()], "complete": True, "command": "speclm bench-serve",
+                "created": "now", "config": {"requests": 1, "dataset": "d", "max_tokens": 8, "time_limit": 10.0,
+                                             "skipped_modes": {}, "concurrency": [1]},
+                "server": {"url": "u", "model": "m", "speclm": {"method": "auto", "k": None}},
+                "machine": {"cpu": "cpu", "cpu_count": 2}}
+
+    for shares, uneven in (({"off": 54, "auto": 45}, False), ({"off": 54, "auto": 22}, True)):
+        r = results(shares)
+        report = markdown(r, summarize(r))
+        assert f"| 1 | auto | 1 | 8 | 1.00 | 8.00 | 1.00 | 100.0 | 100.0 | 28.6 | 28.6 | 1.00 | {shares['auto']}% |" in report
+        assert ("unequal shares of the prompts" in report) == uneven, report

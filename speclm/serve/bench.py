@@ -424,8 +424,8 @@ def markdown(results: dict, summary: list[dict]) -> str:
         f"Machine: {mach['cpu']}, {mach['cpu_count']} CPUs{', GPU ' + mach['cuda'] if mach.get('cuda') else ''}; "
         f"the client ran on it too.", "",
         "| concurrency | mode | requests | tokens | wall s | tokens/s | speedup vs off | TTFT p50 ms | TTFT p99 ms "
-        "| ITL p50 ms | ITL p99 ms | tokens/forward |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 ms | ITL p99 ms | tokens/forward | prompt cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         failed = f" ({s['errors']} failed)"
@@ -434,12 +434,21 @@ def markdown(results: dict, summary: list[dict]) -> str:
             f"{' (time limit)' if s['time_limited'] else ''} | {s['completion_tokens']} | {s['wall_seconds']:.2f} | "
             f"{_fmt(s['tokens_per_second'])} | {_fmt(s['speedup_vs_off'])} | {_fmt(s['ttft_p50'], '.1f', 1e3)} | "
             f"{_fmt(s['ttft_p99'], '.1f', 1e3)} | {_fmt(s['itl_p50'], '.1f', 1e3)} | {_fmt(s['itl_p99'], '.1f', 1e3)} | "
-            f"{_fmt(s['tokens_per_forward'])} |")
+            f"{_fmt(s['tokens_per_forward'])} | {_fmt(s['cached_prompt_share'], '.0%')} |")
     lines += ["", "tokens/s: the cell's completion tokens over its wall time (first send to last end). TTFT: send to "
               "the first text. ITL: a request's (end - first text) / (tokens - 1); percentiles over the cell's "
               "requests (chunk gaps, which group a round's tokens, are in results.json). tokens/forward: tokens the "
               "requests returned per target forward, as the server's speculation counts forwards (a long prompt's "
-              "prefill chunks count, so plain decoding can show less than 1)."]
+              "prefill chunks count, so plain decoding can show less than 1). prompt cached: the share of the cell's "
+              "prompt tokens the server's prefix cache held (read from it, not computed)."]
+    uneven = sorted({s["concurrency"] for s in summary for t in summary if s["concurrency"] == t["concurrency"]
+                     and s["cached_prompt_share"] is not None and t["cached_prompt_share"] is not None
+                     and abs(s["cached_prompt_share"] - t["cached_prompt_share"]) > 0.10})
+    if uneven:
+        lines += ["", f"**The prefix cache held unequal shares of the prompts across modes** at concurrency "
+                  f"{', '.join(map(str, uneven))} (more than 10 points apart): there the modes' TTFT and tokens/s "
+                  "differ by what the cache spared them too. For an A/B of speculation alone, serve with "
+                  "`--prefix-cache 0`."]
     for mode, why in cfg["skipped_modes"].items():
         lines += ["", f"Mode {mode} was left out: {why}."]
     over = [c for c in cfg["concurrency"] if info.get("max_batch") and c > info["max_batch"]]
