@@ -11,7 +11,7 @@ from speclm.errors import PullError, SpeclmError, StoreError, UsageError
 from speclm import defaults
 from speclm.defaults import PREFIX_CACHE_TOKENS
 from speclm.methods import DRAFT_MODEL, HEADS, NAMES as METHODS, REGISTRY, help_text, needing, taking, using
-from speclm.runtime import (DRAFT_NONE_HELP, QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES, family_draft, keep_freed_memory, set_threads,
+from speclm.runtime import (DRAFT_NONE_HELP, NO_DRAFT, QUANTIZE_CHOICES, QUANTIZE_HELP, QUANTIZE_MODES, family_draft, keep_freed_memory, set_threads,
                             weights_for)
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring and an example."
@@ -350,9 +350,9 @@ def _generate(args) -> int:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
     if args.prefix_cache < 0:
         raise UsageError(f"prefix-cache must be >= 0 tokens, got {args.prefix_cache}")
-    args.draft = family_draft(args.target, args.method, args.draft)
-    if opts.spec.needs == DRAFT_MODEL and not args.draft:
+    if opts.spec.needs == DRAFT_MODEL and args.draft in (None, NO_DRAFT):  # never the catalog's: only auto takes it
         raise UsageError(f"--method {args.method} needs --draft MODEL")
+    args.draft = family_draft(args.target, args.method, args.draft)
     uses_draft = bool(args.draft) and args.method in using(DRAFT_MODEL)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     check_model_name(args.target)  # fail fast, before minutes of loading

@@ -293,11 +293,16 @@ def test_the_catalogs_draft_is_used_only_where_it_is_in_the_store(monkeypatch, c
     assert family_draft("qwen2.5-coder-1.5b", "auto", "none") is None and capsys.readouterr().err == ""
 
 
-def test_draft_none_with_a_method_that_needs_a_draft_is_a_usage_error(tmp_path, capsys):
-    """`--draft none` beside a method that drafts with a model: one line, exit 2, before anything loads."""
+def test_draft_none_with_a_method_that_needs_a_draft_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """`--draft none`, or no --draft, beside a method that drafts with a model: one line, exit 2,
+    before anything loads; the catalog's draft in the store is auto's alone, not taken for it."""
     from speclm.cli import main
+    from speclm.models import store
 
+    monkeypatch.setattr(store, "cached_path", lambda name: f"/store/{name}")
     for command in (["generate", "--prompt", "hi"], ["serve"]):
-        code = main([*command, "--target", str(tmp_path / "absent"), "--method", "draft", "--draft", "none"])
-        err = capsys.readouterr().err
-        assert code == 2 and err.strip().splitlines() == ["speclm: error: --method draft needs --draft MODEL"], (command, err)
+        for draft in (["--draft", "none"], []):
+            code = main([*command, "--target", "qwen2.5-coder-1.5b", "--method", "draft", *draft])
+            err = capsys.readouterr().err
+            assert code == 2 and err.strip().splitlines() == ["speclm: error: --method draft needs --draft MODEL"], (
+                command, draft, err)
