@@ -441,9 +441,11 @@ def markdown(results: dict, summary: list[dict]) -> str:
               "requests returned per target forward, as the server's speculation counts forwards (a long prompt's "
               "prefill chunks count, so plain decoding can show less than 1). prompt cached: the share of the cell's "
               "prompt tokens the server's prefix cache held (read from it, not computed)."]
-    uneven = sorted({s["concurrency"] for s in summary for t in summary if s["concurrency"] == t["concurrency"]
-                     and s["cached_prompt_share"] is not None and t["cached_prompt_share"] is not None
-                     and abs(s["cached_prompt_share"] - t["cached_prompt_share"]) > 0.10})
+    shares: dict[int, list[float]] = {}  # concurrency -> its cells' cached shares
+    for s in summary:
+        if s["cached_prompt_share"] is not None:
+            shares.setdefault(s["concurrency"], []).append(s["cached_prompt_share"])
+    uneven = sorted(c for c, x in shares.items() if max(x) - min(x) > 0.10)
     if uneven:
         lines += ["", f"**The prefix cache held unequal shares of the prompts across modes** at concurrency "
                   f"{', '.join(map(str, uneven))} (more than 10 points apart): there the modes' TTFT and tokens/s "
