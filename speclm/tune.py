@@ -3,7 +3,8 @@
 A profile holds, for each of auto's children on this engine (speclm.methods.children), what a
 short run of it on the tuning prompts below measured: a draft forward's seconds (one row; a
 lookup's: one proposal's), the probability that the target accepts its next drafted token, and
-the tokens it gains and the nodes it verifies per drafting round. The target's and the draft
+the tokens it gains, the nodes it verifies and the draft forwards it runs per drafting round (a
+tree's drafting costs its levels drafted, not its most). The target's and the draft
 model's forward costs by tokens read (speclm.forward.costs) are measured beside it (they are
 kept in their own files). The planner (speclm.round.adaptive) starts from the profile: a child
 is priced by its measured step before it runs in this process, and a request's acceptance of a
@@ -30,7 +31,7 @@ from speclm.files import atomic_write
 from speclm.forward.costs import cache_path
 from speclm.options import GenerationOptions
 
-FORM = 1  # the profile file's layout; another is measured again
+FORM = 2  # the profile file's layout; another is measured again
 TOKENS = 64  # new tokens per tuning prompt
 # Tuning prompts: a few kinds of work a user asks for (code, rewriting given text, explaining,
 # a list), written for speclm; none is from Spec-Bench or any test set.
@@ -52,6 +53,7 @@ class ChildProfile:
     gained: float  # accepted tokens per drafting round
     nodes: float  # verified nodes per drafting round
     rounds: int  # drafting rounds measured
+    forwards: float  # draft forwards per drafting round (a tree's: its levels drafted; a lookup round's: 0)
 
 
 @dataclass
@@ -137,7 +139,7 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
         per = step / forwards if forwards else step / max(rounds, 1)
         profile.children[child.method] = ChildProfile(
             step_seconds=per, acceptance=accepted / tries if tries else 0.0, gained=accepted / max(rounds, 1),
-            nodes=nodes / max(rounds, 1), rounds=int(rounds))
+            nodes=nodes / max(rounds, 1), rounds=int(rounds), forwards=forwards / max(rounds, 1))
     bar.close()
     profile.seconds = time.perf_counter() - t0
     engine.measured_children.update(profile.children)  # the engine plans by it from now on
@@ -172,7 +174,8 @@ def predicted(engine, profile: Profile, rows: int, prompt: int, new: int = 128) 
                 a = min(c.acceptance, 0.999)
                 tokens, width, forwards = (1 - a ** (k + 1)) / (1 - a), k, k if m.runs_model else 1
             else:  # as measured (a tree, or a method whose length is its own)
-                tokens, width, forwards = 1 + c.gained, max(1, round(c.nodes)), max(1, round(c.nodes))
+                tokens, width = 1 + c.gained, max(1, round(c.nodes))
+                forwards = c.forwards or 1.0  # none measured: step_seconds is per round
             step = c.step_seconds * (costs(rows) / costs(1)) if m.runs_model else c.step_seconds
             reading = rows * draft_costs(prompt) if draft_costs is not None and m.needs else 0.0
             spent = prefill + reading + new / tokens * (costs(rows * (1 + width)) + forwards * step)
@@ -188,9 +191,9 @@ def show(engine, opts: GenerationOptions) -> str:
     if profile is None:
         raise UsageError(f"no profile for {key_of(engine, opts)} on this machine: run speclm tune without --show")
     lines = [f"profile {profile.key} on {profile.processor}, measured {profile.created} in {profile.seconds:.0f} s",
-             f"{'method':<12}{'step ms':>9}{'acceptance':>12}{'gained/round':>14}{'nodes/round':>13}"]
+             f"{'method':<12}{'step ms':>9}{'acceptance':>12}{'gained/round':>14}{'nodes/round':>13}{'forwards/round':>16}"]
     for name, c in profile.children.items():
-        lines.append(f"{name:<12}{c.step_seconds * 1e3:>9.2f}{c.acceptance:>12.2f}{c.gained:>14.2f}{c.nodes:>13.2f}")
+        lines.append(f"{name:<12}{c.step_seconds * 1e3:>9.2f}{c.acceptance:>12.2f}{c.gained:>14.2f}{c.nodes:>13.2f}{c.forwards:>16.2f}")
     lines.append("")
     lines.append("predicted speedup over none (128 new tokens; auto: the best, or none)")
     names = [*profile.children, "auto"]

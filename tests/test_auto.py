@@ -197,6 +197,55 @@ def test_a_chain_is_priced_by_its_positions_not_as_geometric():
     assert policy._width(key, group, request, Choice("model", 6)) == drafted
 
 
+class _Tree(_Child):
+    shape = "tree"
+
+
+def test_a_tree_is_priced_by_the_levels_it_drafts_not_its_most():
+    """EAGLE's dynamic tree of 6 levels stops where another level is not worth it (2 forwards a
+    round here): priced at 6 draft forwards a round, it lost to prompt lookup at every round and
+    was never planned again (no-draft auto planned pld where eagle+pld ran 1.37x against pld's
+    1.23x). Priced by the forwards its rounds ran; before any, by `speclm tune`'s."""
+    costs = ForwardCosts({1: 1.0, 64: 1.0})
+    policy = Adaptive(costs)
+    key, group, request = _one_row({"tree": _Tree(6)})
+    plan = [(key, group, request, Choice("tree", 6), {})]
+    for _ in range(50):
+        policy.observe(request, 8, 2, 0.2, 2, 1, child="tree")  # 2 forwards of 0.1 s each a round
+    seconds = policy._price(plan, 1, 0.0, 0)[1]
+    assert seconds == pytest.approx(1.0 + 2 * 0.1), seconds  # not 1.0 + 6 * 0.1
+    tuned = Adaptive(costs, measured={"tree": tune.ChildProfile(0.1, 0.5, 1.0, 8.0, 50, forwards=3.0)})
+    assert tuned._price(plan, 1, 0.0, 0)[1] == pytest.approx(1.0 + 3 * 0.1)
+    # a fixed tree method's own rounds (not auto's), as the server's adaptive policy prices them
+    assert policy._tree_forwards((key, "tree"), 6) == pytest.approx(2.0)
+
+
+def test_a_child_a_row_stopped_trying_is_tried_again_once_it_pays():
+    """A row whose first rounds of a tree child accepted nothing moves to another child; while
+    every other request accepts that tree's drafts, what the row measured itself drifts back to
+    that prior (its counts of a child it did not try decay as every request's do), and the row tries
+    the tree again (explored, not written off for good)."""
+    costs = ForwardCosts({1: 1.0, 64: 1.2})
+    policy = Adaptive(costs, measured={"tree": tune.ChildProfile(0.01, 0.8, 3.0, 6.0, 50, forwards=1.0)})
+    key, group, request = _one_row({"tree": _Tree(6), "chain": _Child(2)})
+    batch = SimpleNamespace(groups={key: group}, requests=[request])
+    other = Request.of(1, list(range(10)), request.options, 1, None)
+    chosen = []
+    for n in range(60):
+        policy.caps(batch)
+        choice = group.proposer.plan[0]
+        chosen.append(choice.child)
+        if choice.child == "tree":
+            policy.observe(request, 6, 0 if n < 20 else 3, 0.01, 1, 1, child="tree")
+        elif choice.child == "chain":
+            policy.observe(request, choice.k, 1, 0.001, choice.k, 1, child="chain", cap=choice.k)
+        policy.observe(other, 6, 3, 0.01, 1, 1, child="tree")  # every other request: 3 tokens a round
+    assert chosen[0] == "tree" and "chain" in chosen[:12], chosen
+    left = chosen.index("chain")
+    assert "tree" in chosen[left:left + 12], chosen  # tried again within a few rounds (unaged: 33 rounds later)
+    assert set(chosen[25:]) == {"tree"}, chosen  # and kept once it pays for this row too
+
+
 def replace_max(options, n):
     from dataclasses import replace
 

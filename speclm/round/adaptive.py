@@ -77,6 +77,11 @@ from speclm.proposers.auto import NO_DRAFT, Choice
 from speclm.forward.costs import ForwardCosts, StepTimes
 
 
+# auto: each round's weight on the counts over every request of a child, and on a request's own
+# counts of a child it did not try that round (they drift back to every request's: explored again)
+SHARED_DECAY = 0.98
+
+
 @dataclass
 class _Rate:
     """One request's acceptance, as decayed counts."""
@@ -91,6 +96,10 @@ class _Rate:
         self.tries = decay * self.tries + min(accepted + 1, drafted)
         self.gained = decay * self.gained + accepted
         self.rounds = decay * self.rounds + 1
+
+    def age(self, factor: float) -> None:
+        """A round that did not try it: its counts weigh less against the prior they blend with."""
+        self.hits, self.tries, self.gained, self.rounds = (factor * x for x in (self.hits, self.tries, self.gained, self.rounds))
 
 
 @dataclass
@@ -125,6 +134,10 @@ class _Curve:
         accepted = self.accepted[i] if seen else 0.0
         return (drafted + weight * prior[0]) / (reach + weight), (accepted + weight * prior[1]) / (reach + weight)
 
+    def age(self, factor: float) -> None:
+        for counts in (self.reach, self.drafted, self.accepted):
+            counts[:] = [factor * c for c in counts]
+
 
 class Adaptive:
     def __init__(self, costs: ForwardCosts, prior: float = defaults.ADAPTIVE_PRIOR, decay: float = defaults.ADAPTIVE_DECAY, probe: int = 32,
@@ -149,6 +162,7 @@ class Adaptive:
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
         self._step: dict = {}  # group key -> StepTimes by rows drafted for: a draft forward (or proposal, where none)
         self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
+        self._levels: dict = {}  # group key -> decayed mean of the draft forwards a drafting round ran
         self._ratios = {False: StepTimes(), True: StepTimes()}  # drafting or not -> measured / predicted seconds, by rows
         self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, seconds) as priced
         self.last: dict = {}  # the last round's caps, for metrics and tests
@@ -185,14 +199,14 @@ class Adaptive:
         key = request.options.proposer_key()
         self._chains.clear()  # priced from the counts this round changes
         if child is not None and cap:
-            self._curves.setdefault((key, child), _Curve()).update(0.98, cap, min(drafted, cap), accepted)
+            self._curves.setdefault((key, child), _Curve()).update(SHARED_DECAY, cap, min(drafted, cap), accepted)
             own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
             own.update(self.decay, cap, min(drafted, cap), accepted)
         if drafted <= 0:
             return
         if child is not None:
             self._child_rates.setdefault(request, {}).setdefault(child, _Rate()).update(self.decay, drafted, accepted)
-            self._family.setdefault((key, child), _Rate()).update(0.98, drafted, accepted)
+            self._family.setdefault((key, child), _Rate()).update(SHARED_DECAY, drafted, accepted)
             key = (key, child)
         else:
             self._rates.setdefault(request, _Rate()).update(self.decay, drafted, accepted)
@@ -205,6 +219,8 @@ class Adaptive:
             self._step.setdefault(key, StepTimes()).record(rows, propose_seconds)
         old = self._nodes.get(key)  # a tree's verified nodes per row, as its proposer sized them
         self._nodes[key] = drafted if old is None else 0.8 * old + 0.2 * drafted
+        old = self._levels.get(key)  # a tree's levels drafted (a lookup round's: none)
+        self._levels[key] = forwards if old is None else 0.8 * old + 0.2 * forwards
 
     def ratio(self, rows: int, drafting: bool) -> float:
         """Measured over predicted seconds of rounds of `rows` rows that drafted (or not): at that
@@ -275,6 +291,17 @@ class Adaptive:
                 seconds += reading(unseen) / rounds
         return seconds
 
+    def _tree_forwards(self, key, most: int, child: str | None = None) -> float:
+        """A tree's draft forwards per drafting round: as measured here, else as `speclm tune`
+        measured of auto's `child`, else its most levels (`most`). A dynamic tree stops below its
+        most (EAGLE's levels past their worth; prompt lookup's rounds run none)."""
+        seen = self._levels.get(key)
+        if seen is not None:
+            return seen
+        tuned = self.measured.get(child) if child is not None else None
+        forwards = getattr(tuned, "forwards", 0.0) if tuned is not None else 0.0
+        return forwards if forwards > 0 else most
+
     def _tree_width(self, key, g) -> int:
         """A tree's verified nodes per row: as measured (a tree sized by cost is far below its
         most), else its most."""
@@ -320,7 +347,8 @@ class Adaptive:
                 own = (g.proposer.k if tree_on else 0) if is_tree else min(k, g.proposer.k)
                 tokens += sum(self._expected(r, own, is_tree) for r in g.requests)
                 if own:
-                    drafting += self._step_seconds(key, len(g.requests), unread[key]) * own
+                    forwards = self._tree_forwards(key, own) if is_tree else own
+                    drafting += self._step_seconds(key, len(g.requests), unread[key]) * forwards
                     catch_up += self._catch_up(key, g, own, is_tree, unread[key])
                     fed += len(g.requests) * (self._tree_width(key, g) if is_tree else own)
             seconds = self.costs(rows + fed) + drafting
@@ -362,15 +390,16 @@ class Adaptive:
         if choice.child is None:
             return 1.0
         child = g.proposer.children[choice.child]
-        if child.shape == "tree":
-            rate = self._child_rates.get(r, {}).get(choice.child)
-            shared = self._family.get((key, choice.child))
-            if rate is not None and rate.rounds:
-                return 1.0 + rate.gained / rate.rounds
-            if shared is not None and shared.rounds:
-                return 1.0 + shared.gained / shared.rounds
+        if child.shape == "tree":  # the row's own rounds, their prior every request's, theirs tune's
             tuned = self.measured.get(choice.child)
-            return 1.0 + (tuned.gained if tuned is not None else self.prior * 2)
+            gained = tuned.gained if tuned is not None else self.prior * 2
+            shared = self._family.get((key, choice.child))
+            if shared is not None:
+                gained = (shared.gained + gained * 8.0) / (shared.rounds + 8.0)
+            rate = self._child_rates.get(r, {}).get(choice.child)
+            if rate is not None:
+                gained = (rate.gained + gained * 2.0) / (rate.rounds + 2.0)
+            return 1.0 + gained
         return 1.0 + self._chain(key, r, choice)[0]
 
     def _chain(self, key, r, choice: Choice) -> tuple[float, float]:
@@ -421,7 +450,12 @@ class Adaptive:
             at = (key, choice.child)
             count, depth = used.get(at, (0, 0))
             # a draft model's forwards: one per position it is expected to draft (a tree: its depth)
-            steps = (self._chain(key, r, choice)[1] if child.shape != "tree" else choice.k) if child.runs_model else 1
+            if not child.runs_model:
+                steps = 1
+            elif child.shape == "tree":
+                steps = self._tree_forwards(at, choice.k, choice.child)
+            else:
+                steps = self._chain(key, r, choice)[1]
             used[at] = (count + 1, max(depth, steps))
             seen = unread.get(choice.child, 0)
             if child.reads_context and seen > 2:  # this round's share of reading what it has not read
@@ -477,6 +511,14 @@ class Adaptive:
                         cheap = next((n for n, c in e[1].proposer.children.items() if not c.runs_model), None)
                         if cheap is not None:
                             e[3] = Choice(cheap, 1)
+            for e in free:  # what a row no longer tries drifts back to its prior: explored again once it pays
+                r, chosen = e[2], e[3].child
+                for name, rate in self._child_rates.get(r, {}).items():
+                    if name != chosen:
+                        rate.age(SHARED_DECAY)
+                for name, curve in self._own_curves.get(r, {}).items():
+                    if name != chosen:
+                        curve.age(SHARED_DECAY)
         plans = [tuple(e) for e in free]
         _, seconds, drafting = self._price(plans, rows, tokens0, fed0)
         self._predicted = (rows, drafting, seconds) if free else None
