@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark methods side by side (speclm and transformers) and write a report")
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
-    b.add_argument("--draft", help="draft model for draft, draft+pld, hf-assisted and openvino-draft")
+    b.add_argument("--draft", help="draft model for draft, draft+pld, hf-assisted, openvino-draft and auto; "
+                   f"{NO_DRAFT}: none, as when not given (bench never takes the catalog's draft by itself)")
     b.add_argument("--methods", default="none,draft,pld,hf",
                    help="comma list: none, draft[:k=N,confidence=P,alternatives=P,vocab=N,tree=chain|auto|FILE], pld[:k=N,ngram_max=N,ngram_min=N], draft+pld[:draft's and pld's options], medusa[:k=N,tree=auto|FILE,heads=FILE], eagle[:k=N,heads=FILE], eagle+pld[:eagle's and pld's options], lookahead[:w=N,n=N,g=N], lookahead+pld[:lookahead's and pld's options], self[:k=N,layers=auto|all|N|skip:I-J+K,self_weights=target|int4,tree=chain|auto|FILE,vocab=N], hf, hf-assisted[:k=N], hf-pld[:k=N]; other engines (pip install 'speclm[peers]'): "
                         "llama.cpp, llama.cpp-pld[:k=N,ngram_max=N], openvino, openvino-draft[:k=N], openvino-pld[:k=N,ngram_max=N]")
@@ -451,6 +452,8 @@ def _bench(args) -> int:
         return 0
     if not args.target or not args.out:
         raise UsageError("bench needs --target and --out (or --compare A.json B.json)")
+    if args.draft == NO_DRAFT:
+        args.draft = None
     specs = parse_methods(args.methods)
     for s in specs:  # every method's options, before anything is loaded
         if not s.is_hf and not s.is_peer:

@@ -355,3 +355,10 @@ def test_draft_none_with_a_method_that_needs_a_draft_is_a_usage_error(tmp_path, 
             err = capsys.readouterr().err
             assert code == 2 and err.strip().splitlines() == ["speclm: error: --method draft needs --draft MODEL"], (
                 command, draft, err)
+    bench = ["bench", "--target", "qwen2.5-coder-1.5b", "--out", str(tmp_path / "run"), "--methods", "none,draft"]
+    for draft in (["--draft", "none"], []):  # bench reads `none` as no draft too (never the catalog's)
+        code = main([*bench, *draft])
+        err = capsys.readouterr().err
+        assert code == 2 and err.strip().splitlines() == [
+            "speclm: error: methods draft, draft+pld, hf-assisted and openvino-draft need --draft MODEL"], (draft, err)
+        assert not (tmp_path / "run").exists()

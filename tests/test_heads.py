@@ -3,6 +3,7 @@ tree, the EAGLE head's incremental cache equals a full forward over the real fea
 that do not fit a target are refused with one line."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -446,3 +447,21 @@ def test_adaptive_speculation_turns_head_trees_on_and_off(target, heads_files):
     assert all(cap in (None, 0, 1) for round_caps in caps for cap in round_caps.values())
     assert any(cap is None for round_caps in caps for cap in round_caps.values())  # trees verified whole
     assert len(policy._nodes) == 2 and all(0 < n <= 48 for n in policy._nodes.values())
+
+
+def test_the_heads_reading_of_a_prompt_is_its_prefill_not_a_rounds_drafting(target, heads_files, monkeypatch):
+    """EAGLE's head reads every prompt token's features before its first tree: that feed is its
+    prefill (stats' draft prefill; speclm tune's step and the planner's measured rounds leave it
+    out), not the first round's drafting, which priced the round 1.5x (a 900-token prompt) and
+    turned auto's drafting off for the request. Later feeds (a round's path) are drafting."""
+    import itertools
+
+    import speclm.proposers.eagle as eagle
+
+    clock = itertools.count()  # each reading of the clock one second on
+    monkeypatch.setattr(eagle, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    engine = SpecEngine(target)
+    prompt = "the quick brown fox jumps over the lazy dog, " * 3
+    for method in ("eagle", "eagle+pld"):
+        out = engine.generate(prompt, method=method, heads=heads_files["eagle"], max_new_tokens=16)
+        assert out.stats.draft_prefill_seconds == 1.0, (method, out.stats.draft_prefill_seconds)  # the first feed alone

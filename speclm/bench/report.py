@@ -278,7 +278,7 @@ def markdown(results: dict, summary: dict) -> str:
         lines += ["", "## Where the time goes (all categories)", "",
                   "Seconds summed over the method's requests, and their share of its wall time.", "",
                   "| method | wall | target prefill | target forwards after it, with verification | each of them, ms "
-                  "(x `none`'s) | draft model's prefill | drafting (draft steps, lookup) | rest (committing tokens, "
+                  "(x `none`'s) | draft's prefill (a draft model's, EAGLE's head's) | drafting (draft steps, lookup) | rest (committing tokens, "
                   "bookkeeping) |", "|---|---|---|---|---|---|---|---|"]
         step = (parts.get("none") or {}).get("per_forward")
         for m, t in parts.items():

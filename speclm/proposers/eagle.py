@@ -62,7 +62,7 @@ class EagleProposer(HeadProposer):
         self.keys: list[torch.Tensor] = []  # per row: (H_kv, P, D) the head's cache over real features
         self.values: list[torch.Tensor] = []
         self.pending: list[tuple[torch.Tensor, int]] = []  # per row: (m, E) real features not yet fed, first one's index j
-        self._seconds = 0.0
+        self._seconds = self._prefill_seconds = 0.0
 
     def add(self, count, prompt_lengths=None, max_new_tokens=None):
         empty = torch.zeros(*self._kv_shape[:1], 0, self._kv_shape[1], device=self.device)
@@ -70,6 +70,12 @@ class EagleProposer(HeadProposer):
             self.keys.append(empty)
             self.values.append(empty)
             self.pending.append((torch.zeros(0, self.head.config.hidden_size, device=self.device), 0))
+
+    @property
+    def prefill_seconds(self) -> float:
+        """The head's reading of prompts' features (a feed holding more than a round's path):
+        a prefill of its own, not a round's drafting (the planner prices rounds without it)."""
+        return self._prefill_seconds
 
     @torch.inference_mode()
     def _real(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -101,7 +107,10 @@ class EagleProposer(HeadProposer):
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
         t0 = time.perf_counter()
         batch = len(contexts)
+        prompt = max((len(f) for f, _ in self.pending), default=0) > self.k + 1  # more than a root and its path
         root_features = self._feed_pending(contexts)  # (B, E)
+        if prompt:
+            self._prefill_seconds += time.perf_counter() - t0
         depth = min(self.k, max(max_tokens, default=0))
         if depth <= 0:
             self._seconds += time.perf_counter() - t0

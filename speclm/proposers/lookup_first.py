@@ -54,6 +54,10 @@ class LookupFirstProposer(Proposer):
     def forward_seconds(self) -> float:
         return self.heads.forward_seconds
 
+    @property
+    def prefill_seconds(self) -> float:
+        return self.heads.prefill_seconds
+
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
         chains = self.lookup.found(contexts, max_tokens)  # each no longer than the row's budget
         self.by_lookup = [bool(chain) for chain in chains]
