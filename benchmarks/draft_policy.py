@@ -26,7 +26,7 @@ Predicted decode speedup = output tokens after the first / summed round costs. P
 
 Run (the first and last runs are in git: `git show 44a4c5c:PATH > FILE`):
     .venv/bin/python benchmarks/draft_policy.py 44a4c5c:benchmarks/epyc/reference-int8-qwen1.5b-b82b9b2/results.json \
-         benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1/results.json \
+         benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/other18/results.json \
          benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/results.json \
          44a4c5c:benchmarks/epyc/alternatives-int8-qwen1.5b-73caf26/results.json > draft-policy.txt
 Committed output: benchmarks/epyc/records.md#draft-policy (AMD EPYC machine).

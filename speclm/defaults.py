@@ -41,7 +41,7 @@ TABLE: tuple[Tuned, ...] = (
     Tuned("NGRAM_MIN_DRAFT_PLD", 2, "--ngram-min", "`draft+pld`: a row drafts by lookup when this many trailing "
           "tokens recur (`pld`: 1)", "benchmarks/epyc/methods-int8-qwen1.5b-d395ee1", "draft+pld at 2: 1.42x none, draft 1.30x, pld 1.20x (18 prompts)"),
     Tuned("DRAFT_PROMPT_RATIO", 3.0, "--draft-prompt-ratio", "`draft+pld`: no draft model for prompts longer than "
-          "this times max_new_tokens", "benchmarks/epyc/methods-int8-qwen1.5b-other18-d395ee1", "18 prompts outside the rule's sample: draft+pld 1.54x none, draft 1.31x, pld 1.35x"),
+          "this times max_new_tokens", "benchmarks/epyc/methods-int8-qwen1.5b-d395ee1/other18", "18 prompts outside the rule's sample: draft+pld 1.54x none, draft 1.31x, pld 1.35x"),
     Tuned("COST_REPEATS", 40, "speclm.forward.costs", "forwards timed per size for the verification-cost table that "
           "sizes trees, heads' node budgets and adaptive speculation (measured once per model and kernel build)",
           "benchmarks/amx/records.md#cost-table-noise", "v(8) 1.10-1.53, v(16) 1.16-1.66 over 32 tables of 5 forwards; 1.29-1.33, 1.49-1.52 over 4 of 40"),

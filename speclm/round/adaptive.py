@@ -449,7 +449,7 @@ class Adaptive:
             child = g.proposer.children[choice.child]
             at = (key, choice.child)
             count, depth = used.get(at, (0, 0))
-            # a draft model's forwards: one per position it is expected to draft (a tree: its depth)
+            # a draft model's forwards: one per position it is expected to draft (a tree: the levels its rounds ran)
             if not child.runs_model:
                 steps = 1
             elif child.shape == "tree":
