@@ -216,8 +216,11 @@ def test_a_tree_is_priced_by_the_levels_it_drafts_not_its_most():
     assert seconds == pytest.approx(1.0 + 2 * 0.1), seconds  # not 1.0 + 6 * 0.1
     tuned = Adaptive(costs, measured={"tree": tune.ChildProfile(0.1, 0.5, 1.0, 8.0, 50, forwards=3.0)})
     assert tuned._price(plan, 1, 0.0, 0)[1] == pytest.approx(1.0 + 3 * 0.1)
-    # a fixed tree method's own rounds (not auto's), as the server's adaptive policy prices them
-    assert policy._tree_forwards((key, "tree"), 6) == pytest.approx(2.0)
+    # a fixed tree method's own rounds (not auto's: no child), as the server's adaptive policy prices them
+    fixed = Adaptive(costs)
+    for _ in range(50):
+        fixed.observe(request, 8, 2, 0.2, 2, 1)
+    assert fixed._tree_forwards(key, 6) == pytest.approx(2.0)
 
 
 def test_a_child_a_row_stopped_trying_is_tried_again_once_it_pays():

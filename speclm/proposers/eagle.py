@@ -73,8 +73,8 @@ class EagleProposer(HeadProposer):
 
     @property
     def prefill_seconds(self) -> float:
-        """The head's reading of prompts' features (a feed holding more than a round's path):
-        a prefill of its own, not a round's drafting (the planner prices rounds without it)."""
+        """The head's reading of prompts' features (a feed holding a row's first features): a
+        prefill of its own, not a round's drafting (the planner prices rounds without it)."""
         return self._prefill_seconds
 
     @torch.inference_mode()
@@ -107,7 +107,7 @@ class EagleProposer(HeadProposer):
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
         t0 = time.perf_counter()
         batch = len(contexts)
-        prompt = max((len(f) for f, _ in self.pending), default=0) > self.k + 1  # more than a root and its path
+        prompt = any(k.shape[1] == 0 for k in self.keys)  # a row's first feed: its prompt's features
         root_features = self._feed_pending(contexts)  # (B, E)
         if prompt:
             self._prefill_seconds += time.perf_counter() - t0

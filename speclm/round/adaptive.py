@@ -299,8 +299,7 @@ class Adaptive:
         if seen is not None:
             return seen
         tuned = self.measured.get(child) if child is not None else None
-        forwards = getattr(tuned, "forwards", 0.0) if tuned is not None else 0.0
-        return forwards if forwards > 0 else most
+        return tuned.forwards if tuned is not None and tuned.forwards > 0 else most
 
     def _tree_width(self, key, g) -> int:
         """A tree's verified nodes per row: as measured (a tree sized by cost is far below its
