@@ -12,6 +12,7 @@ class RequestStats:
     drafted_tokens: int = 0  # tokens proposed and sent to verification
     accepted_tokens: int = 0  # drafted tokens the verifier accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that accepted a token at depth j
+    drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft reached depth j
     verified_nodes: int = 0  # draft tokens the target scored (a tree's every node, a chain's alternatives too)
     alternatives: int = 0  # second candidates verified beside drafted tokens (a tree's leaves; not in drafted_tokens)
     accepted_alternatives: int = 0  # of those, accepted (counted in accepted_tokens too)
@@ -79,7 +80,9 @@ class RequestStats:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         depth = drafted if depth is None else depth
-        if len(self.accepted_per_position) < depth:
-            self.accepted_per_position.extend([0] * (depth - len(self.accepted_per_position)))
+        for counts in (self.accepted_per_position, self.drafted_per_position):
+            counts.extend([0] * (depth - len(counts)))
+        for j in range(depth):
+            self.drafted_per_position[j] += 1
         for j in range(accepted):
             self.accepted_per_position[j] += 1

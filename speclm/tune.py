@@ -31,16 +31,22 @@ from speclm.files import atomic_write
 from speclm.forward.costs import cache_path
 from speclm.options import GenerationOptions
 
-FORM = 2  # the profile file's layout; another is measured again
+FORM = 3  # the profile file's layout; another is measured again
 TOKENS = 64  # new tokens per tuning prompt
 # Tuning prompts: a few kinds of work a user asks for (code, rewriting given text, explaining,
-# a list), written for speclm; none is from Spec-Bench or any test set.
+# a list, quoting from given text, arithmetic in steps), written for speclm; none is from
+# Spec-Bench or any test set.
 PROMPTS = (
     "Write a Python function that merges two sorted lists into one sorted list, with a docstring.",
     "Rewrite this sentence in plain words: The committee has determined that the allocation of resources "
     "shall be deferred until such time as the requisite documentation has been furnished by all parties.",
     "Explain in three sentences why a hash table lookup takes constant time on average.",
     "List five things to check before deploying a web service to production, one line each.",
+    "Release notes of a command-line tool:\n- Added a --json flag to the list command.\n- The cache folder "
+    "moved from ~/.tool to ~/.cache/tool.\n- Fixed a crash when the config file is empty.\n- Dropped support "
+    "for Python 3.8.\nWhich of these changes could break an existing user's setup? Quote each one and say why.",
+    "A train leaves at 9:40 and arrives at 13:15. A second train leaves at 10:05 and its trip takes 20 minutes "
+    "less. When does the second train arrive? Show each step.",
 )
 
 
@@ -54,6 +60,10 @@ class ChildProfile:
     nodes: float  # verified nodes per drafting round
     rounds: int  # drafting rounds measured
     forwards: float  # draft forwards per drafting round (a tree's: its levels drafted; a lookup round's: 0)
+    # a chain's rounds by draft position j (a round that drafted nothing included): the share that
+    # drafted position j, and the share that accepted positions 0..j (its acceptance is not geometric)
+    drafted_at: list[float] = field(default_factory=list)
+    accepted_at: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -103,6 +113,15 @@ def estimate_seconds(engine, opts: GenerationOptions) -> float:
     return len(children(engine, opts, False)) * len(PROMPTS) * (TOKENS + 8) * engine.forward_costs()(1) * 1.3
 
 
+def _fits(engine, prompt: str, chat: bool) -> bool:
+    """Whether the prompt and its tuning tokens fit the target's context."""
+    limit = engine.target.max_context
+    try:
+        return not limit or len(engine.encode([prompt], chat)[0]) + TOKENS < limit
+    except UsageError:
+        return False
+
+
 def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallback: bool = True) -> Profile:
     """Run each of auto's children on the tuning prompts (after the forward cost tables) and keep
     what they measured; stored where the home is writable. fallback: set up and measure the
@@ -117,14 +136,16 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
         engine.draft_costs()
     kids = children(engine, opts, fallback)
     chat = bool(getattr(engine.target.tokenizer, "chat_template", None))
-    bar = tqdm(total=len(kids) * len(PROMPTS), desc="tune", unit="run", file=sys.stderr, disable=progress is False)
+    prompts = [p for p in PROMPTS if _fits(engine, p, chat)] or PROMPTS[:1]  # a short context (tests' tiny models)
+    bar = tqdm(total=len(kids) * len(prompts), desc="tune", unit="run", file=sys.stderr, disable=progress is False)
     profile = Profile(key_of(engine, opts), _processor(engine.target.model), time.strftime("%Y-%m-%dT%H:%M:%S%z"), 0.0)
     for child in kids:
         bar.set_postfix_str(child.method)
         engine.prepare(child)
         engine.generate("Hi", method=child.method, heads=child.heads, max_new_tokens=4, chat=chat)  # warm-up
         step = forwards = accepted = tries = rounds = nodes = 0.0
-        for prompt in PROMPTS:
+        drafted_at, accepted_at = [], []  # rounds by draft position, over every prompt
+        for prompt in prompts:
             out = engine.generate(prompt, method=child.method, heads=child.heads, max_new_tokens=TOKENS, chat=chat)
             s = out.stats
             drafting = s.draft_seconds - s.draft_prefill_seconds
@@ -135,11 +156,16 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
             tries += min(s.drafted_tokens, s.accepted_tokens + rounds_here)
             nodes += s.verified_nodes
             rounds += rounds_here
+            for total, counts in ((drafted_at, s.drafted_per_position), (accepted_at, s.accepted_per_position)):
+                total.extend([0.0] * (len(counts) - len(total)))
+                for j, n in enumerate(counts):
+                    total[j] += n
             bar.update()
         per = step / forwards if forwards else step / max(rounds, 1)
         profile.children[child.method] = ChildProfile(
             step_seconds=per, acceptance=accepted / tries if tries else 0.0, gained=accepted / max(rounds, 1),
-            nodes=nodes / max(rounds, 1), rounds=int(rounds), forwards=forwards / max(rounds, 1))
+            nodes=nodes / max(rounds, 1), rounds=int(rounds), forwards=forwards / max(rounds, 1),
+            drafted_at=[x / max(rounds, 1) for x in drafted_at], accepted_at=[x / max(rounds, 1) for x in accepted_at])
     bar.close()
     profile.seconds = time.perf_counter() - t0
     engine.measured_children.update(profile.children)  # the engine plans by it from now on
@@ -157,7 +183,7 @@ def predicted(engine, profile: Profile, rows: int, prompt: int, new: int = 128) 
     speedup over plain decoding of `rows` requests of `prompt` tokens each generating `new`,
     decoding together: (prefill + new forwards of `rows` rows) over (prefill + the draft's reading
     of the prompts + new / tokens per round rounds, each a forward over rows * (1 + nodes) tokens
-    and its draft forwards)."""
+    and its draft forwards). A chain's tokens and width at a cap are its measured rounds' by position."""
     from speclm.methods import REGISTRY
 
     costs = engine.forward_costs()
@@ -170,7 +196,11 @@ def predicted(engine, profile: Profile, rows: int, prompt: int, new: int = 128) 
         best = 0.0
         depths = range(1, 9) if c.nodes <= 0 or not m.runs_model else [0]
         for k in depths:
-            if k:  # a chain of k: expected tokens per round from its acceptance
+            if k and c.drafted_at:  # a chain capped at k, as its rounds went position by position
+                width = sum(c.drafted_at[:k])
+                tokens = 1 + sum(c.accepted_at[:k])
+                forwards = width * c.forwards / sum(c.drafted_at) if m.runs_model else 1
+            elif k:  # a chain of k: expected tokens per round from its acceptance
                 a = min(c.acceptance, 0.999)
                 tokens, width, forwards = (1 - a ** (k + 1)) / (1 - a), k, k if m.runs_model else 1
             else:  # as measured (a tree, or a method whose length is its own)

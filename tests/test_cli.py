@@ -14,7 +14,7 @@ from tiny import require_compiled_kernels
 
 STAT_KEYS = {
     "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
-    "mean_accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds",
+    "mean_accepted_tokens", "accepted_per_position", "drafted_per_position", "draft_seconds", "verify_seconds",
     "wall_seconds", "new_tokens", "tokens_per_second", "forward_seconds", "overhead_share",
     "prefill_seconds", "decode_tokens_per_second", "alternatives", "accepted_alternatives",
     "draft_prefill_seconds", "cached_tokens", "verified_nodes", "lookup_rounds", "pool_hits", "pool_tokens",

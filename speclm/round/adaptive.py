@@ -48,11 +48,16 @@ group gets one of its children (a method's proposer) and a draft length, or no d
 that maximises the same tokens per second with the other rows' choices held (`_plan`: every row
 on one choice, the best of those, then each row in turn moved to its own best). A chain child is
 priced by position, not as geometric (`_Curve`, `_chain`): per position, how often the row's rounds
-with it drafted and accepted it (a round that drafted nothing included), its prior the same over
-every request; its width and a draft model's forwards are the positions it is expected to draft. A
-row's acceptance is kept per child; a child it has not tried is priced by that child's acceptance over
-every request (decayed), else the prior, and a child not run yet by its cost line (a draft
-model's) or as free (prompt lookup, heads), so each is tried early and measured. A child whose
+with it drafted and accepted it (a round that drafted nothing included), its prior `speclm tune`'s
+rounds of it by position; its width is the positions it is expected to draft, and a draft model's
+forwards those times its forwards per position drafted. A row's acceptance is kept per child; a
+child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
+than their priors every request's drafts went (the workload's, whichever child drafted them) and
+how the row's other children went. Children's acceptances move together, and the profile ranks
+them on the same prompts: a per-child mean over every request is measured only where that child
+was chosen (a child that drafted a workload easier than the profile's prompts looked better than
+one that had not drafted since, and kept every request). A child not run yet is priced by its
+cost line (a draft model's) or as free (prompt lookup, heads), so each is tried early. A child whose
 acceptance collapses prices itself below another and the row moves; a child that would draft the row
 by prompt lookup alone (`Proposer.lookup_only`: draft+pld for a prompt too long for its draft) is not
 offered for it, so its curve stays its model's; each move is written in the
@@ -77,9 +82,12 @@ from speclm.proposers.auto import NO_DRAFT, Choice
 from speclm.forward.costs import ForwardCosts, StepTimes
 
 
-# auto: each round's weight on the counts over every request of a child, and on a request's own
-# counts of a child it did not try that round (they drift back to every request's: explored again)
+# auto: each round's weight on the workload's ease, and on a request's own counts of a child it
+# did not try that round (they drift back to its prior: explored again)
 SHARED_DECAY = 0.98
+EASE_WEIGHT = 2.0  # a request's ease starts at the workload's, as this many expected tokens' worth
+WORKLOAD_WEIGHT = 8.0  # the workload's starts at 1 (the profile's prompts), as this many
+EASE_SHARE = 0.5  # a child's prior moves by the square root of the ease of the request's other children
 
 
 @dataclass
@@ -104,7 +112,7 @@ class _Rate:
 
 @dataclass
 class _Curve:
-    """An auto child's chain rounds by draft position, over every request (decayed counts): of the
+    """A request's rounds of an auto chain child by draft position (decayed counts): of the
     rounds whose cap let it draft position i (`reach`), those that drafted it and those whose
     path accepted it. A chain's acceptance is not geometric: prompt lookup's copied spans are taken
     whole or not at all (a later position, once reached, is likelier accepted than the first), a
@@ -139,6 +147,25 @@ class _Curve:
             counts[:] = [factor * c for c in counts]
 
 
+@dataclass
+class _Ease:
+    """How much more a request's drafts by one child are accepted than the child's prior expected
+    (decayed sums of accepted and expected tokens over its rounds). Children's acceptances move
+    together: text the draft model cannot guess, EAGLE's heads mostly cannot either. So a child's
+    prior for a request moves with the other children's ease there (Adaptive.ease): one bad round
+    of a child does not send the request to another priced at its unmoved prior, and back."""
+
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    def update(self, decay: float, accepted: float, expected: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.expected = decay * self.expected + expected
+
+    def ratio(self, prior: float, weight: float = EASE_WEIGHT) -> float:
+        return min(max((self.accepted + weight * prior) / (self.expected + weight), 0.25), 4.0)
+
+
 class Adaptive:
     def __init__(self, costs: ForwardCosts, prior: float = defaults.ADAPTIVE_PRIOR, decay: float = defaults.ADAPTIVE_DECAY, probe: int = 32,
                  draft_costs: Callable[[int], float] | None = None, plans_only: bool = False,
@@ -150,13 +177,13 @@ class Adaptive:
         self.measured = measured if measured is not None else {}
         self.costs, self.prior, self.decay, self.probe = costs, prior, decay, probe
         self.draft_costs, self.plans_only = draft_costs, plans_only
-        # auto: (request, child) -> _Rate via a per-request dict; (group key, child) -> every request's
+        # auto: (request, child) -> _Rate via a per-request dict
         self._child_rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Rate}
-        self._family: dict = {}  # (group key, child) -> _Rate over every request
-        self._curves: dict = {}  # (group key, chain child) -> _Curve over every request
         self._own_curves: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {chain child: _Curve}
         self._chains: dict = {}  # (id(request), group key, Choice) -> _chain's answer, until the next observe
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
+        self._ease: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Ease of its rounds}
+        self._workload = _Ease()  # every request's auto rounds, whichever child (SHARED_DECAY a round)
         self._ran_model: set = set()  # group keys whose proposals ran model forwards
         self._rounds = 0
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
@@ -167,26 +194,13 @@ class Adaptive:
         self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, seconds) as priced
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
-    def acceptance(self, request, child: str | None = None, family=None) -> float:
-        """The request's estimated probability of accepting the next drafted token (of auto's
-        `child`: its own, else `family`'s, every request's with that child, as its prior)."""
-        if child is not None:
-            rate = self._child_rates.get(request, {}).get(child)
-            prior = self._shared_acceptance(child, family)
-            return prior if rate is None else (rate.hits + prior * 2.0) / (rate.tries + 2.0)
+    def acceptance(self, request) -> float:
+        """The request's estimated probability of accepting the next drafted token."""
         rate = self._rates.get(request)
         prior_weight = 2.0
         if rate is None:
             return self.prior
         return (rate.hits + self.prior * prior_weight) / (rate.tries + prior_weight)
-
-    def _shared_acceptance(self, child: str, family) -> float:
-        """Auto's `child` over every request of its group (`family`: (group key, child)), its prior
-        what `speclm tune` measured of it, else the policy's prior."""
-        shared = self._family.get(family)
-        tuned = self.measured.get(child)
-        base, weight = (tuned.acceptance, 8.0) if tuned is not None else (self.prior, 2.0)
-        return (shared.hits + base * weight) / (shared.tries + weight) if shared is not None else base
 
     def observe(self, request, drafted: int, accepted: int, propose_seconds: float, forwards: int,
                 rows: int = 1, child: str | None = None, cap: int | None = None) -> None:
@@ -197,16 +211,18 @@ class Adaptive:
         in its curve even where it drafted nothing (a lookup that found no match): what it drafts
         how often is its price."""
         key = request.options.proposer_key()
+        if child is not None and (cap or drafted > 0):  # against what the child's prior expected of the round
+            expected = self._prior_chain(child, cap)[0] if cap else self._prior_tree(child)
+            self._ease.setdefault(request, {}).setdefault(child, _Ease()).update(self.decay, accepted, expected)
+            self._workload.update(SHARED_DECAY, accepted, expected)
         self._chains.clear()  # priced from the counts this round changes
         if child is not None and cap:
-            self._curves.setdefault((key, child), _Curve()).update(SHARED_DECAY, cap, min(drafted, cap), accepted)
             own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
             own.update(self.decay, cap, min(drafted, cap), accepted)
         if drafted <= 0:
             return
         if child is not None:
             self._child_rates.setdefault(request, {}).setdefault(child, _Rate()).update(self.decay, drafted, accepted)
-            self._family.setdefault((key, child), _Rate()).update(SHARED_DECAY, drafted, accepted)
             key = (key, child)
         else:
             self._rates.setdefault(request, _Rate()).update(self.decay, drafted, accepted)
@@ -301,6 +317,16 @@ class Adaptive:
         tuned = self.measured.get(child) if child is not None else None
         return tuned.forwards if tuned is not None and tuned.forwards > 0 else most
 
+    def _forwards_per_position(self, key, child: str) -> float:
+        """A chain child's draft forwards per position it drafts: as measured here, else in `speclm
+        tune`, else one. Below one where some rounds draft without its model (draft+pld's lookups)."""
+        levels, nodes = self._levels.get(key), self._nodes.get(key)
+        if levels is not None and nodes:
+            return min(levels / nodes, 2.0)
+        tuned = self.measured.get(child)
+        drafted = sum(tuned.drafted_at) if tuned is not None else 0.0
+        return min(tuned.forwards / drafted, 2.0) if drafted > 0 else 1.0
+
     def _tree_width(self, key, g) -> int:
         """A tree's verified nodes per row: as measured (a tree sized by cost is far below its
         most), else its most."""
@@ -370,8 +396,8 @@ class Adaptive:
     def _options(self, key, g, r, lookup_only: frozenset = frozenset()) -> list[Choice]:
         """A row's choices: no draft, and each child at each draft length (a tree: whole); not the
         children that would draft the row by lookup alone (`lookup_only`: a draft+pld row whose
-        prompt is too long for its draft model is prompt lookup's, and its rounds would teach the
-        child's curve, over every request, that its model drafts nothing)."""
+        prompt is too long for its draft model is prompt lookup's, and its rounds, measured against
+        its model's prior, would teach the workload's ease that drafts fail)."""
         out = [NO_DRAFT]
         cap = key.k
         for name, child in g.proposer.children.items():
@@ -389,12 +415,8 @@ class Adaptive:
         if choice.child is None:
             return 1.0
         child = g.proposer.children[choice.child]
-        if child.shape == "tree":  # the row's own rounds, their prior every request's, theirs tune's
-            tuned = self.measured.get(choice.child)
-            gained = tuned.gained if tuned is not None else self.prior * 2
-            shared = self._family.get((key, choice.child))
-            if shared is not None:
-                gained = (shared.gained + gained * 8.0) / (shared.rounds + 8.0)
+        if child.shape == "tree":  # the row's own rounds, their prior the profile's times the ease
+            gained = self._prior_tree(choice.child) * self.ease(r, choice.child)
             rate = self._child_rates.get(r, {}).get(choice.child)
             if rate is not None:
                 gained = (rate.gained + gained * 2.0) / (rate.rounds + 2.0)
@@ -404,22 +426,50 @@ class Adaptive:
     def _chain(self, key, r, choice: Choice) -> tuple[float, float]:
         """(accepted tokens, drafted positions) expected of row r's chain `choice`, position by
         position: the row's own rounds with that child (_Curve, decayed by the policy's decay),
-        their prior the child's rounds over every request, theirs a chain drafted to its cap whose
-        tokens each pass with the child's acceptance over every request."""
+        their prior the child's before them (_prior_chain), its acceptance times the row's ease."""
         memo = (id(r), key, choice)
         if memo in self._chains:  # a round prices each choice many times over (every row's move)
             return self._chains[memo]
-        family = (key, choice.child)
-        shared = min(self._shared_acceptance(choice.child, family), 0.999)
-        every = self._curves.get(family) or _Curve()
         own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
+        ease = self.ease(r, choice.child)
         accepted = drafted = 0.0
-        for i in range(choice.k):
-            p_drafted, p_accepted = own.at(i, every.at(i, (1.0, shared ** (i + 1))))
+        for i, (p_drafted, p_accepted) in enumerate(self._prior_chain(choice.child, choice.k)[1]):
+            p_drafted, p_accepted = own.at(i, (p_drafted, min(p_accepted * ease, p_drafted)))
             drafted += p_drafted
             accepted += p_accepted
         self._chains[memo] = min(accepted, drafted), drafted
         return self._chains[memo]
+
+    def _prior_chain(self, child: str, k: int) -> tuple[float, list[tuple[float, float]]]:
+        """(accepted tokens, [(P(drafted), P(accepted)) by position]) of auto's chain `child` capped
+        at k, before the ease of the workload and request: as `speclm tune` measured its rounds by
+        position (ChildProfile.drafted_at, accepted_at), else a chain drafted to its cap whose
+        tokens each pass with its measured acceptance (none measured: the policy's prior)."""
+        tuned = self.measured.get(child)
+        curve = list(zip(tuned.drafted_at, tuned.accepted_at)) if tuned is not None else []
+        a = min(tuned.acceptance if tuned is not None else self.prior, 0.999)
+        if curve:  # past its longest draft there: never drafted
+            out = [(curve[i][0], min(curve[i][1], curve[i][0])) if i < len(curve) else (0.0, 0.0) for i in range(k)]
+        else:
+            out = [(1.0, a ** (i + 1)) for i in range(k)]
+        return sum(p for _, p in out), out
+
+    def _prior_tree(self, child: str) -> float:
+        """Accepted tokens per round of auto's tree `child` before the ease of the workload and
+        request: the profile's, else the policy's prior (two tokens at its acceptance)."""
+        tuned = self.measured.get(child)
+        return tuned.gained if tuned is not None else self.prior * 2
+
+    def ease(self, request, child: str) -> float:
+        """What `child`'s prior is scaled by for the request: every request's drafts' accepted
+        tokens over their priors' (the workload's ease, whichever child drafted them), moved by the
+        request's other children's (its own rounds are in its own counts) to the power EASE_SHARE."""
+        workload = self._workload.ratio(1.0, WORKLOAD_WEIGHT)
+        others = [e for name, e in self._ease.get(request, {}).items() if name != child]
+        if not others:
+            return workload
+        own = _Ease(sum(e.accepted for e in others), sum(e.expected for e in others)).ratio(workload)
+        return workload * (own / workload) ** EASE_SHARE
 
     def _width(self, key, g, r, choice: Choice) -> float:
         """Tokens the row's draft puts in the target's forward: a chain's expected drafted positions
@@ -454,7 +504,7 @@ class Adaptive:
             elif child.shape == "tree":
                 steps = self._tree_forwards(at, choice.k, choice.child)
             else:
-                steps = self._chain(key, r, choice)[1]
+                steps = self._chain(key, r, choice)[1] * self._forwards_per_position(at, choice.child)
             used[at] = (count + 1, max(depth, steps))
             seen = unread.get(choice.child, 0)
             if child.reads_context and seen > 2:  # this round's share of reading what it has not read
