@@ -8,6 +8,7 @@ test is in test_sampling_distribution.py (case auto)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -269,6 +270,8 @@ def test_a_child_that_drafted_an_easy_workload_does_not_outrank_one_that_did_not
     assert policy.ease(request, "a") > 1.4  # an easy workload, for a too
     policy.caps(batch)
     assert group.proposer.plan[0] == Choice("a", 4)
+    sampled = Request.of(2, list(range(10)), replace(request.options, temperature=1.0), 2, None)
+    assert policy.ease(sampled, "a") == 1.0  # another group's workload: sampled drafts are accepted less
 
 
 def test_one_bad_round_of_a_child_does_not_send_a_request_to_the_next_best():
@@ -315,8 +318,6 @@ def test_a_child_a_row_stopped_trying_is_tried_again_once_it_pays():
 
 
 def replace_max(options, n):
-    from dataclasses import replace
-
     return replace(options, max_new_tokens=n)
 
 

@@ -183,7 +183,7 @@ class Adaptive:
         self._chains: dict = {}  # (id(request), group key, Choice) -> _chain's answer, until the next observe
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._ease: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Ease of its rounds}
-        self._workload = _Ease()  # every request's auto rounds, whichever child (SHARED_DECAY a round)
+        self._workloads: dict = {}  # group key -> _Ease of every request's auto rounds, whichever child (SHARED_DECAY a round)
         self._ran_model: set = set()  # group keys whose proposals ran model forwards
         self._rounds = 0
         self._rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> _Rate
@@ -214,7 +214,7 @@ class Adaptive:
         if child is not None and (cap or drafted > 0):  # against what the child's prior expected of the round
             expected = self._prior_chain(child, cap)[0] if cap else self._prior_tree(child)
             self._ease.setdefault(request, {}).setdefault(child, _Ease()).update(self.decay, accepted, expected)
-            self._workload.update(SHARED_DECAY, accepted, expected)
+            self._workloads.setdefault(key, _Ease()).update(SHARED_DECAY, accepted, expected)
         self._chains.clear()  # priced from the counts this round changes
         if child is not None and cap:
             own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
@@ -416,7 +416,7 @@ class Adaptive:
             return 1.0
         child = g.proposer.children[choice.child]
         if child.shape == "tree":  # the row's own rounds, their prior the profile's times the ease
-            gained = self._prior_tree(choice.child) * self.ease(r, choice.child)
+            gained = self._prior_tree(choice.child) * self.ease(r, choice.child, key)
             rate = self._child_rates.get(r, {}).get(choice.child)
             if rate is not None:
                 gained = (rate.gained + gained * 2.0) / (rate.rounds + 2.0)
@@ -431,7 +431,7 @@ class Adaptive:
         if memo in self._chains:  # a round prices each choice many times over (every row's move)
             return self._chains[memo]
         own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
-        ease = self.ease(r, choice.child)
+        ease = self.ease(r, choice.child, key)
         accepted = drafted = 0.0
         for i, (p_drafted, p_accepted) in enumerate(self._prior_chain(choice.child, choice.k)[1]):
             p_drafted, p_accepted = own.at(i, (p_drafted, min(p_accepted * ease, p_drafted)))
@@ -460,11 +460,13 @@ class Adaptive:
         tuned = self.measured.get(child)
         return tuned.gained if tuned is not None else self.prior * 2
 
-    def ease(self, request, child: str) -> float:
+    def ease(self, request, child: str, key=None) -> float:
         """What `child`'s prior is scaled by for the request: every request's drafts' accepted
-        tokens over their priors' (the workload's ease, whichever child drafted them), moved by the
-        request's other children's (its own rounds are in its own counts) to the power EASE_SHARE."""
-        workload = self._workload.ratio(1.0, WORKLOAD_WEIGHT)
+        tokens over their priors' (the workload's ease, whichever child drafted them; per group key:
+        sampled requests accept less than greedy ones), moved by the request's other children's (its
+        own rounds are in its own counts) to the power EASE_SHARE."""
+        key = request.options.proposer_key() if key is None else key  # the request's group's
+        workload = self._workloads.get(key, _Ease()).ratio(1.0, WORKLOAD_WEIGHT)
         others = [e for name, e in self._ease.get(request, {}).items() if name != child]
         if not others:
             return workload
