@@ -180,7 +180,8 @@ class Adaptive:
         # auto: (request, child) -> _Rate via a per-request dict
         self._child_rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Rate}
         self._own_curves: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {chain child: _Curve}
-        self._chains: dict = {}  # (id(request), group key, Choice) -> _chain's answer, until the next observe
+        self._chains: dict = {}  # (id(request), child, k) -> _chain's answer, until the next observe or plan
+        self._rows: dict = {}  # (id(request), child, k) -> _row's answer, until the next observe or plan
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._ease: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Ease of its rounds}
         self._workloads: dict = {}  # group key -> _Ease of every request's auto rounds, whichever child (SHARED_DECAY a round)
@@ -216,6 +217,7 @@ class Adaptive:
             self._ease.setdefault(request, {}).setdefault(child, _Ease()).update(self.decay, accepted, expected)
             self._workloads.setdefault(key, _Ease()).update(SHARED_DECAY, accepted, expected)
         self._chains.clear()  # priced from the counts this round changes
+        self._rows.clear()
         if child is not None and cap:
             own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
             own.update(self.decay, cap, min(drafted, cap), accepted)
@@ -427,7 +429,7 @@ class Adaptive:
         """(accepted tokens, drafted positions) expected of row r's chain `choice`, position by
         position: the row's own rounds with that child (_Curve, decayed by the policy's decay),
         their prior the child's before them (_prior_chain), its acceptance times the row's ease."""
-        memo = (id(r), key, choice)
+        memo = (id(r), choice.child, choice.k)  # a request is in one group: its key is implied
         if memo in self._chains:  # a round prices each choice many times over (every row's move)
             return self._chains[memo]
         own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
@@ -486,20 +488,19 @@ class Adaptive:
             seen = self.measured[choice.child].nodes or None
         return child.max_nodes if seen is None else max(1, round(seen))
 
-    def _price(self, plans: list[tuple], rows: int, tokens0: float, fed0: float) -> tuple[float, float, bool]:
-        """(tokens per second, seconds, drafting) of a round whose auto rows take `plans`: a list
-        of (key, group, request, choice, unread by child). The forward reads `rows` roots and
-        every row's own drafted tokens (fed0: the other groups'), no padding."""
-        tokens, fed, used = tokens0, fed0, {}
-        catch_up = 0.0
-        for key, g, r, choice, unread in plans:
-            tokens += self._child_tokens(key, g, r, choice)
-            fed += self._width(key, g, r, choice)
-            if choice.child is None:
-                continue
+    def _row(self, key, g, r, choice: Choice, unread: dict) -> tuple[float, float, float, float]:
+        """Row r's part of a round with `choice`: (tokens it commits, tokens it feeds the target's
+        forward, its child's draft forwards, its share of the child's reading of tokens it has not
+        read), kept for the round (a round prices each choice many times over: every row's move)."""
+        memo = (id(r), choice.child, choice.k)
+        got = self._rows.get(memo)
+        if got is not None:
+            return got
+        tokens, width = self._child_tokens(key, g, r, choice), self._width(key, g, r, choice)
+        steps = catch_up = 0.0
+        if choice.child is not None:
             child = g.proposer.children[choice.child]
             at = (key, choice.child)
-            count, depth = used.get(at, (0, 0))
             # a draft model's forwards: one per position it is expected to draft (a tree: the levels its rounds ran)
             if not child.runs_model:
                 steps = 1
@@ -507,13 +508,26 @@ class Adaptive:
                 steps = self._tree_forwards(at, choice.k, choice.child)
             else:
                 steps = self._chain(key, r, choice)[1] * self._forwards_per_position(at, choice.child)
-            used[at] = (count + 1, max(depth, steps))
             seen = unread.get(choice.child, 0)
             if child.reads_context and seen > 2:  # this round's share of reading what it has not read
                 reading = self.draft_costs if self.draft_costs is not None else self.costs
-                expected = self._child_tokens(key, g, r, choice)
-                catch_up += reading(seen) / max(1.0, r.tokens_left / expected)
-        drafting = sum(self._step_seconds(at, count) * depth for at, (count, depth) in used.items())
+                catch_up = reading(seen) / max(1.0, r.tokens_left / tokens)
+        self._rows[memo] = tokens, width, steps, catch_up
+        return self._rows[memo]
+
+    def _price(self, plans: list[tuple], rows: int, tokens0: float, fed0: float) -> tuple[float, float, bool]:
+        """(tokens per second, seconds, drafting) of a round whose auto rows take `plans`: a list
+        of (key, group, request, choice, unread by child). The forward reads `rows` roots and
+        every row's own drafted tokens (fed0: the other groups'), no padding."""
+        tokens, fed, catch_up, used = tokens0, fed0, 0.0, {}
+        for key, g, r, choice, unread in plans:
+            own, width, steps, catch = self._row(key, g, r, choice, unread)
+            tokens, fed, catch_up = tokens + own, fed + width, catch_up + catch
+            if choice.child is not None:  # a child's forwards run once for all its rows: its deepest row's
+                at = (id(g), choice.child)
+                count, depth, _ = used.get(at, (0, 0, None))
+                used[at] = (count + 1, max(depth, steps), key)
+        drafting = sum(self._step_seconds((key, at[1]), count) * depth for at, (count, depth, key) in used.items())
         seconds = self.costs(rows + fed) + drafting
         return tokens / (seconds * self.ratio(rows, fed > 0) + catch_up), seconds, fed > 0
 
@@ -521,6 +535,7 @@ class Adaptive:
         """Each auto row's Choice for this round (set on its group's proposer); the other groups
         keep their k. Returns {} (no caps for the others)."""
         self._chains.clear()  # ids of requests that left may come back as new ones
+        self._rows.clear()
         tokens0, fed0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
         for key, g in groups:  # the other groups at their own k
             tokens0 += sum(self._expected(r, g.proposer.k, g.proposer.shape == "tree") - 1.0 for r in g.requests)
