@@ -65,6 +65,20 @@ class ChildProfile:
     drafted_at: list[float] = field(default_factory=list)
     accepted_at: list[float] = field(default_factory=list)
 
+    def by_position(self, k: int) -> list[tuple[float, float]]:
+        """[(P(position j drafted), P(positions 0..j accepted)) for j < k] of a chain capped at k,
+        as its rounds went (past its longest draft: never drafted); [] where none was measured."""
+        if not self.drafted_at:
+            return []
+        return [(self.drafted_at[j], min(self.accepted_at[j], self.drafted_at[j])) if j < len(self.drafted_at)
+                else (0.0, 0.0) for j in range(k)]
+
+    def forwards_per_position(self) -> float | None:
+        """A chain's draft forwards per position drafted (below one where some rounds draft
+        without its model: draft+pld's lookups); None where it drafted nothing."""
+        drafted = sum(self.drafted_at)
+        return self.forwards / drafted if drafted > 0 else None
+
 
 @dataclass
 class Profile:
@@ -197,9 +211,9 @@ def predicted(engine, profile: Profile, rows: int, prompt: int, new: int = 128) 
         depths = range(1, 9) if c.nodes <= 0 or not m.runs_model else [0]
         for k in depths:
             if k and c.drafted_at:  # a chain capped at k, as its rounds went position by position
-                width = sum(c.drafted_at[:k])
-                tokens = 1 + sum(c.accepted_at[:k])
-                forwards = width * c.forwards / sum(c.drafted_at) if m.runs_model else 1
+                curve = c.by_position(k)
+                width, tokens = sum(d for d, _ in curve), 1 + sum(a for _, a in curve)
+                forwards = width * (c.forwards_per_position() or 0.0) if m.runs_model else 1
             elif k:  # a chain of k: expected tokens per round from its acceptance
                 a = min(c.acceptance, 0.999)
                 tokens, width, forwards = (1 - a ** (k + 1)) / (1 - a), k, k if m.runs_model else 1

@@ -326,8 +326,8 @@ class Adaptive:
         if levels is not None and nodes:
             return min(levels / nodes, 2.0)
         tuned = self.measured.get(child)
-        drafted = sum(tuned.drafted_at) if tuned is not None else 0.0
-        return min(tuned.forwards / drafted, 2.0) if drafted > 0 else 1.0
+        per = tuned.forwards_per_position() if tuned is not None else None
+        return min(per, 2.0) if per is not None else 1.0
 
     def _tree_width(self, key, g) -> int:
         """A tree's verified nodes per row: as measured (a tree sized by cost is far below its
@@ -448,11 +448,9 @@ class Adaptive:
         position (ChildProfile.drafted_at, accepted_at), else a chain drafted to its cap whose
         tokens each pass with its measured acceptance (none measured: the policy's prior)."""
         tuned = self.measured.get(child)
-        curve = list(zip(tuned.drafted_at, tuned.accepted_at)) if tuned is not None else []
-        a = min(tuned.acceptance if tuned is not None else self.prior, 0.999)
-        if curve:  # past its longest draft there: never drafted
-            out = [(curve[i][0], min(curve[i][1], curve[i][0])) if i < len(curve) else (0.0, 0.0) for i in range(k)]
-        else:
+        out = tuned.by_position(k) if tuned is not None else []
+        if not out:
+            a = min(tuned.acceptance if tuned is not None else self.prior, 0.999)
             out = [(1.0, a ** (i + 1)) for i in range(k)]
         return sum(p for _, p in out), out
 
