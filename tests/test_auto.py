@@ -248,6 +248,25 @@ def test_a_tuned_chain_is_priced_by_its_positions_and_forwards_before_it_runs():
     assert _round(policy, batch, group, {"model": 4, "tree": 0}) == Choice("model", 4)
 
 
+def test_a_row_capped_short_is_priced_past_its_cap_by_how_its_rounds_went():
+    """A row whose rounds, capped at 3 positions, accepted all 3: its positions past the cap are
+    priced by the profile's step from position 3 to each next one taken from the row's own
+    estimate at 3, not by the profile's position alone (times the ease): priced so, the planner kept
+    capping a math answer at 4 of 6 positions that fixed draft+pld accepted (35 rounds where it
+    took 28), the positions past its cap never reached and so never measured."""
+    costs = ForwardCosts({1: 1.0, 64: 1.0})
+    geometric = [0.6 ** (i + 1) for i in range(6)]
+    model = tune.ChildProfile(0.12, 0.6, 1.5, 6.0, 50, forwards=6.0, drafted_at=[1.0] * 6, accepted_at=geometric)
+    policy = Adaptive(costs, measured={"model": model})
+    key, group, request = _one_row({"model": _Child(6)})
+    for _ in range(30):
+        policy.observe(request, 3, 3, 0.36, 3, 1, child="model", cap=3)
+    short, long = (policy._chain(key, request, Choice("model", k))[0] for k in (3, 6))
+    assert short > 2.8 and long - short > 1.0, (short, long)  # the profile's positions times the ease: 0.6
+    policy.caps(SimpleNamespace(groups={key: group}, requests=[request]))
+    assert group.proposer.plan[0].k > 3, group.proposer.plan
+
+
 def _ranked_pair():
     """A chain child `a` whose profile gains 2.0 tokens a round, a tree `b` gaining 1.8, at equal
     cost: a is the better by 10%."""
@@ -313,7 +332,7 @@ def test_a_child_a_row_stopped_trying_is_tried_again_once_it_pays():
         policy.observe(other, 6, 3, 0.01, 1, 1, child="tree")  # every other request: 3 tokens a round
     assert chosen[0] == "tree" and "chain" in chosen[:12], chosen
     left = chosen.index("chain")
-    assert "tree" in chosen[left:left + 30], chosen  # tried again (27 rounds later; unaged: not in 50)
+    assert "tree" in chosen[left:left + 35], chosen  # tried again (30 rounds later; unaged: not in 50)
     assert set(chosen[45:]) == {"tree"}, chosen  # and kept once it pays for this row too
 
 

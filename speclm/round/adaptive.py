@@ -49,7 +49,8 @@ that maximises the same tokens per second with the other rows' choices held (`_p
 on one choice, the best of those, then each row in turn moved to its own best). A chain child is
 priced by position, not as geometric (`_Curve`, `_chain`): per position, how often the row's rounds
 with it drafted and accepted it (a round that drafted nothing included), its prior `speclm tune`'s
-rounds of it by position; its width is the positions it is expected to draft, and a draft model's
+rounds of it by position, each position a step from the one before (so a position past the cap the
+row's rounds stopped at is priced from how they went); its width is the positions it is expected to draft, and a draft model's
 forwards those times its forwards per position drafted. A row's acceptance is kept per child; a
 child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
 than their priors every request's drafts went (the workload's, whichever child drafted them) and
@@ -113,37 +114,56 @@ class _Rate:
 @dataclass
 class _Curve:
     """A request's rounds of an auto chain child by draft position (decayed counts): of the
-    rounds whose cap let it draft position i (`reach`), those that drafted it and those whose
-    path accepted it. A chain's acceptance is not geometric: prompt lookup's copied spans are taken
-    whole or not at all (a later position, once reached, is likelier accepted than the first), a
-    lookup finds no match in some rounds (it drafts nothing there), and a draft model that stops
-    below a confidence drafts fewer positions than its cap, which are then neither drafted,
-    verified nor paid for."""
+    rounds whose cap let it draft position i (`reach`), those that had drafted position i - 1
+    (`carried`) and drafted i too (`drafted`), and those whose path had accepted positions
+    0..i-1 (`survived`) and accepted i too (`accepted`). A chain's acceptance is not geometric:
+    prompt lookup's copied spans are taken whole or not at all (a later position, once reached, is
+    likelier accepted than the first), a lookup finds no match in some rounds (it drafts nothing
+    there), and a draft model that stops below a confidence drafts fewer positions than its cap,
+    which are then neither drafted, verified nor paid for."""
 
     reach: list[float] = field(default_factory=list)
+    carried: list[float] = field(default_factory=list)
     drafted: list[float] = field(default_factory=list)
+    survived: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
 
+    def _counts(self):
+        return (self.reach, self.carried, self.drafted, self.survived, self.accepted)
+
     def update(self, decay: float, cap: int, drafted: int, accepted: int) -> None:
-        for counts in (self.reach, self.drafted, self.accepted):
+        for counts in self._counts():
             counts.extend([0.0] * (cap - len(counts)))
             counts[:] = [decay * c for c in counts]
         for i in range(cap):
             self.reach[i] += 1.0
+            self.carried[i] += float(drafted >= i)
             self.drafted[i] += float(drafted > i)
+            self.survived[i] += float(accepted >= i)
             self.accepted[i] += float(accepted > i)
 
-    def at(self, i: int, prior: tuple[float, float], weight: float = 2.0) -> tuple[float, float]:
-        """(P(position i drafted), P(positions 0..i all accepted)) for a round capped past i, the
-        counts blended with `prior` (those two, as `weight` rounds' worth)."""
-        seen = i < len(self.reach)
-        reach = self.reach[i] if seen else 0.0
-        drafted = self.drafted[i] if seen else 0.0
-        accepted = self.accepted[i] if seen else 0.0
-        return (drafted + weight * prior[0]) / (reach + weight), (accepted + weight * prior[1]) / (reach + weight)
+    def chain(self, prior: list[tuple[float, float]], weight: float = 2.0) -> list[tuple[float, float]]:
+        """[(P(position i drafted), P(positions 0..i all accepted))] for a round capped past every
+        position of `prior` (those two by position, before this row's rounds), position by position
+        as conditionals: each step from i - 1 to i is the prior's step blended with the row's rounds
+        that took it (the prior's as `weight` rounds' worth). A position the row's rounds did not
+        reach (its cap stopped them short) is priced by the prior's step from how the row's shorter
+        rounds went, not by the prior alone."""
+        out, drafted, accepted, before = [], 1.0, 1.0, (1.0, 1.0)
+        for i, (p_drafted, p_accepted) in enumerate(prior):
+            step_d = p_drafted / before[0] if before[0] > 0 else 0.0
+            step_a = p_accepted / before[1] if before[1] > 0 else 0.0
+            before = (p_drafted, p_accepted)
+            if i < len(self.reach):
+                step_d = (self.drafted[i] + weight * step_d) / (self.carried[i] + weight)
+                step_a = (self.accepted[i] + weight * step_a) / (self.survived[i] + weight)
+            drafted *= min(step_d, 1.0)
+            accepted = min(accepted * min(step_a, 1.0), drafted)
+            out.append((drafted, accepted))
+        return out
 
     def age(self, factor: float) -> None:
-        for counts in (self.reach, self.drafted, self.accepted):
+        for counts in self._counts():
             counts[:] = [factor * c for c in counts]
 
 
@@ -434,11 +454,9 @@ class Adaptive:
             return self._chains[memo]
         own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
         ease = self.ease(r, choice.child, key)
-        accepted = drafted = 0.0
-        for i, (p_drafted, p_accepted) in enumerate(self._prior_chain(choice.child, choice.k)[1]):
-            p_drafted, p_accepted = own.at(i, (p_drafted, min(p_accepted * ease, p_drafted)))
-            drafted += p_drafted
-            accepted += p_accepted
+        prior = [(d, min(a * ease, d)) for d, a in self._prior_chain(choice.child, choice.k)[1]]
+        curve = own.chain(prior)
+        drafted, accepted = sum(d for d, _ in curve), sum(a for _, a in curve)
         self._chains[memo] = min(accepted, drafted), drafted
         return self._chains[memo]
 
