@@ -267,6 +267,35 @@ def test_a_row_capped_short_is_priced_past_its_cap_by_how_its_rounds_went():
     assert group.proposer.plan[0].k > 3, group.proposer.plan
 
 
+def test_a_child_priced_out_by_one_stalled_forward_is_tried_again():
+    """The draft model's first forward here stalls (a page-fault storm, another process on the
+    cores): measured at 100 times its tuned cost, it priced draft+pld out, and as it then never ran,
+    its forward was never measured again (a whole run planned no draft model). A child no row runs
+    has its measured forward drift back to its tuned one (ADAPTIVE_DECAY a round), so it is tried
+    again, measured, and kept where it pays."""
+    costs = ForwardCosts({1: 1.0, 64: 1.0})
+    model = tune.ChildProfile(0.01, 0.8, 3.0, 4.0, 50, forwards=4.0, drafted_at=[1.0] * 4, accepted_at=[0.9, 0.8, 0.7, 0.6])
+    tree = tune.ChildProfile(0.001, 0.6, 1.0, 4.0, 50, forwards=1.0)
+    policy = Adaptive(costs, measured={"model": model, "tree": tree})
+    key, group, request = _one_row({"model": _Child(4), "tree": _Tree(4)})
+    batch = SimpleNamespace(groups={key: group}, requests=[request])
+    policy.caps(batch)
+    assert group.proposer.plan[0].child == "model"
+    policy.observe(request, 4, 3, 4.0, 4, 1, child="model", cap=4)  # 1 s a forward: stalled
+    chosen = []
+    for _ in range(60):
+        policy.caps(batch)
+        choice = group.proposer.plan[0]
+        chosen.append(choice.child)
+        if choice.child == "model":
+            policy.observe(request, choice.k, min(choice.k, 3), 0.01 * choice.k, choice.k, 1, child="model", cap=choice.k)
+        elif choice.child == "tree":
+            policy.observe(request, 4, 1, 0.001, 1, 1, child="tree")
+    assert chosen[0] != "model" and "model" in chosen, chosen  # priced out by the stall, then tried again
+    back = chosen.index("model")
+    assert back < 40 and set(chosen[back:]) == {"model"}, chosen
+
+
 def _ranked_pair():
     """A chain child `a` whose profile gains 2.0 tokens a round, a tree `b` gaining 1.8, at equal
     cost: a is the better by 10%."""

@@ -116,6 +116,11 @@ class StepTimes:
         old = self.seconds.get(size)
         self.seconds[size] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
+    def drift(self, toward: Callable[[int], float], keep: float) -> None:
+        """Each size's seconds moved toward `toward`'s by 1 - keep: an operation not run for a
+        while is priced back toward its prior, not at one stalled measurement for good."""
+        self.seconds = {n: keep * s + (1.0 - keep) * toward(n) for n, s in self.seconds.items()}
+
     def at(self, size: int, costs: Callable[[int], float]) -> float | None:
         """Seconds at `size`: measured, or the nearest measured size's (the smaller on a tie) scaled
         as `costs` (the target's forward) scales, the same kernels; None before any measurement."""

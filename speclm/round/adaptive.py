@@ -57,7 +57,8 @@ than their priors every request's drafts went (the workload's, whichever child d
 how the row's other children went. Children's acceptances move together, and the profile ranks
 them on the same prompts: a per-child mean over every request is measured only where that child
 was chosen (a child that drafted a workload easier than the profile's prompts looked better than
-one that had not drafted since, and kept every request). A child not run yet is priced by its
+one that had not drafted since, and kept every request). A child's measured draft forward drifts
+back to its profile's in each round no row runs it (one stalled forward would price it out for good). A child not run yet is priced by its
 cost line (a draft model's) or as free (prompt lookup, heads), so each is tried early. A child whose
 acceptance collapses prices itself below another and the row moves; a child that would draft the row
 by prompt lookup alone (`Proposer.lookup_only`: draft+pld for a prompt too long for its draft) is not
@@ -593,6 +594,13 @@ class Adaptive:
                         cheap = next((n for n, c in e[1].proposer.children.items() if not c.runs_model), None)
                         if cheap is not None:
                             e[3] = Choice(cheap, 1)
+            ran = {(e[0], e[3].child) for e in free if e[3].child is not None}
+            for key, g in planned:  # a child no row ran: its measured forward drifts back to its tuned one
+                for name, child in g.proposer.children.items():
+                    at, tuned = (key, name), self.measured.get(name)
+                    if at not in ran and at in self._step and tuned is not None:
+                        scale = (lambda n: self.costs(n) / self.costs(1)) if child.runs_model else (lambda n: 1.0)
+                        self._step[at].drift(lambda n: tuned.step_seconds * scale(n), self.decay)
             for e in free:  # what a row no longer tries drifts back to its prior: explored again once it pays
                 r, chosen = e[2], e[3].child
                 for name, rate in self._child_rates.get(r, {}).items():
