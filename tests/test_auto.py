@@ -282,18 +282,27 @@ def test_a_child_priced_out_by_one_stalled_forward_is_tried_again():
     policy.caps(batch)
     assert group.proposer.plan[0].child == "model"
     policy.observe(request, 4, 3, 4.0, 4, 1, child="model", cap=4)  # 1 s a forward: stalled
-    chosen = []
-    for _ in range(60):
-        policy.caps(batch)
-        choice = group.proposer.plan[0]
-        chosen.append(choice.child)
+
+    def observe(n, choice):
         if choice.child == "model":
             policy.observe(request, choice.k, min(choice.k, 3), 0.01 * choice.k, choice.k, 1, child="model", cap=choice.k)
         elif choice.child == "tree":
             policy.observe(request, 4, 1, 0.001, 1, 1, child="tree")
+    chosen = _planned(policy, batch, group, 60, observe)
     assert chosen[0] != "model" and "model" in chosen, chosen  # priced out by the stall, then tried again
     back = chosen.index("model")
     assert back < 40 and set(chosen[back:]) == {"model"}, chosen
+
+
+def _planned(policy, batch, group, rounds: int, observe) -> list:
+    """The child planned in each of `rounds` rounds; observe(n, choice) tells the policy how round n went."""
+    chosen = []
+    for n in range(rounds):
+        policy.caps(batch)
+        choice = group.proposer.plan[0]
+        chosen.append(choice.child)
+        observe(n, choice)
+    return chosen
 
 
 def _ranked_pair():
@@ -349,16 +358,14 @@ def test_a_child_a_row_stopped_trying_is_tried_again_once_it_pays():
     key, group, request = _one_row({"tree": _Tree(6), "chain": _Child(2)})
     batch = SimpleNamespace(groups={key: group}, requests=[request])
     other = Request.of(1, list(range(10)), request.options, 1, None)
-    chosen = []
-    for n in range(60):
-        policy.caps(batch)
-        choice = group.proposer.plan[0]
-        chosen.append(choice.child)
+
+    def observe(n, choice):
         if choice.child == "tree":
             policy.observe(request, 6, 0 if n < 20 else 3, 0.01, 1, 1, child="tree")
         elif choice.child == "chain":
             policy.observe(request, choice.k, 1, 0.001, choice.k, 1, child="chain", cap=choice.k)
         policy.observe(other, 6, 3, 0.01, 1, 1, child="tree")  # every other request: 3 tokens a round
+    chosen = _planned(policy, batch, group, 60, observe)
     assert chosen[0] == "tree" and "chain" in chosen[:12], chosen
     left = chosen.index("chain")
     assert "tree" in chosen[left:left + 35], chosen  # tried again (30 rounds later; unaged: not in 50)
