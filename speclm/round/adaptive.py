@@ -50,16 +50,17 @@ on one choice, the best of those, then each row in turn moved to its own best). 
 priced by position, not as geometric (`_Curve`, `_chain`): per position, how often the row's rounds
 with it drafted and accepted it (a round that drafted nothing included), its prior `speclm tune`'s
 rounds of it by position, each position a step from the one before (so a position past the cap the
-row's rounds stopped at is priced from how they went); its width is the positions it is expected to draft, and a draft model's
-forwards those times its forwards per position drafted. A row's acceptance is kept per child; a
+row's rounds stopped at is priced from how they went); its width is the positions it is expected to
+draft, and a draft model's forwards those times its forwards per position drafted. A row's acceptance is kept per child; a
 child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
 than their priors every request's drafts went (the workload's, whichever child drafted them) and
 how the row's other children went. Children's acceptances move together, and the profile ranks
 them on the same prompts: a per-child mean over every request is measured only where that child
 was chosen (a child that drafted a workload easier than the profile's prompts looked better than
 one that had not drafted since, and kept every request). A child's measured draft forward drifts
-back to its profile's in each round no row runs it (one stalled forward would price it out for good). A child not run yet is priced by its
-cost line (a draft model's) or as free (prompt lookup, heads), so each is tried early. A child whose
+back to its profile's in each round no row runs it (one stalled forward would price it out for
+good). A child not run yet is priced by its cost line (a draft model's) or as free (prompt lookup,
+heads), so each is tried early. A child whose
 acceptance collapses prices itself below another and the row moves; a child that would draft the row
 by prompt lookup alone (`Proposer.lookup_only`: draft+pld for a prompt too long for its draft) is not
 offered for it, so its curve stays its model's; each move is written in the
