@@ -51,7 +51,8 @@ priced by position, not as geometric (`_Curve`, `_chain`): per position, how oft
 with it drafted and accepted it (a round that drafted nothing included), its prior `speclm tune`'s
 rounds of it by position, each position a step from the one before (so a position past the cap the
 row's rounds stopped at is priced from how they went); its width is the positions it is expected to
-draft, and a draft model's forwards those times its forwards per position drafted. A row's acceptance is kept per child; a
+draft, and a draft model's forwards those times its forwards per position drafted. A row's
+acceptance is kept per child; a
 child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
 than their priors every request's drafts went (the workload's, whichever child drafted them) and
 how the row's other children went. Children's acceptances move together, and the profile ranks
@@ -299,16 +300,24 @@ class Adaptive:
         before it ran, its cost line's, unless the group's rows (`unread`: their _unread, where
         known) have nothing for it to read and draft for (`draft+pld` rows with long prompts are
         lookup's alone: those proposals are priced as measured); else 0 before any."""
-        tuned = self.measured.get(key[1]) if isinstance(key, tuple) else None
+        tuned = self._tuned_step(key, rows)
         if tuned is not None and key not in (self._ran_model if _runs_model(key) else self._step):
             # auto's child before its first forward here (a lookup-only round is no measure of one): as tuned
-            return tuned.step_seconds * (self.costs(rows) / self.costs(1) if _runs_model(key) else 1.0)
+            return tuned
         if (getattr(_spec(key), "needs", None) == DRAFT_MODEL and key not in self._ran_model and self.draft_costs is not None
                 and (unread is None or any(unread))):
             return self.draft_costs(rows)
         steps = self._step.get(key)
         seconds = steps.at(rows, self.costs) if steps is not None else None
         return seconds or 0.0
+
+    def _tuned_step(self, key, rows: int) -> float | None:
+        """Seconds `speclm tune` measured of auto's child (key: (group key, child)) drafting for
+        `rows` rows (a draft model's forward scaled as the target's); None without a profile."""
+        tuned = self.measured.get(key[1]) if isinstance(key, tuple) else None
+        if tuned is None:
+            return None
+        return tuned.step_seconds * (self.costs(rows) / self.costs(1) if _runs_model(key) else 1.0)
 
     def _catch_up(self, key, g, own: int, is_tree: bool, unread: list[int] | None = None) -> float:
         """This round's share of the seconds the group's draft model would spend reading the tokens
@@ -597,11 +606,10 @@ class Adaptive:
                             e[3] = Choice(cheap, 1)
             ran = {(e[0], e[3].child) for e in free if e[3].child is not None}
             for key, g in planned:  # a child no row ran: its measured forward drifts back to its tuned one
-                for name, child in g.proposer.children.items():
-                    at, tuned = (key, name), self.measured.get(name)
-                    if at not in ran and at in self._step and tuned is not None:
-                        scale = (lambda n: self.costs(n) / self.costs(1)) if child.runs_model else (lambda n: 1.0)
-                        self._step[at].drift(lambda n: tuned.step_seconds * scale(n), self.decay)
+                for name in g.proposer.children:
+                    at = (key, name)
+                    if at not in ran and at in self._step and name in self.measured:
+                        self._step[at].drift(lambda n: self._tuned_step(at, n), self.decay)
             for e in free:  # what a row no longer tries drifts back to its prior: explored again once it pays
                 r, chosen = e[2], e[3].child
                 for name, rate in self._child_rates.get(r, {}).items():
