@@ -38,10 +38,14 @@ The forward cost table is measured on one row; a round's forward reads B rows of
 (each row attending its own context) and the round adds bookkeeping to its forwards, so the
 table alone can price a drafting round too low and a plain one too high (on the 2-core AVX-512
 EPYC the policy drafted at 4 rows and served 0.88x the tokens/s of not drafting:
-the serving run of a864972). Each round's measured seconds (the draft's
-reading of unread tokens left out) are therefore kept against its predicted seconds, as a decayed
-ratio per batch size and per drafting or not (`timed`), and every candidate's price is scaled by
-its ratio (`ratio`).
+the serving run of a864972). Each round's measured seconds past its proposals (scoring,
+verifying, committing) are therefore kept against the table's price of its forward, as a decayed
+ratio per batch size and per drafting or not (`timed`), and every candidate's forward is scaled by
+its ratio (`ratio`). Only the forward: its draft forwards are priced as measured here, at this
+machine's speed now. Scaled with them, a round the table priced below its time (a 2-core VM's
+target forward ran 1.6x its table, its rounds' draft forwards as measured) overpriced the children
+that draft with a model and underpriced a cheap tree (ratios 1.27 and 1.59 by child where the
+forward's were 1.57 and 1.66): auto planned eagle+pld where draft+pld commits more per second.
 
 `auto` (speclm.proposers.auto) is planned here too, per row: each round every row of an auto
 group gets one of its children (a method's proposer) and a draft length, or no draft, the choice
@@ -92,6 +96,21 @@ SHARED_DECAY = 0.98
 EASE_WEIGHT = 2.0  # a request's ease starts at the workload's, as this many expected tokens' worth
 WORKLOAD_WEIGHT = 8.0  # the workload's starts at 1 (the profile's prompts), as this many
 EASE_SHARE = 0.5  # a child's prior moves by the square root of the ease of the request's other children
+
+
+@dataclass
+class _Priced:
+    """A round as `Adaptive._price` priced it."""
+
+    rate: float  # tokens per second: its forward scaled by the measured ratio, its draft forwards as measured
+    forward: float  # seconds of the target's forward, as the cost table prices it
+    drafting: float  # seconds of its draft forwards
+    drafts: bool  # any row drafted
+
+    @property
+    def seconds(self) -> float:
+        """The round before the measured ratio."""
+        return self.forward + self.drafting
 
 
 @dataclass
@@ -215,7 +234,7 @@ class Adaptive:
         self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
         self._levels: dict = {}  # group key -> decayed mean of the draft forwards a drafting round ran
         self._ratios = {False: StepTimes(), True: StepTimes()}  # drafting or not -> measured / predicted seconds, by rows
-        self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, seconds) as priced
+        self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, its forward's seconds) as priced
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
     def acceptance(self, request) -> float:
@@ -271,8 +290,8 @@ class Adaptive:
         return self._ratios[drafting].at(rows, lambda n: 1.0) or 1.0  # a ratio does not scale with rows
 
     def timed(self, seconds: float) -> None:
-        """The round `caps` last priced took `seconds` (its draft model's reading of tokens it had
-        not read left out, which is priced apart): kept as a ratio to the price."""
+        """The round `caps` last priced took `seconds` past its proposals (its forward, verifying
+        and committing): kept as a ratio to the table's price of its forward."""
         if self._predicted is None:
             return
         rows, drafting, predicted = self._predicted
@@ -409,10 +428,10 @@ class Adaptive:
                     drafting += self._step_seconds(key, len(g.requests), unread[key]) * forwards
                     catch_up += self._catch_up(key, g, own, is_tree, unread[key])
                     fed += len(g.requests) * (self._tree_width(key, g) if is_tree else own)
-            seconds = self.costs(rows + fed) + drafting
-            rate = tokens / (seconds * self.ratio(rows, fed > 0) + catch_up)
+            forward = self.costs(rows + fed)
+            rate = tokens / (forward * self.ratio(rows, fed > 0) + drafting + catch_up)
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate, priced = (k, tree_on), rate, (rows, fed > 0, seconds)
+                best, best_rate, priced = (k, tree_on), rate, (rows, fed > 0, forward)
         k, tree_on = best
         self._predicted = priced
         self.last = {**unmeasured, **{key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k)
@@ -542,10 +561,10 @@ class Adaptive:
         self._rows[memo] = tokens, width, steps, catch_up
         return self._rows[memo]
 
-    def _price(self, plans: list[tuple], rows: int, tokens0: float, fed0: float) -> tuple[float, float, bool]:
-        """(tokens per second, seconds, drafting) of a round whose auto rows take `plans`: a list
-        of (key, group, request, choice, unread by child). The forward reads `rows` roots and
-        every row's own drafted tokens (fed0: the other groups'), no padding."""
+    def _price(self, plans: list[tuple], rows: int, tokens0: float, fed0: float) -> "_Priced":
+        """A round whose auto rows take `plans`: a list of (key, group, request, choice, unread by
+        child). The forward reads `rows` roots and every row's own drafted tokens (fed0: the other
+        groups'), no padding."""
         tokens, fed, catch_up, used = tokens0, fed0, 0.0, {}
         for key, g, r, choice, unread in plans:
             own, width, steps, catch = self._row(key, g, r, choice, unread)
@@ -555,8 +574,9 @@ class Adaptive:
                 count, depth, _ = used.get(at, (0, 0, None))
                 used[at] = (count + 1, max(depth, steps), key)
         drafting = sum(self._step_seconds((key, at[1]), count) * depth for at, (count, depth, key) in used.items())
-        seconds = self.costs(rows + fed) + drafting
-        return tokens / (seconds * self.ratio(rows, fed > 0) + catch_up), seconds, fed > 0
+        forward = self.costs(rows + fed)
+        rate = tokens / (forward * self.ratio(rows, fed > 0) + drafting + catch_up)
+        return _Priced(rate, forward, drafting, fed > 0)
 
     def _plan(self, batch, groups, planned, rows) -> dict:
         """Each auto row's Choice for this round (set on its group's proposer); the other groups
@@ -583,7 +603,7 @@ class Adaptive:
             for choice in sorted(uniform, key=lambda c: (c.child or "", c.k)):  # every row on one choice
                 for e in free:
                     e[3] = choice if choice in options[id(e)] else NO_DRAFT
-                rate = self._price([tuple(e) for e in free], rows, tokens0, fed0)[0]
+                rate = self._price([tuple(e) for e in free], rows, tokens0, fed0).rate
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best = rate, [e[3] for e in free]
             for e, c in zip(free, best):
@@ -593,7 +613,7 @@ class Adaptive:
                     held = e[3]
                     for choice in options[id(e)]:
                         e[3] = choice
-                        rate = self._price([tuple(x) for x in free], rows, tokens0, fed0)[0]
+                        rate = self._price([tuple(x) for x in free], rows, tokens0, fed0).rate
                         if rate > best_rate * (1 + 1e-9):
                             best_rate, held = rate, choice
                     e[3] = held
@@ -619,8 +639,8 @@ class Adaptive:
                     if name != chosen:
                         curve.age(SHARED_DECAY)
         plans = [tuple(e) for e in free]
-        _, seconds, drafting = self._price(plans, rows, tokens0, fed0)
-        self._predicted = (rows, drafting, seconds) if free else None
+        priced = self._price(plans, rows, tokens0, fed0)
+        self._predicted = (rows, priced.drafts, priced.forward) if free else None
         for key, g in planned:
             mine = {id(r): c for k2, g2, r, c, _ in plans if g2 is g}
             g.proposer.plan = [mine[id(r)] for r in g.requests]

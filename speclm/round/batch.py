@@ -275,15 +275,15 @@ class Batch:
     def _round(self) -> list[Request]:
         """propose -> score -> verify -> commit, each one call. Returns the round's requests (those
         that finished too: they have left by then)."""
-        requests, t0 = self.requests, time.perf_counter()
+        requests = self.requests
         proposals = self._propose_all()
         t1 = time.perf_counter()
         scored = self._score(proposals)
         verdicts = [self._verify(p, scored.logits) for p in proposals]
         t2 = time.perf_counter()
         self._commit_round(proposals, verdicts, scored, verify_seconds=t2 - t1)
-        if self._policy is not None:  # the round's time against its price (a draft's catch-up is priced apart)
-            self._policy.timed(time.perf_counter() - t0 - sum(p.prefill_seconds for p in proposals))
+        if self._policy is not None:  # the round past its proposals against its forward's price
+            self._policy.timed(time.perf_counter() - t1)
         self._leave()
         return requests
 
