@@ -42,10 +42,9 @@ the serving run of a864972). Each round's measured seconds past its proposals (s
 verifying, committing) are therefore kept against the table's price of its forward, as a decayed
 ratio per batch size and per drafting or not (`timed`), and every candidate's forward is scaled by
 its ratio (`ratio`). Only the forward: its draft forwards are priced as measured here, at this
-machine's speed now. Scaled with them, a round the table priced below its time (a 2-core VM's
-target forward ran 1.6x its table, its rounds' draft forwards as measured) overpriced the children
-that draft with a model and underpriced a cheap tree (ratios 1.27 and 1.59 by child where the
-forward's were 1.57 and 1.66): auto planned eagle+pld where draft+pld commits more per second.
+machine's speed now. Where the forward runs slower than its table and the ratio also scaled the
+draft forwards, one ratio shared by every child overpriced the children that draft with a model
+and underpriced a cheap tree: auto planned eagle+pld where draft+pld commits more per second.
 
 `auto` (speclm.proposers.auto) is planned here too, per row: each round every row of an auto
 group gets one of its children (a method's proposer) and a draft length, or no draft, the choice
@@ -233,7 +232,7 @@ class Adaptive:
         self._step: dict = {}  # group key -> StepTimes by rows drafted for: a draft forward (or proposal, where none)
         self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
         self._levels: dict = {}  # group key -> decayed mean of the draft forwards a drafting round ran
-        self._ratios = {False: StepTimes(), True: StepTimes()}  # drafting or not -> measured / predicted seconds, by rows
+        self._ratios = {False: StepTimes(), True: StepTimes()}  # drafting or not -> seconds past proposals / the forward's price, by rows
         self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, its forward's seconds) as priced
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
