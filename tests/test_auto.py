@@ -298,9 +298,9 @@ def test_a_forward_slower_than_its_table_does_not_inflate_the_draft_forwards():
     """The target's forward runs 2x its table (a VM slower now than when the table was measured,
     bookkeeping the table leaves out); the draft forwards are measured here, at that speed. A ratio
     of each round's whole time to its price (draft forwards included) came out 1.57 after a round
-    of the model's chain and 1.98 after the cheap tree's, and either way priced the chain above the
-    tree that commits fewer tokens per second (auto planned eagle+pld where draft+pld was faster).
-    Only the forward is scaled: the chain is kept."""
+    of the model's chain and 1.98 after the cheap tree's, and either way priced the tree, which
+    commits fewer tokens per second, above the chain (auto planned eagle+pld where draft+pld was
+    faster). Only the forward is scaled: the chain is kept."""
     model = tune.ChildProfile(0.25, 0.9, 3.0, 4.0, 50, forwards=4.0, drafted_at=[1.0] * 4, accepted_at=[1.0, 1.0, 1.0, 0.0])
     tree = tune.ChildProfile(0.02, 0.6, 1.5, 4.0, 50, forwards=1.0)
     policy = Adaptive(ForwardCosts({1: 1.0, 64: 1.0}), measured={"model": model, "tree": tree})

@@ -427,8 +427,7 @@ class Adaptive:
                     drafting += self._step_seconds(key, len(g.requests), unread[key]) * forwards
                     catch_up += self._catch_up(key, g, own, is_tree, unread[key])
                     fed += len(g.requests) * (self._tree_width(key, g) if is_tree else own)
-            forward = self.costs(rows + fed)
-            rate = tokens / (forward * self.ratio(rows, fed > 0) + drafting + catch_up)
+            rate, forward = self._per_second(tokens, rows, fed, drafting + catch_up)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate, priced = (k, tree_on), rate, (rows, fed > 0, forward)
         k, tree_on = best
@@ -573,9 +572,15 @@ class Adaptive:
                 count, depth, _ = used.get(at, (0, 0, None))
                 used[at] = (count + 1, max(depth, steps), key)
         drafting = sum(self._step_seconds((key, at[1]), count) * depth for at, (count, depth, key) in used.items())
-        forward = self.costs(rows + fed)
-        rate = tokens / (forward * self.ratio(rows, fed > 0) + drafting + catch_up)
+        rate, forward = self._per_second(tokens, rows, fed, drafting + catch_up)
         return _Priced(rate, forward, drafting, fed > 0)
+
+    def _per_second(self, tokens: float, rows: int, fed: float, beside: float) -> tuple[float, float]:
+        """(tokens per second, the table's seconds of the forward) of a round committing `tokens`
+        whose forward reads `rows` roots and `fed` drafted tokens: the forward scaled by its measured
+        ratio (`timed`), the seconds `beside` it (draft forwards, a draft's reading) as they are."""
+        forward = self.costs(rows + fed)
+        return tokens / (forward * self.ratio(rows, fed > 0) + beside), forward
 
     def _plan(self, batch, groups, planned, rows) -> dict:
         """Each auto row's Choice for this round (set on its group's proposer); the other groups
