@@ -6,8 +6,9 @@ next joins as one finishes), on Spec-Bench prompts as chat, the CLI's default we
 engine over the same loaded models: empty prefix caches and a new planner, as a new `speclm
 generate` process has; auto's profile (`speclm tune`) is read from disk as generate reads it.
 Methods take turns at each batch size (drift hits them alike). Per run: wall time, tokens,
-tokens/s, x `none` at that batch size, outputs identical to `none`'s, and auto's plan (rounds
-per child, summed over requests).
+tokens/s, x `none` at that batch size, outputs identical to `none`'s, auto's plan (rounds
+per child, summed over requests) and its measured ratios of a round's seconds past its proposals to
+its forward's table price, plain and drafting rounds, by rows (speclm.round.adaptive).
 
 Run: .venv/bin/python benchmarks/batch_generate.py --batch-sizes 4,8 --per-category 4 > batch.txt
 (record: benchmarks/avx2/records.md#batch-generate)
@@ -35,7 +36,8 @@ def run(target, draft, prompts, batch_size: int, method: str, new_tokens: int):
     planned = collections.Counter()
     for c in done:
         planned.update(c.stats.planned)
-    return wall, [c.token_ids for c in done], planned
+    ratios = engine.planner().measured_ratios() if method == "auto" else {}
+    return wall, [c.token_ids for c in done], planned, ratios
 
 
 def main():
@@ -62,21 +64,27 @@ def main():
     prompts = prompts[:2] if args.smoke else prompts
     print(f"# machine: {cpu_name()}; {len(prompts)} prompts, {args.max_new_tokens} new tokens, chat; "
           f"target {quantize}, draft {draft_quantize}")
-    print("| batch size | method | wall s | tokens | tokens/s | x none | identical to none | auto's plan |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch size | method | wall s | tokens | tokens/s | x none | identical to none | auto's plan "
+          "| auto's rounds' seconds / table, plain and drafting, by rows |")
+    print("|---|---|---|---|---|---|---|---|---|")
     run(target, draft, prompts[:1], 1, methods[-1], 2)  # warm-up: first-call allocations, kernels
     for b in sizes:
         plain = rate = None
         for method in methods:
-            wall, outputs, planned = run(target, draft, prompts, b, method, args.max_new_tokens)
+            wall, outputs, planned, ratios = run(target, draft, prompts, b, method, args.max_new_tokens)
             tokens = sum(map(len, outputs))
             plain = outputs if plain is None else plain
             rate = tokens / wall if rate is None else rate
             same = sum(a == c for a, c in zip(outputs, plain))
             total = sum(planned.values())
             plan = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in planned.most_common()) if total else "–"
+            measured = ", ".join(f"{n}: {_two(p)}/{_two(d)}" for n, (p, d) in ratios.items()) or "–"
             print(f"| {b} | {method} | {wall:.1f} | {tokens} | {tokens / wall:.2f} | {tokens / wall / rate:.3f} "
-                  f"| {same}/{len(prompts)} | {plan} |", flush=True)
+                  f"| {same}/{len(prompts)} | {plan} | {measured} |", flush=True)
+
+
+def _two(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

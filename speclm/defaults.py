@@ -113,6 +113,9 @@ TABLE: tuple[Tuned, ...] = (
           "draft+pld 1.00x none)"),
     Tuned("ADAPTIVE_DECAY", 0.9, "speclm.round.adaptive", "adaptive speculation: each round's weight on the counts "
           "before it", "benchmarks/avx2/records.md#adaptive-ab", "not tuned"),
+    Tuned("DRAFT_ROW_PREMIUM", 0.06, "speclm.round.adaptive", "auto: a drafting round's ratio of seconds to its "
+          "forward's table price over a plain round's, before both ran at a size: 1 + this a row past the first",
+          "benchmarks/amx/records.md#batch-generate", "not tuned: drafting over plain rounds' ratios measured there, 1.20 at 4 rows, 1.27 at 8 (this default: 1.18, 1.42)"),
     Tuned("K_SELF", 3, "--k", "`self`: tokens its layers draft per round", "benchmarks/avx2/self-ab-int8-qwen1.5b-12",
           "on the int4 copy of every layer, two runs: k=3 1.16x, 1.08x none; k=5 1.08x, 1.14x (2f6cb47's: 1.11-1.13x, 1.07x)"),
     Tuned("SELF_WEIGHTS", "int4", "--self-weights", "`self`: the weights its layers draft with: int4 (a copy of "
@@ -188,6 +191,7 @@ EAGLE_MAX_TREE: int = _BY_NAME["EAGLE_MAX_TREE"]
 EAGLE_MIN_PROB: float = _BY_NAME["EAGLE_MIN_PROB"]
 ADAPTIVE_PRIOR: float = _BY_NAME["ADAPTIVE_PRIOR"]
 ADAPTIVE_DECAY: float = _BY_NAME["ADAPTIVE_DECAY"]
+DRAFT_ROW_PREMIUM: float = _BY_NAME["DRAFT_ROW_PREMIUM"]
 K_SELF: int = _BY_NAME["K_SELF"]
 SELF_WEIGHTS: str = _BY_NAME["SELF_WEIGHTS"]
 SELF_VOCAB: int = _BY_NAME["SELF_VOCAB"]

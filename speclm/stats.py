@@ -17,7 +17,7 @@ class RequestStats:
     alternatives: int = 0  # second candidates verified beside drafted tokens (a tree's leaves; not in drafted_tokens)
     accepted_alternatives: int = 0  # of those, accepted (counted in accepted_tokens too)
     draft_seconds: float = 0.0  # time proposing (shared batch time while the row was active)
-    draft_prefill_seconds: float = 0.0  # of draft_seconds: the draft model's forwards over the prompt (EAGLE: its head's)
+    draft_prefill_seconds: float = 0.0  # of draft_seconds: reading the prompt and rounds it sat out (the draft model's forwards; EAGLE: its head's)
     verify_seconds: float = 0.0  # time in target forwards and verification, prefill included
     wall_seconds: float = 0.0  # from the start of the request to its last token
     forward_seconds: float = 0.0  # inside target and draft model forwards (shared batch time)

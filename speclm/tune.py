@@ -64,6 +64,9 @@ class ChildProfile:
     # drafted position j, and the share that accepted positions 0..j (its acceptance is not geometric)
     drafted_at: list[float] = field(default_factory=list)
     accepted_at: list[float] = field(default_factory=list)
+    # seconds per prompt token of the child's reading of its prompts (heads: the target's features; what
+    # heads would read after sitting rounds out is priced so; a draft model's reading: by its cost line)
+    reading_seconds: float = 0.0
 
     def by_position(self, k: int) -> list[tuple[float, float]]:
         """[(P(position j drafted), P(positions 0..j accepted)) for j < k] of a chain capped at k,
@@ -157,7 +160,7 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
         bar.set_postfix_str(child.method)
         engine.prepare(child)
         engine.generate("Hi", method=child.method, heads=child.heads, max_new_tokens=4, chat=chat)  # warm-up
-        step = forwards = accepted = tries = rounds = nodes = 0.0
+        step = forwards = accepted = tries = rounds = nodes = reading = read = 0.0
         drafted_at, accepted_at = [], []  # rounds by draft position, over every prompt
         for prompt in prompts:
             out = engine.generate(prompt, method=child.method, heads=child.heads, max_new_tokens=TOKENS, chat=chat)
@@ -170,6 +173,8 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
             tries += min(s.drafted_tokens, s.accepted_tokens + rounds_here)
             nodes += s.verified_nodes
             rounds += rounds_here
+            reading += s.draft_prefill_seconds
+            read += len(engine.encode([prompt], chat)[0])
             for total, counts in ((drafted_at, s.drafted_per_position), (accepted_at, s.accepted_per_position)):
                 total.extend([0.0] * (len(counts) - len(total)))
                 for j, n in enumerate(counts):
@@ -179,7 +184,8 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
         profile.children[child.method] = ChildProfile(
             step_seconds=per, acceptance=accepted / tries if tries else 0.0, gained=accepted / max(rounds, 1),
             nodes=nodes / max(rounds, 1), rounds=int(rounds), forwards=forwards / max(rounds, 1),
-            drafted_at=[x / max(rounds, 1) for x in drafted_at], accepted_at=[x / max(rounds, 1) for x in accepted_at])
+            drafted_at=[x / max(rounds, 1) for x in drafted_at], accepted_at=[x / max(rounds, 1) for x in accepted_at],
+            reading_seconds=reading / read if read else 0.0)
     bar.close()
     profile.seconds = time.perf_counter() - t0
     engine.measured_children.update(profile.children)  # the engine plans by it from now on

@@ -319,6 +319,40 @@ def test_a_forward_slower_than_its_table_does_not_inflate_the_draft_forwards():
     assert policy.ratio(1, True) == pytest.approx(2.0)
 
 
+class _Heads(_Tree):
+    """A tree child whose features wait while it sits out (EAGLE's pending features)."""
+
+    def __init__(self, k, unread, per_token=None):
+        super().__init__(k)
+        self._unread, self._per_token = unread, per_token
+
+    def unread(self, contexts):
+        return [self._unread] * len(contexts)
+
+    def reading_seconds(self, tokens):
+        return None if self._per_token is None else tokens * self._per_token
+
+
+def test_heads_that_sat_out_are_priced_for_the_features_they_would_read():
+    """A row the heads have not drafted for 100 rounds has 300 features pending: the heads read
+    them all before drafting it (0.5 s over 8 rows at a time when one row switched, priced nowhere:
+    auto at 8 rows ran below plain decoding). Priced as a catch-up, its share of the rounds the row
+    has left: as the heads measured it, else as `speclm tune` did; nothing pending, nothing."""
+    tree = tune.ChildProfile(0.01, 0.6, 1.5, 4.0, 50, forwards=1.0, reading_seconds=0.002)
+    policy = Adaptive(ForwardCosts({1: 1.0, 64: 1.0}), measured={"tree": tree})
+
+    def seconds(heads, pending):  # the round's price, its reading included
+        key, group, request = _one_row({"tree": heads})
+        plan = [(key, group, request, Choice("tree", 4), {"tree": pending})]
+        return 2.5 / policy._price(plan, 1, 0.0, 0).rate, request.tokens_left / 2.5  # 1 + 1.5 tokens a round
+
+    base = 1.0 + 0.01  # the forward and one level
+    priced, rounds_left = seconds(_Heads(4, 300), 300)
+    assert priced == pytest.approx(base + 300 * 0.002 / rounds_left)
+    assert seconds(_Heads(4, 300, per_token=0.004), 300)[0] == pytest.approx(base + 300 * 0.004 / rounds_left)
+    assert seconds(_Heads(4, 0), 0)[0] == pytest.approx(base)
+
+
 def _planned(policy, batch, group, rounds: int, observe) -> list:
     """The child planned in each of `rounds` rounds; observe(n, choice) tells the policy how round n went."""
     chosen = []

@@ -310,7 +310,7 @@ def _policy_batch(n_rows, options):
 
 
 def test_adaptive_policy_drafts_long_alone_and_stops_when_verification_is_not_free():
-    from speclm.round.adaptive import Adaptive
+    from speclm.round.adaptive import DRAFT_ROW_PREMIUM, Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
@@ -426,12 +426,18 @@ def test_adaptive_policy_prices_a_draft_model_by_its_cost_line_before_it_runs():
     group = _Group(key, requests)
     group.proposer.unread = lambda contexts: [len(c) for c in contexts]  # nothing read yet
     batch = type("B", (), {"requests": requests, "groups": {key: group}})()
-    priced = Adaptive(costs, probe=1000, draft_costs=draft_costs)
+    def policy(**kw):  # rounds of either kind ran at their table's price: the cost line alone decides
+        out = Adaptive(costs, probe=1000, **kw)
+        for drafting in (False, True):
+            out._ratios[drafting].record(8, 1.0)
+        return out
+
+    priced = policy(draft_costs=draft_costs)
     assert priced._step_seconds(key, 8) == pytest.approx(draft_costs(8))
     rounds = 200 / priced._expected(requests[0], 1, False)
     assert priced._catch_up(key, group, 1, False) == pytest.approx(8 * draft_costs(300) / rounds)
     assert priced.caps(batch)[key] == 0
-    assert Adaptive(costs, probe=1000).caps(batch)[key] > 0  # a draft never measured: free
+    assert policy().caps(batch)[key] > 0  # a draft never measured: free
     # draft+pld rows the model never drafts (prompts too long for it): lookup's time prices them
     lookup = GenerationOptions(method="draft+pld", max_new_tokens=200)
     lookup_group = _Group(lookup.proposer_key(), [Request.of(0, list(range(300)), lookup, 0, None)])
@@ -443,8 +449,10 @@ def test_adaptive_policy_prices_a_draft_model_by_its_cost_line_before_it_runs():
 def test_adaptive_policy_prices_rounds_as_they_measure():
     """The cost table is one row's: where a batch's drafting rounds take longer than priced and its
     plain rounds less, the measured ratios turn drafting off; a probe round is not timed; sizes not
-    yet measured take the nearest measured size's ratio, and 1 before any of their kind."""
-    from speclm.round.adaptive import Adaptive
+    yet measured take the nearest measured size's ratio, plain ones 1 before any; a drafting
+    round where only plain ones ran, their ratio times the premium a drafting round pays per row
+    (measured where both ran, else DRAFT_ROW_PREMIUM)."""
+    from speclm.round.adaptive import DRAFT_ROW_PREMIUM, Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
@@ -456,24 +464,32 @@ def test_adaptive_policy_prices_rounds_as_they_measure():
         for _ in range(20):
             policy.observe(r, 1, 1, 0.0, 0, rows=4)  # accepts most of what it drafts
     k = policy.caps(four)[key]
-    assert k > 0  # priced by the table, drafting pays
-    assert policy.ratio(4, True) == 1.0
+    assert k > 0  # priced by the table and the premium, drafting pays
+    assert policy.ratio(4, True) == pytest.approx(1.0 + 3 * DRAFT_ROW_PREMIUM)
     for _ in range(30):  # drafting rounds take twice their price, plain ones 0.9x
         k = policy.caps(four)[key]
         rows, drafting, priced = policy._predicted
         assert (rows, drafting) == (4, k > 0)
         policy.timed(priced * (2.0 if drafting else 0.9))
     assert policy.caps(four)[key] == 0
-    assert policy.ratio(4, True) == pytest.approx(2.0, rel=0.05)
+    assert 1.6 < policy.ratio(4, True) < 2.0  # from its prior, toward what its rounds took until drafting stopped
     assert policy.ratio(4, False) == pytest.approx(0.9, rel=0.05)
     assert policy.ratio(8, True) == policy.ratio(4, True)  # nearest measured size
+    assert policy.premium(8) == pytest.approx(policy.ratio(4, True) / policy.ratio(4, False))  # as measured at 4 rows
     fresh = Adaptive(ForwardCosts({1: 0.05, 8: 0.065}))
     fresh._predicted = (2, True, 0.1)
-    fresh.timed(0.15)
-    assert fresh.ratio(5, True) == pytest.approx(1.5) and fresh.ratio(2, False) == 1.0  # no plain round yet
+    fresh.timed(0.4)  # a first round at a size, cold (4x its price): a fifth of the way from its prior
+    prior = 1.0 + DRAFT_ROW_PREMIUM
+    assert fresh.ratio(2, True) == pytest.approx(0.8 * prior + 0.2 * 4.0)
+    assert fresh.ratio(5, True) == fresh.ratio(2, True)  # nearest measured size
+    assert fresh.ratio(2, False) == 1.0  # no plain round yet: tried at the table's price
+    fresh._predicted = (5, False, 0.1)
+    fresh.timed(0.12)
+    plain = 0.8 * 1.0 + 0.2 * 1.2
+    assert fresh.ratio(5, True) == pytest.approx(plain * (1.0 + DRAFT_ROW_PREMIUM * 4))  # plain measured there
     assert fresh._predicted is None
     fresh.timed(10.0)  # no round priced since: nothing kept
-    assert fresh.ratio(2, True) == pytest.approx(1.5)
+    assert fresh.ratio(2, True) == pytest.approx(0.8 * prior + 0.2 * 4.0)
     probing = Adaptive(ForwardCosts({1: 0.05, 8: 0.065}), probe=1)
     eight, rows8 = _policy_batch(8, options)
     for r in rows8:

@@ -13,6 +13,7 @@ from speclm.errors import UsageError
 from speclm.forward.costs import ForwardCosts
 from speclm.heads import store
 from speclm.models.loading import load_model
+from speclm.sampling import SamplingParams
 from tiny import byte_tokenizer, loaded, random_heads, require_compiled_kernels, tiny_model
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "hello hello hello", "x = 1\ny = 2\nz = x +",
@@ -173,7 +174,7 @@ def test_eagle_cache_equals_full_forward(target, heads_files, which):
     kv.forward([context], 1, hidden_layers=layers, hidden_all=True)
     with torch.no_grad():
         real = heads.module.lift(torch.cat([kv.hidden[layer][0] for layer in layers], -1))  # (T, E)
-    pending = len(proposer.pending[0][0])
+    pending = proposer.pending[0].count
     fed = keys.shape[1]
     n = fed  # pairs (feature j, token j + 1) for j < fed
     with torch.no_grad():
@@ -181,6 +182,62 @@ def test_eagle_cache_equals_full_forward(target, heads_files, which):
                                     torch.arange(1, n + 1)[None])
     assert fed + pending == len(context) - 1
     assert torch.allclose(keys, full_k[0], atol=1e-4), (keys - full_k[0]).abs().max()
+
+
+def _full_keys(target, heads, context, n):
+    """The head's keys of one forward over the real features of context[:n] (pairs (feature j, token j + 1))."""
+    from speclm.forward.cache import StaticKV
+
+    kv = StaticKV(target.model, 1, len(context) + 1)
+    layers = heads.module.config.feature_layers
+    kv.forward([context], 1, hidden_layers=layers, hidden_all=True)
+    with torch.no_grad():
+        real = heads.module.lift(torch.cat([kv.hidden[layer][0] for layer in layers], -1))  # (T, E)
+        _, full_k, _ = heads.module(real[None, :n], heads.embed(torch.tensor([context[1 : n + 1]])),
+                                    torch.arange(1, n + 1)[None])
+    return full_k[0]
+
+
+def test_eagle_feeds_only_the_rows_it_drafts_and_a_row_that_sat_out_catches_up(target, heads_files):
+    """eagle+pld: a row prompt lookup drafts keeps its features pending while the heads draft
+    another row (fed with it, one row's switch to the heads fed every row's backlog: at 8 rows that
+    cost half a second, priced nowhere); `unread` counts them, and the next time the heads draft
+    the row they read them all: its cache then equals one forward over every committed token."""
+    engine = SpecEngine(target)
+    heads = engine.heads("eagle", heads_files["eagle"])
+    batch = engine.batch(capacity=200)
+    repeat, other = "ab ab ab ab ab ab ab ab", PROMPTS[3]
+    requests = [engine.request(p, method="eagle+pld", heads=heads_files["eagle"], ngram_min=1, max_new_tokens=30)
+                for p in (repeat, other)]
+    for r in requests:
+        batch.join(r)
+    waited = None
+    while batch.active and waited is None:
+        batch.step()
+        proposer = next(iter(batch.groups.values())).proposer.heads
+        contexts = [r.context for r in requests]
+        unread = proposer.unread(contexts)
+        if len(requests[0].generated) >= 8 and unread[0] > 0 and proposer.keys[1].shape[1] > 0:
+            waited = unread[0]
+    assert waited is not None and waited == proposer.pending[0].count  # the heads drafted row 1, not row 0
+    assert proposer.unread(contexts)[1] == 0  # row 1's pending: its last round's alone
+    before = proposer.prefill_seconds
+    proposer.propose(contexts, [2, 0], SamplingParams(), [None, None])
+    assert proposer.prefill_seconds > before and proposer.unread(contexts)[0] == 0
+    assert proposer.pending[1].count > 0  # row 1 did not draft: its features still wait
+    fed = proposer.keys[0].shape[1]
+    assert fed == len(contexts[0]) - 1
+    full = _full_keys(target, heads, contexts[0], fed)
+    assert torch.allclose(proposer.keys[0], full, atol=1e-4), (proposer.keys[0] - full).abs().max()
+    assert proposer.reading_seconds(10) is not None  # a feed of 32 features or more measured its reading
+
+
+def test_rows_of_like_counts_are_fed_together():
+    from speclm.proposers.eagle import _packed
+
+    counts = {0: 3, 1: 4, 2: 3, 3: 300, 4: 5}
+    assert _packed(sorted(counts, key=counts.get), counts) == [[0, 2, 1, 4], [3]]
+    assert _packed([0, 1], {0: 100, 1: 150}) == [[0, 1]]
 
 
 def test_int8_eagle_keeps_the_token_embedding(int8_target, tmp_path):

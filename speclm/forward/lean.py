@@ -331,12 +331,15 @@ class LeanForward:
             return out.view(batch, width, -1)
         running, copies = (range(len(self.layers)), {}) if layers is None else (layers.indices, layers.copies)
         last = running[-1]
+        laid_out = None  # a ragged feed's (R, (H + 2 H_kv) D) for attention, its padding rows zeros: one per forward
         for i in running:
             layer = copies.get(i) or self.layers[i]
             qkv = _by_rows(layer.attn_in, h)  # (R or T, (H + 2 H_kv) D)
-            if real is not None:  # attention reads the (B, M) layout
-                packed, qkv = qkv, qkv.new_zeros(batch * width, qkv.shape[1])
-                qkv[real] = packed
+            if real is not None:  # attention reads the (B, M) layout (and never writes it)
+                if laid_out is None or laid_out.shape[1] != qkv.shape[1] or laid_out.dtype != qkv.dtype:
+                    laid_out = qkv.new_zeros(batch * width, qkv.shape[1])
+                laid_out[real] = qkv
+                qkv = laid_out
             if compiled is not None:
                 out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
                                                 heads, kv_heads, self.scaling, flat,

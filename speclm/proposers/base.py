@@ -171,6 +171,11 @@ class Proposer:
         for it (a new prompt, tokens committed while it sat out), 0 where it never reads the row."""
         return [0] * len(contexts)
 
+    def reading_seconds(self, tokens: int) -> float | None:
+        """Seconds its model takes to read `tokens` unread tokens of one row (`unread`), as measured
+        here; None where it does not measure it (a draft model: its cost line prices it)."""
+        return None
+
     def lookup_only(self) -> list[bool]:
         """Per row: whether this proposer drafts the row by prompt lookup alone whatever happens (a
         draft+pld row whose prompt is too long for its draft model); [] where it never does."""

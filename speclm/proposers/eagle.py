@@ -8,9 +8,11 @@ live in a one-layer cache per row.
 Each round, per row:
 1. pending pairs: the target's real features for the tokens committed since the last round (the
    prompt's after the prefill, else the old root and the accepted path, which verification
-   returned) with each next token, fed to the head in one forward; their keys and values join the
-   row's cache for good (real features never need rolling back). The last one's output is the
-   predicted feature at the root, whose logits rank the root's children;
+   returned) with each next token, fed to the head (rows of like counts in one forward); their keys
+   and values join the row's cache for good (real features never need rolling back). The last
+   one's output is the predicted feature at the root, whose logits rank the root's children. A row
+   it does not draft for this round (auto's other children's, lookup's) keeps its features
+   pending: the planner prices feeding them as a catch-up (`unread`, `reading_seconds`);
 2. levels: of the deepest level's candidates that the tree verified so far would hold (step 3),
    the `expand` of highest cumulative probability are run through the head (each from its
    parent's predicted feature and its own token, attending the cache and its ancestors); each
@@ -24,6 +26,7 @@ The tree's own keys and values are scratch for the round: the cache holds real f
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +40,7 @@ from speclm.tree import ROOT, lineage
 # (its children, at most that likely, would rarely repay the level's cost): speclm.defaults.TABLE
 DEPTH, EXPAND, BRANCH = defaults.K_EAGLE, defaults.EAGLE_EXPAND, defaults.EAGLE_BRANCH
 MAX_TREE, MIN_PROB = defaults.EAGLE_MAX_TREE, defaults.EAGLE_MIN_PROB
+READ_MEASURED = 32  # a feed of fewer features is mostly fixed costs: no measure of reading one more
 
 
 class EagleProposer(HeadProposer):
@@ -61,21 +65,36 @@ class EagleProposer(HeadProposer):
     def start(self, batch_size, capacity, prompt_lengths=None, max_new_tokens=None, pool=0):
         self.keys: list[torch.Tensor] = []  # per row: (H_kv, P, D) the head's cache over real features
         self.values: list[torch.Tensor] = []
-        self.pending: list[tuple[torch.Tensor, int]] = []  # per row: (m, E) real features not yet fed, first one's index j
+        self.pending: list[_Pending] = []  # per row: the target's states not yet fed
+        self.waited: list[int] = []  # per row: rounds accepted since its pending features were last fed
         self._seconds = self._prefill_seconds = 0.0
+        self._read = (0.0, 0)  # (seconds, features) of catch-up feeds of READ_MEASURED or more features
 
     def add(self, count, prompt_lengths=None, max_new_tokens=None):
         empty = torch.zeros(*self._kv_shape[:1], 0, self._kv_shape[1], device=self.device)
         for _ in range(count):
             self.keys.append(empty)
             self.values.append(empty)
-            self.pending.append((torch.zeros(0, self.head.config.hidden_size, device=self.device), 0))
+            self.pending.append(_Pending())
+            self.waited.append(0)
 
     @property
     def prefill_seconds(self) -> float:
-        """The head's reading of prompts' features (a feed holding a row's first features): a
-        prefill of its own, not a round's drafting (the planner prices rounds without it)."""
+        """The head's reading of features a round's drafting did not leave (a feed holding a row's
+        prompt, or what was committed while the row sat out): a prefill of its own, not a round's
+        drafting (the planner prices rounds without it, and that reading as a catch-up)."""
         return self._prefill_seconds
+
+    def unread(self, contexts):
+        """Per row: the features it would feed before drafting, where more than the last round's
+        (its prompt's; those of rounds it sat out: auto's other children, lookup's rounds)."""
+        return [p.count if k.shape[1] == 0 or w > 1 else 0 for p, k, w in zip(self.pending, self.keys, self.waited)]
+
+    def reading_seconds(self, tokens: int) -> float | None:
+        """Seconds the head takes to feed one row's `tokens` pending features: as its catch-up feeds
+        of READ_MEASURED or more features measured (seconds per feature), else None."""
+        seconds, fed = self._read
+        return tokens * seconds / fed if fed else None
 
     @torch.inference_mode()
     def _real(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -87,30 +106,33 @@ class EagleProposer(HeadProposer):
     def read_prompt(self, hidden, starts):
         n = len(hidden)
         for i, (h, start) in enumerate(zip(hidden, starts)):
-            self.pending[len(self.pending) - n + i] = (self._real(h), start)
+            self.pending[len(self.pending) - n + i] = _Pending([h], start, len(next(iter(h.values()))))
 
     def accept(self, verified: Verified) -> None:
         states = verified.hidden  # {layer: (B, 1 + N, E)}: the root's, then each node's
         for b, (path, keep) in enumerate(zip(verified.paths, verified.keep)):
-            at = [0] + [1 + n for n in path]
-            real = self._real({layer: s[b, at] for layer, s in states.items()})  # (1 + m, E): the old root's, the path's
-            first = keep - len(path) - 1  # the old root's index
-            old, j = self.pending[b]
-            self.pending[b] = (torch.cat([old, real]), j if len(old) else first)
+            at = [0] + [1 + n for n in path]  # the old root's, the path's: (1 + m, E) each
+            self.pending[b].add({layer: s[b, at] for layer, s in states.items()}, keep - len(path) - 1)
+            self.waited[b] += 1
 
     def select(self, rows):
         self.keys = [self.keys[r] for r in rows]
         self.values = [self.values[r] for r in rows]
         self.pending = [self.pending[r] for r in rows]
+        self.waited = [self.waited[r] for r in rows]
 
     @torch.inference_mode()
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
         t0 = time.perf_counter()
         batch = len(contexts)
-        prompt = any(k.shape[1] == 0 for k in self.keys)  # a row's first feed: its prompt's features
-        root_features = self._feed_pending(contexts)  # (B, E)
-        if prompt:
-            self._prefill_seconds += time.perf_counter() - t0
+        drafting = [b for b in range(batch) if max_tokens[b] > 0]  # the other rows' features wait
+        catching_up = any(self.unread(contexts)[b] for b in drafting)  # a prompt, or rounds sat out
+        root_features, fed = self._feed_pending(contexts, drafting)  # (B, E), features fed
+        if catching_up:
+            seconds = time.perf_counter() - t0
+            self._prefill_seconds += seconds
+            if fed >= READ_MEASURED:
+                self._read = (self._read[0] + seconds, self._read[1] + fed)
         depth = min(self.k, max(max_tokens, default=0))
         if depth <= 0:
             self._seconds += time.perf_counter() - t0
@@ -147,45 +169,58 @@ class EagleProposer(HeadProposer):
         self._seconds += time.perf_counter() - t0
         return to_draft(rows, chosen, forwards)
 
-    def _feed_pending(self, contexts: list[list[int]]) -> torch.Tensor:
-        """Step 1: every row's pending real features through the head; their keys and values join
-        the cache. Returns each row's predicted feature at its root (B, E)."""
-        batch = len(contexts)
-        counts = [len(f) for f, _ in self.pending]
-        width = max(counts)
-        assert min(counts) >= 1, "a row proposes before its prompt's features arrived"
+    def _feed_pending(self, contexts: list[list[int]], drafting: list[int]) -> tuple[torch.Tensor, int]:
+        """Step 1: the pending real features of the rows in `drafting` through the head; their keys
+        and values join the cache. Returns each row's predicted feature at its root (B, E; zeros for
+        the rows not drafting) and the features fed. Rows of like counts are fed together (a row
+        with a prompt to read would pad every other row to its length)."""
         size = self.head.config.hidden_size
+        roots = torch.zeros(len(contexts), size, device=self.device)
+        counts = {b: self.pending[b].count for b in drafting}
+        assert min(counts.values(), default=1) >= 1, "a row proposes before its prompt's features arrived"
+        for group in _packed(sorted(drafting, key=lambda b: counts[b]), counts):
+            roots[group] = self._feed(contexts, group, [counts[b] for b in group])
+        return roots, sum(counts.values())
+
+    def _feed(self, contexts: list[list[int]], group: list[int], counts: list[int]) -> torch.Tensor:
+        """Rows `group`'s pending features (counts: theirs) through the head in one forward; their
+        predicted features at their roots (G, E)."""
+        batch, width, size = len(group), max(counts), self.head.config.hidden_size
         features = torch.zeros(batch, width, size, device=self.device)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
-        for b, ((f, j), c) in enumerate(zip(self.pending, contexts)):
-            m = len(f)
-            features[b, :m] = f
-            tokens[b, :m] = torch.tensor(c[j + 1 : j + 1 + m], dtype=torch.long)
-            positions[b, :m] = torch.arange(j + 1, j + 1 + m)
-        past_k, past_v, past_len = self._past(0)
+        for i, (b, m) in enumerate(zip(group, counts)):
+            p = self.pending[b]
+            j = p.first
+            features[i, :m] = self._real(p.states())
+            tokens[i, :m] = torch.tensor(contexts[b][j + 1 : j + 1 + m], dtype=torch.long)
+            positions[i, :m] = torch.arange(j + 1, j + 1 + m)
+        past_k, past_v, past_len = self._past(0, group)
         longest = past_k.shape[2]
         mask = torch.zeros(batch, width, longest + width, dtype=torch.bool)
         mask[:, :, longest:] = torch.ones(width, width, dtype=torch.bool).tril()
-        for b, n in enumerate(past_len):
-            mask[b, :, :n] = True
+        for i, n in enumerate(past_len):
+            mask[i, :, :n] = True
         positions, mask = positions.to(self.device), mask.to(self.device)
         out, k, v = self.head(features, self.embed(tokens), positions, (past_k, past_v), mask)
-        for b, m in enumerate(counts):
-            self.keys[b] = torch.cat([self.keys[b], k[b, :, :m]], 1)
-            self.values[b] = torch.cat([self.values[b], v[b, :, :m]], 1)
-            self.pending[b] = (features.new_zeros(0, size), 0)
+        for i, (b, m) in enumerate(zip(group, counts)):
+            self.keys[b] = torch.cat([self.keys[b], k[i, :, :m]], 1)
+            self.values[b] = torch.cat([self.values[b], v[i, :, :m]], 1)
+            self.pending[b] = _Pending()
+            self.waited[b] = 0
         return out[torch.arange(batch), torch.tensor(counts) - 1]
 
-    def _past(self, extra: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Every row's cached keys and values, padded to the longest row, with `extra` zero columns
-        after them (the round's scratch); (B, H_kv, P + extra, D) each, and each row's length."""
-        past_len = [k.shape[1] for k in self.keys]
-        past_k = torch.zeros(len(self.keys), self._kv_shape[0], max(past_len) + extra, self._kv_shape[1],
+    def _past(self, extra: int, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The cached keys and values of `rows` (None: every row), padded to the longest, with
+        `extra` zero columns after them (the round's scratch); (B, H_kv, P + extra, D) each, and
+        each row's length."""
+        rows = range(len(self.keys)) if rows is None else rows
+        past_len = [self.keys[b].shape[1] for b in rows]
+        past_k = torch.zeros(len(past_len), self._kv_shape[0], max(past_len) + extra, self._kv_shape[1],
                              device=self.device)
         past_v = torch.zeros_like(past_k)
-        for b, n in enumerate(past_len):
-            past_k[b, :, :n], past_v[b, :, :n] = self.keys[b], self.values[b]
+        for i, (b, n) in enumerate(zip(rows, past_len)):
+            past_k[i, :, :n], past_v[i, :, :n] = self.keys[b], self.values[b]
         return past_k, past_v, past_len
 
     def _run(self, contexts, rows, feats, slot, picks, width, scratch_k, scratch_v, root_features):
@@ -236,3 +271,37 @@ class EagleProposer(HeadProposer):
                 for t, q in zip(tokens[b][col], top_p[b][col]):
                     rows[b].append(Node(t, parent, level, cum * q))
                     feats[b].append(None)
+
+
+def _packed(rows: list[int], counts: dict[int, int]) -> list[list[int]]:
+    """Rows (ascending by count) in groups fed together: a group grows while its padded size (its
+    rows times its largest count) stays within twice its features, so a row with a prompt to read
+    is fed apart from rows with a round's few."""
+    groups: list[list[int]] = []
+    for b in rows:
+        if groups and (len(groups[-1]) + 1) * counts[b] <= 2 * (sum(counts[r] for r in groups[-1]) + counts[b]):
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
+
+
+@dataclass
+class _Pending:
+    """One row's target states not yet fed to the head: chunks of {layer: (m_i, E)} (the prompt's,
+    then each round's old root and accepted path), the first one's index in the context, and how
+    many. Joined and lifted to the head's input when fed (a round appends, never copies the rest)."""
+
+    chunks: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    first: int = 0
+    count: int = 0
+
+    def add(self, states: dict[int, torch.Tensor], first: int) -> None:
+        if not self.chunks:
+            self.first = first
+        self.chunks.append(states)
+        self.count += len(next(iter(states.values())))
+
+    def states(self) -> dict[int, torch.Tensor]:
+        return {layer: torch.cat([c[layer] for c in self.chunks]) for layer in self.chunks[0]}
+

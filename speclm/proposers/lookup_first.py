@@ -58,6 +58,12 @@ class LookupFirstProposer(Proposer):
     def prefill_seconds(self) -> float:
         return self.heads.prefill_seconds
 
+    def unread(self, contexts):
+        return self.heads.unread(contexts)
+
+    def reading_seconds(self, tokens):
+        return self.heads.reading_seconds(tokens)
+
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
         chains = self.lookup.found(contexts, max_tokens)  # each no longer than the row's budget
         self.by_lookup = [bool(chain) for chain in chains]

@@ -92,6 +92,7 @@ from speclm.forward.costs import ForwardCosts, StepTimes
 # auto: each round's weight on the workload's ease, and on a request's own counts of a child it
 # did not try that round (they drift back to its prior: explored again)
 SHARED_DECAY = 0.98
+DRAFT_ROW_PREMIUM = defaults.DRAFT_ROW_PREMIUM  # speclm.defaults.TABLE
 EASE_WEIGHT = 2.0  # a request's ease starts at the workload's, as this many expected tokens' worth
 WORKLOAD_WEIGHT = 8.0  # the workload's starts at 1 (the profile's prompts), as this many
 EASE_SHARE = 0.5  # a child's prior moves by the square root of the ease of the request's other children
@@ -110,6 +111,31 @@ class _Priced:
     def seconds(self) -> float:
         """The round before the measured ratio."""
         return self.forward + self.drafting
+
+
+@dataclass
+class _Sums:
+    """Auto rows' part of a round (Adaptive._sums): their tokens committed, drafted tokens fed to
+    the target and reading, and per (group, child) drafting: (rows, deepest draft forwards, group key)."""
+
+    tokens: float = 0.0
+    fed: float = 0.0
+    catch_up: float = 0.0
+    used: dict = field(default_factory=dict)
+
+    def add(self, plan: tuple, row: tuple[float, float, float, float]) -> None:
+        key, g, _, choice, _ = plan
+        own, width, steps, catch = row
+        self.tokens, self.fed, self.catch_up = self.tokens + own, self.fed + width, self.catch_up + catch
+        if choice.child is not None:
+            at = (id(g), choice.child)
+            count, depth, _ = self.used.get(at, (0, 0, None))
+            self.used[at] = (count + 1, max(depth, steps), key)
+
+    def plus(self, plan: tuple, row: tuple[float, float, float, float]) -> "_Sums":
+        out = _Sums(self.tokens, self.fed, self.catch_up, dict(self.used))
+        out.add(plan, row)
+        return out
 
 
 @dataclass
@@ -223,6 +249,8 @@ class Adaptive:
         self._own_curves: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {chain child: _Curve}
         self._chains: dict = {}  # (id(request), child, k) -> _chain's answer, until the next observe or plan
         self._rows: dict = {}  # (id(request), child, k) -> _row's answer, until the next observe or plan
+        self._steps: dict = {}  # (group key, child, rows) -> _step_seconds' answer, until the next observe or plan
+        self._ratio_memo: dict = {}  # (rows, drafting) -> ratio's answer, until the next round is timed
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._ease: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Ease of its rounds}
         self._workloads: dict = {}  # group key -> _Ease of every request's auto rounds, whichever child (SHARED_DECAY a round)
@@ -259,6 +287,7 @@ class Adaptive:
             self._workloads.setdefault(key, _Ease()).update(SHARED_DECAY, accepted, expected)
         self._chains.clear()  # priced from the counts this round changes
         self._rows.clear()
+        self._steps.clear()
         if child is not None and cap:
             own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
             own.update(self.decay, cap, min(drafted, cap), accepted)
@@ -282,21 +311,60 @@ class Adaptive:
         self._levels[key] = forwards if old is None else 0.8 * old + 0.2 * forwards
 
     def ratio(self, rows: int, drafting: bool) -> float:
-        """Measured over predicted seconds of rounds of `rows` rows that drafted (or not): at that
-        size, else at the nearest size measured (the smaller on a tie); 1 where no round of that
-        kind ran yet, so that a kind priced dearer by its rounds is tried against the table's price
-        of the other and measured too."""
-        return self._ratios[drafting].at(rows, lambda n: 1.0) or 1.0  # a ratio does not scale with rows
+        """Measured over predicted seconds of rounds of `rows` rows that drafted (or not), at that
+        size. A plain round not measured there: as at the nearest size measured (the smaller on a
+        tie), else 1 (tried at the table's price, and measured). A drafting round: the plain
+        round's ratio there times the premium (`premium`) where plain rounds ran there, else as at
+        the nearest size a drafting round ran, else the plain ratio times the premium. A drafting
+        round verifies and commits per drafted row what the table's forward leaves out: priced at
+        the plain round's ratio, a drafting round not yet measured was planned at 8 rows, ran
+        twice its price and paid the draft's reading of every prompt."""
+        memo = self._ratio_memo.get((rows, drafting))
+        if memo is None:
+            memo = self._ratio_memo[rows, drafting] = self._ratio(rows, drafting)
+        return memo
+
+    def _ratio(self, rows: int, drafting: bool) -> float:
+        own = self._ratios[drafting]
+        if rows in own.seconds:
+            return own.seconds[rows]
+        plain = self._ratios[False]
+        if drafting and rows not in plain.seconds:
+            near = own.at(rows, lambda n: 1.0)  # a ratio does not scale with rows
+            if near is not None:
+                return near
+        base = plain.at(rows, lambda n: 1.0) or 1.0
+        return base * self.premium(rows) if drafting else base
+
+    def measured_ratios(self) -> dict[int, tuple[float | None, float | None]]:
+        """By rows: the measured ratios of plain and drafting rounds (None: none ran at that size)."""
+        plain, drafting = self._ratios[False].seconds, self._ratios[True].seconds
+        return {n: (plain.get(n), drafting.get(n)) for n in sorted({*plain, *drafting})}
+
+    def premium(self, rows: int) -> float:
+        """A drafting round's ratio over a plain one's at `rows` rows: as measured at the nearest
+        size where both ran (the smaller on a tie), else 1 + DRAFT_ROW_PREMIUM a row past the first."""
+        both = [n for n in self._ratios[True].seconds if n in self._ratios[False].seconds]
+        if not both:
+            return 1.0 + DRAFT_ROW_PREMIUM * (rows - 1)
+        near = min(both, key=lambda n: (abs(n - rows), n))
+        return self._ratios[True].seconds[near] / self._ratios[False].seconds[near]
 
     def timed(self, seconds: float) -> None:
         """The round `caps` last priced took `seconds` past its proposals (its forward, verifying
-        and committing): kept as a ratio to the table's price of its forward."""
+        and committing): kept as a ratio to the table's price of its forward, a decayed mean from
+        the size's prior (`ratio`): the first round at 8 rows ran 2.4x its price, cold, and priced
+        every plain round of the next ten above drafting ones."""
         if self._predicted is None:
             return
         rows, drafting, predicted = self._predicted
         self._predicted = None
         ratio = min(max(seconds / max(predicted, 1e-9), 0.25), 4.0)  # one stall (a page fault storm) moves it little
-        self._ratios[drafting].record(rows, ratio)
+        own = self._ratios[drafting]
+        if rows not in own.seconds:  # a size's first round (new shapes: allocations, cold caches) moves its prior
+            own.record(rows, self.ratio(rows, drafting))
+        own.record(rows, ratio)
+        self._ratio_memo.clear()
 
     def _expected(self, request, k: int, tree: bool) -> float:
         """Tokens a round commits for `request` with draft length k (the target's own token included)."""
@@ -553,26 +621,48 @@ class Adaptive:
             else:
                 steps = self._chain(key, r, choice)[1] * self._forwards_per_position(at, choice.child)
             seen = unread.get(choice.child, 0)
-            if child.reads_context and seen > 2:  # this round's share of reading what it has not read
-                reading = self.draft_costs if self.draft_costs is not None else self.costs
-                catch_up = reading(seen) / max(1.0, r.tokens_left / tokens)
+            if seen > 2:  # this round's share of reading what it has not read
+                catch_up = self._reading(choice.child, child, seen) / max(1.0, r.tokens_left / tokens)
         self._rows[memo] = tokens, width, steps, catch_up
         return self._rows[memo]
+
+    def _reading(self, name: str, child, tokens: int) -> float:
+        """Seconds auto's `child` (named `name`) takes to read `tokens` unread tokens of one row: a
+        draft model's by its cost line; heads' (their pending features) as they measured it here,
+        else as `speclm tune` measured it, else unpriced."""
+        if child.reads_context:
+            return (self.draft_costs if self.draft_costs is not None else self.costs)(tokens)
+        seconds = child.reading_seconds(tokens)
+        if seconds is None:
+            tuned = self.measured.get(name)
+            seconds = tokens * tuned.reading_seconds if tuned is not None else 0.0
+        return seconds
 
     def _price(self, plans: list[tuple], rows: int, tokens0: float, fed0: float) -> "_Priced":
         """A round whose auto rows take `plans`: a list of (key, group, request, choice, unread by
         child). The forward reads `rows` roots and every row's own drafted tokens (fed0: the other
         groups'), no padding."""
-        tokens, fed, catch_up, used = tokens0, fed0, 0.0, {}
-        for key, g, r, choice, unread in plans:
-            own, width, steps, catch = self._row(key, g, r, choice, unread)
-            tokens, fed, catch_up = tokens + own, fed + width, catch_up + catch
-            if choice.child is not None:  # a child's forwards run once for all its rows: its deepest row's
-                at = (id(g), choice.child)
-                count, depth, _ = used.get(at, (0, 0, None))
-                used[at] = (count + 1, max(depth, steps), key)
-        drafting = sum(self._step_seconds((key, at[1]), count) * depth for at, (count, depth, key) in used.items())
-        rate, forward = self._per_second(tokens, rows, fed, drafting + catch_up)
+        return self._priced(self._sums(plans), rows, tokens0, fed0)
+
+    def _sums(self, plans) -> "_Sums":
+        """What `plans`' rows add to a round (their tokens, fed tokens and reading, and per child
+        its rows and deepest forwards)."""
+        out = _Sums()
+        for plan in plans:
+            out.add(plan, self._row(*plan))
+        return out
+
+    def _priced(self, sums: "_Sums", rows: int, tokens0: float, fed0: float) -> "_Priced":
+        # a child's forwards run once for all its rows: its deepest row's
+        drafting = 0.0
+        for (_, child), (count, depth, key) in sums.used.items():
+            memo = (key, child, count)
+            seconds = self._steps.get(memo)
+            if seconds is None:
+                seconds = self._steps[memo] = self._step_seconds((key, child), count)
+            drafting += seconds * depth
+        fed = fed0 + sums.fed
+        rate, forward = self._per_second(tokens0 + sums.tokens, rows, fed, drafting + sums.catch_up)
         return _Priced(rate, forward, drafting, fed > 0)
 
     def _per_second(self, tokens: float, rows: int, fed: float, beside: float) -> tuple[float, float]:
@@ -587,6 +677,7 @@ class Adaptive:
         keep their k. Returns {} (no caps for the others)."""
         self._chains.clear()  # ids of requests that left may come back as new ones
         self._rows.clear()
+        self._steps.clear()
         tokens0, fed0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
         for key, g in groups:  # the other groups at their own k
             tokens0 += sum(self._expected(r, g.proposer.k, g.proposer.shape == "tree") - 1.0 for r in g.requests)
@@ -594,7 +685,7 @@ class Adaptive:
         free, alone = [], {}
         for key, g in planned:
             contexts = [r.context for r in g.requests]
-            unread = {name: c.unread(contexts) for name, c in g.proposer.children.items() if c.reads_context}
+            unread = {name: c.unread(contexts) for name, c in g.proposer.children.items()}
             lookup = {name: c.lookup_only() for name, c in g.proposer.children.items()}
             for b, r in enumerate(g.requests):
                 own = {name: u[b] for name, u in unread.items()}
@@ -615,9 +706,11 @@ class Adaptive:
             if len(free) > 1:  # then each row in turn to its own best, the others held
                 for e in free:
                     held = e[3]
+                    others = self._sums(tuple(x) for x in free if x is not e)
                     for choice in options[id(e)]:
                         e[3] = choice
-                        rate = self._price([tuple(x) for x in free], rows, tokens0, fed0).rate
+                        plan = tuple(e)
+                        rate = self._priced(others.plus(plan, self._row(*plan)), rows, tokens0, fed0).rate
                         if rate > best_rate * (1 + 1e-9):
                             best_rate, held = rate, choice
                     e[3] = held
