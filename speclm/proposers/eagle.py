@@ -126,7 +126,8 @@ class EagleProposer(HeadProposer):
         t0 = time.perf_counter()
         batch = len(contexts)
         drafting = [b for b in range(batch) if max_tokens[b] > 0]  # the other rows' features wait
-        catching_up = any(self.unread(contexts)[b] for b in drafting)  # a prompt, or rounds sat out
+        unread = self.unread(contexts)
+        catching_up = any(unread[b] for b in drafting)  # a prompt, or rounds sat out
         root_features, fed = self._feed_pending(contexts, drafting)  # (B, E), features fed
         if catching_up:
             seconds = time.perf_counter() - t0

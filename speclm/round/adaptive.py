@@ -316,9 +316,9 @@ class Adaptive:
         tie), else 1 (tried at the table's price, and measured). A drafting round: the plain
         round's ratio there times the premium (`premium`) where plain rounds ran there, else as at
         the nearest size a drafting round ran, else the plain ratio times the premium. A drafting
-        round verifies and commits per drafted row what the table's forward leaves out: priced at
-        the plain round's ratio, a drafting round not yet measured was planned at 8 rows, ran
-        twice its price and paid the draft's reading of every prompt."""
+        round verifies and commits per drafted row what the table's forward leaves out: at the
+        plain ratio, one that never ran at a size looks cheaper than it is, and trying it there
+        costs a draft's reading of every row's prompt."""
         memo = self._ratio_memo.get((rows, drafting))
         if memo is None:
             memo = self._ratio_memo[rows, drafting] = self._ratio(rows, drafting)
@@ -353,8 +353,8 @@ class Adaptive:
     def timed(self, seconds: float) -> None:
         """The round `caps` last priced took `seconds` past its proposals (its forward, verifying
         and committing): kept as a ratio to the table's price of its forward, a decayed mean from
-        the size's prior (`ratio`): the first round at 8 rows ran 2.4x its price, cold, and priced
-        every plain round of the next ten above drafting ones."""
+        the size's prior (`ratio`): a size's first round runs cold (new shapes: allocations), and
+        taken as it is it would misprice that size's rounds for the next ten."""
         if self._predicted is None:
             return
         rows, drafting, predicted = self._predicted
