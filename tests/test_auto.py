@@ -335,9 +335,8 @@ class _Heads(_Tree):
 
 def test_heads_that_sat_out_are_priced_for_the_features_they_would_read():
     """A row the heads have not drafted for 100 rounds has 300 features pending: the heads read
-    them all before drafting it (0.5 s over 8 rows at a time when one row switched, priced nowhere:
-    auto at 8 rows ran below plain decoding). Priced as a catch-up, its share of the rounds the row
-    has left: as the heads measured it, else as `speclm tune` did; nothing pending, nothing."""
+    them all before drafting it. Priced as a catch-up, its share of the rounds the row has left:
+    as the heads measured it, else as `speclm tune` did; nothing pending, nothing."""
     tree = tune.ChildProfile(0.01, 0.6, 1.5, 4.0, 50, forwards=1.0, reading_seconds=0.002)
     policy = Adaptive(ForwardCosts({1: 1.0, 64: 1.0}), measured={"tree": tree})
 

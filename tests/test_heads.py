@@ -200,9 +200,9 @@ def _full_keys(target, heads, context, n):
 
 def test_eagle_feeds_only_the_rows_it_drafts_and_a_row_that_sat_out_catches_up(target, heads_files):
     """eagle+pld: a row prompt lookup drafts keeps its features pending while the heads draft
-    another row (fed with it, one row's switch to the heads fed every row's backlog: at 8 rows that
-    cost half a second, priced nowhere); `unread` counts them, and the next time the heads draft
-    the row they read them all: its cache then equals one forward over every committed token."""
+    another row (feeding it too would make one row's switch to the heads pay every row's backlog);
+    `unread` counts them, and the next time the heads draft the row they read them all: its cache
+    then equals one forward over every committed token."""
     engine = SpecEngine(target)
     heads = engine.heads("eagle", heads_files["eagle"])
     batch = engine.batch(capacity=200)
