@@ -154,6 +154,7 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
     kids = children(engine, opts, fallback)
     chat = bool(getattr(engine.target.tokenizer, "chat_template", None))
     prompts = [p for p in PROMPTS if _fits(engine, p, chat)] or PROMPTS[:1]  # a short context (tests' tiny models)
+    lengths = {p: len(engine.encode([p], chat)[0]) for p in prompts}  # prompt tokens a child reads
     bar = tqdm(total=len(kids) * len(prompts), desc="tune", unit="run", file=sys.stderr, disable=progress is False)
     profile = Profile(key_of(engine, opts), _processor(engine.target.model), time.strftime("%Y-%m-%dT%H:%M:%S%z"), 0.0)
     for child in kids:
@@ -174,7 +175,7 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
             nodes += s.verified_nodes
             rounds += rounds_here
             reading += s.draft_prefill_seconds
-            read += len(engine.encode([prompt], chat)[0])
+            read += lengths[prompt]
             for total, counts in ((drafted_at, s.drafted_per_position), (accepted_at, s.accepted_per_position)):
                 total.extend([0.0] * (len(counts) - len(total)))
                 for j, n in enumerate(counts):

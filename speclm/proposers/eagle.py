@@ -66,7 +66,6 @@ class EagleProposer(HeadProposer):
         self.keys: list[torch.Tensor] = []  # per row: (H_kv, P, D) the head's cache over real features
         self.values: list[torch.Tensor] = []
         self.pending: list[_Pending] = []  # per row: the target's states not yet fed
-        self.waited: list[int] = []  # per row: rounds accepted since its pending features were last fed
         self._seconds = self._prefill_seconds = 0.0
         self._read = (0.0, 0)  # (seconds, features) of catch-up feeds of READ_MEASURED or more features
 
@@ -76,7 +75,6 @@ class EagleProposer(HeadProposer):
             self.keys.append(empty)
             self.values.append(empty)
             self.pending.append(_Pending())
-            self.waited.append(0)
 
     @property
     def prefill_seconds(self) -> float:
@@ -88,7 +86,7 @@ class EagleProposer(HeadProposer):
     def unread(self, contexts):
         """Per row: the features it would feed before drafting, where more than the last round's
         (its prompt's; those of rounds it sat out: auto's other children, lookup's rounds)."""
-        return [p.count if k.shape[1] == 0 or w > 1 else 0 for p, k, w in zip(self.pending, self.keys, self.waited)]
+        return [p.count if k.shape[1] == 0 or len(p.chunks) > 1 else 0 for p, k in zip(self.pending, self.keys)]
 
     def reading_seconds(self, tokens: int) -> float | None:
         """Seconds the head takes to feed one row's `tokens` pending features: as its catch-up feeds
@@ -113,13 +111,11 @@ class EagleProposer(HeadProposer):
         for b, (path, keep) in enumerate(zip(verified.paths, verified.keep)):
             at = [0] + [1 + n for n in path]  # the old root's, the path's: (1 + m, E) each
             self.pending[b].add({layer: s[b, at] for layer, s in states.items()}, keep - len(path) - 1)
-            self.waited[b] += 1
 
     def select(self, rows):
         self.keys = [self.keys[r] for r in rows]
         self.values = [self.values[r] for r in rows]
         self.pending = [self.pending[r] for r in rows]
-        self.waited = [self.waited[r] for r in rows]
 
     @torch.inference_mode()
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
@@ -208,7 +204,6 @@ class EagleProposer(HeadProposer):
             self.keys[b] = torch.cat([self.keys[b], k[i, :, :m]], 1)
             self.values[b] = torch.cat([self.values[b], v[i, :, :m]], 1)
             self.pending[b] = _Pending()
-            self.waited[b] = 0
         return out[torch.arange(batch), torch.tensor(counts) - 1]
 
     def _past(self, extra: int, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -290,8 +285,9 @@ def _packed(rows: list[int], counts: dict[int, int]) -> list[list[int]]:
 @dataclass
 class _Pending:
     """One row's target states not yet fed to the head: chunks of {layer: (m_i, E)} (the prompt's,
-    then each round's old root and accepted path), the first one's index in the context, and how
-    many. Joined and lifted to the head's input when fed (a round appends, never copies the rest)."""
+    then each round's old root and accepted path: one a round, so more than one after a feed means
+    rounds sat out), the first one's index in the context, and how many. Joined and lifted to the
+    head's input when fed (a round appends, never copies the rest)."""
 
     chunks: list[dict[int, torch.Tensor]] = field(default_factory=list)
     first: int = 0
