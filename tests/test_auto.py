@@ -20,9 +20,10 @@ from speclm.methods import children
 from speclm.options import GenerationOptions
 from speclm.proposers.auto import NO_DRAFT, AutoProposer, Choice
 from speclm.proposers.base import Draft, Proposer
+from speclm.proposers.prompt_lookup import PromptLookupProposer
 from speclm.quant.weights import quantize_model
 from speclm.requests import Request
-from speclm.round.adaptive import Adaptive
+from speclm.round.adaptive import CHAIN, Adaptive
 from tiny import loaded, random_heads, random_plan
 
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick",
@@ -316,7 +317,33 @@ def test_a_forward_slower_than_its_table_does_not_inflate_the_draft_forwards():
     chosen = _planned(policy, batch, group, 60, observe)
     assert set(chosen[-20:]) == {"model"}, chosen
     assert group.proposer.plan[0].k == 3
-    assert policy.ratio(1, True) == pytest.approx(2.0)
+    assert policy.ratio(1, CHAIN) == pytest.approx(2.0, rel=1e-4)
+
+
+def test_a_tree_round_is_priced_by_what_tree_rounds_took(monkeypatch):
+    """The table is flat past a few tokens (AMX tiles): a tree of 6 nodes and a chain of 2 cost
+    the same there, but a tree's round verifies and commits more (its mask, its path moved into
+    place): here tree rounds take 1.3x their price, chains' 1.0x. The tree commits 2.4 tokens a
+    round, the chain 2.2: per second the chain is the better, and is planned. Planted: with one
+    ratio for every drafting round (as before rounds had kinds), the tree is planned."""
+    import speclm.round.adaptive as adaptive
+
+    def planned():
+        policy = Adaptive(ForwardCosts({1: 1.0, 64: 1.0}))
+        key, group, request = _one_row({"chain": _Child(2), "tree": _Tree(6)})
+        for n in range(40):
+            policy._predicted = (1, adaptive._kind(3, False), 1.0)
+            policy.timed(1.0)
+            policy._predicted = (1, adaptive._kind(7, True), 1.0)
+            policy.timed(1.3)
+            policy.observe(request, 2, 2 if n % 5 == 0 else 1, 0.0, 2, 1, child="chain", cap=2)
+            policy.observe(request, 6, 2 if n % 5 < 2 else 1, 0.0, 1, 1, child="tree")
+        policy.caps(SimpleNamespace(groups={key: group}, requests=[request]))
+        return group.proposer.plan[0].child
+
+    assert planned() == "chain"
+    monkeypatch.setattr(adaptive, "_kind", lambda fed, tree: adaptive.PLAIN if fed <= 0 else adaptive.CHAIN)
+    assert planned() == "tree"
 
 
 class _Heads(_Tree):
@@ -428,6 +455,48 @@ def test_a_child_a_row_stopped_trying_is_tried_again_once_it_pays():
     left = chosen.index("chain")
     assert "tree" in chosen[left:left + 35], chosen  # tried again (30 rounds later; unaged: not in 50)
     assert set(chosen[45:]) == {"tree"}, chosen  # and kept once it pays for this row too
+
+
+def _copying_rows(policy, rounds: int) -> list:
+    """A row whose text repeats its prompt's cycle of 8 tokens, with a prompt-lookup child (its
+    profile: it drafts in a tenth of its rounds and accepts little) and a tree (its profile: 1.5
+    tokens a round). Each round commits what the tree is told it accepted (one token past its
+    target's) or all four looked up. Returns the child planned in each round."""
+    cycle = list(range(5, 13))
+    key, group, request = _one_row({"lookup": PromptLookupProposer(k=4), "tree": _Tree(6)})
+    request.context[:] = cycle * 3
+    request.prompt_len = len(request.context)
+    batch = SimpleNamespace(groups={key: group}, requests=[request])
+
+    def observe(n, choice):
+        taken = 4 if choice.child == "lookup" else 1
+        if choice.child is not None:
+            policy.observe(request, 4 if choice.child == "lookup" else 6, taken, 0.001, 0 if choice.child == "lookup" else 1, 1,
+                           child=choice.child, cap=choice.k if choice.child == "lookup" else None)
+        for _ in range(taken + 1):  # the accepted tokens and the target's own
+            request.context.append(cycle[len(request.context) % len(cycle)])
+    return _planned(policy, batch, group, rounds, observe)
+
+
+def _copying_policy():
+    lookup = tune.ChildProfile(0.0, 0.05, 0.05, 0.4, 50, forwards=0.0, drafted_at=[0.1] * 4,
+                               accepted_at=[0.02, 0.01, 0.01, 0.01])
+    tree = tune.ChildProfile(0.001, 0.5, 1.5, 6.0, 50, forwards=1.0)
+    return Adaptive(ForwardCosts({1: 1.0, 64: 1.0}), measured={"lookup": lookup, "tree": tree})
+
+
+def test_a_lookup_child_is_priced_by_what_it_would_have_accepted_in_the_rows_text(monkeypatch):
+    """Prompt lookup's profile (other text) says it seldom finds a match; this row copies its
+    prompt, where every lookup of 4 tokens would be taken whole. While the tree is planned, the
+    lookup's chains for the row (Proposer.shadow) are scored against the text the row then commits,
+    and the row moves to the lookup, and stays: its rounds, 80x what its profile expected, do not
+    raise the tree's prior (the ease: copying is easy for a lookup far beyond a model). Priced by
+    its profile alone it was never tried (auto planned eagle+pld for every summary where prompt
+    lookup ran faster): planted, with no shadows the row stays on the tree."""
+    chosen = _copying_rows(_copying_policy(), 30)
+    assert chosen[0] == "tree" and set(chosen[4:]) == {"lookup"}, chosen
+    monkeypatch.setattr(PromptLookupProposer, "shadow", lambda self, contexts: None)
+    assert set(_copying_rows(_copying_policy(), 30)) == {"tree"}
 
 
 def replace_max(options, n):

@@ -181,6 +181,13 @@ class Proposer:
         draft+pld row whose prompt is too long for its draft model); [] where it never does."""
         return []
 
+    def shadow(self, contexts: list[list[int]]) -> list[list[int]] | None:
+        """Per row: the chain it would draft at its k from the context alone, for rows it does not
+        draft this round, where that needs no state and costs next to nothing (a lookup); None where
+        it does not (a model, or state of its own). auto scores these against the text the row then
+        commits: what the child would have accepted, learnt without running its rounds."""
+        return None
+
     def propose(
         self,
         contexts: list[list[int]],

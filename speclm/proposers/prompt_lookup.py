@@ -42,5 +42,8 @@ class PromptLookupProposer(Proposer):
         """Each row's lookup draft (empty: no match, or no budget)."""
         return [lookup(c, min(self.k, m), self.max_ngram, self.min_ngram) if m > 0 else [] for c, m in zip(contexts, max_tokens)]
 
+    def shadow(self, contexts: list[list[int]]) -> list[list[int]]:
+        return self.found(contexts, [self.k] * len(contexts))
+
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
         return Draft.from_rows(self.found(contexts, max_tokens))
