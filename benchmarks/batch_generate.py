@@ -8,8 +8,7 @@ generate` process has; auto's profile (`speclm tune`) is read from disk as gener
 Methods take turns at each batch size (drift hits them alike). Per run: wall time, tokens,
 tokens/s, x `none` at that batch size, outputs identical to `none`'s, auto's plan (rounds
 per child, summed over requests) and its measured ratios of a round's seconds past its proposals to
-its forward's table price, by rows and kind of round: plain, chains alone, a tree in it
-(speclm.round.adaptive).
+its forward's table price, plain and drafting rounds, by rows (speclm.round.adaptive).
 
 Run: .venv/bin/python benchmarks/batch_generate.py --batch-sizes 4,8 --per-category 4 > batch.txt
 (record: benchmarks/avx2/records.md#batch-generate)
@@ -79,10 +78,13 @@ def main():
             same = sum(a == c for a, c in zip(outputs, plain))
             total = sum(planned.values())
             plan = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in planned.most_common()) if total else "–"
-            measured = "; ".join(f"{n}: " + ", ".join(f"{kind} {x:.2f}" for kind, x in by_kind.items())
-                                 for n, by_kind in ratios.items()) or "–"
+            measured = ", ".join(f"{n}: {_two(p)}/{_two(d)}" for n, (p, d) in ratios.items()) or "–"
             print(f"| {b} | {method} | {wall:.1f} | {tokens} | {tokens / wall:.2f} | {tokens / wall / rate:.3f} "
                   f"| {same}/{len(prompts)} | {plan} | {measured} |", flush=True)
+
+
+def _two(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

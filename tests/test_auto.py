@@ -23,7 +23,7 @@ from speclm.proposers.base import Draft, Proposer
 from speclm.proposers.prompt_lookup import PromptLookupProposer
 from speclm.quant.weights import quantize_model
 from speclm.requests import Request
-from speclm.round.adaptive import CHAIN, Adaptive
+from speclm.round.adaptive import Adaptive
 from tiny import loaded, random_heads, random_plan
 
 PROMPTS = ["hello world, hello", "abc", "the quick brown fox jumps over the lazy dog, the quick",
@@ -317,33 +317,7 @@ def test_a_forward_slower_than_its_table_does_not_inflate_the_draft_forwards():
     chosen = _planned(policy, batch, group, 60, observe)
     assert set(chosen[-20:]) == {"model"}, chosen
     assert group.proposer.plan[0].k == 3
-    assert policy.ratio(1, CHAIN) == pytest.approx(2.0, rel=1e-4)
-
-
-def test_a_tree_round_is_priced_by_what_tree_rounds_took(monkeypatch):
-    """The table is flat past a few tokens (AMX tiles): a tree of 6 nodes and a chain of 2 cost
-    the same there, but a tree's round verifies and commits more (its mask, its path moved into
-    place): here tree rounds take 1.3x their price, chains' 1.0x. The tree commits 2.4 tokens a
-    round, the chain 2.2: per second the chain is the better, and is planned. Planted: with one
-    ratio for every drafting round (as before rounds had kinds), the tree is planned."""
-    import speclm.round.adaptive as adaptive
-
-    def planned():
-        policy = Adaptive(ForwardCosts({1: 1.0, 64: 1.0}))
-        key, group, request = _one_row({"chain": _Child(2), "tree": _Tree(6)})
-        for n in range(40):
-            policy._predicted = (1, adaptive._kind(3, False), 1.0)
-            policy.timed(1.0)
-            policy._predicted = (1, adaptive._kind(7, True), 1.0)
-            policy.timed(1.3)
-            policy.observe(request, 2, 2 if n % 5 == 0 else 1, 0.0, 2, 1, child="chain", cap=2)
-            policy.observe(request, 6, 2 if n % 5 < 2 else 1, 0.0, 1, 1, child="tree")
-        policy.caps(SimpleNamespace(groups={key: group}, requests=[request]))
-        return group.proposer.plan[0].child
-
-    assert planned() == "chain"
-    monkeypatch.setattr(adaptive, "_kind", lambda fed, tree: adaptive.PLAIN if fed <= 0 else adaptive.CHAIN)
-    assert planned() == "tree"
+    assert policy.ratio(1, True) == pytest.approx(2.0)
 
 
 class _Heads(_Tree):

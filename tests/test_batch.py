@@ -428,8 +428,8 @@ def test_adaptive_policy_prices_a_draft_model_by_its_cost_line_before_it_runs():
     batch = type("B", (), {"requests": requests, "groups": {key: group}})()
     def policy(**kw):  # rounds of either kind ran at their table's price: the cost line alone decides
         out = Adaptive(costs, probe=1000, **kw)
-        for kind in out._ratios:
-            out._ratios[kind].record(8, 1.0)
+        for drafting in (False, True):
+            out._ratios[drafting].record(8, 1.0)
         return out
 
     priced = policy(draft_costs=draft_costs)
@@ -452,7 +452,7 @@ def test_adaptive_policy_prices_rounds_as_they_measure():
     yet measured take the nearest measured size's ratio, plain ones 1 before any; a drafting
     round where only plain ones ran, their ratio times the premium a drafting round pays per row
     (measured where both ran, else DRAFT_ROW_PREMIUM)."""
-    from speclm.round.adaptive import CHAIN, DRAFT_ROW_PREMIUM, PLAIN, TREE, Adaptive
+    from speclm.round.adaptive import DRAFT_ROW_PREMIUM, Adaptive
     from speclm.forward.costs import ForwardCosts
     from speclm.options import GenerationOptions
 
@@ -465,32 +465,31 @@ def test_adaptive_policy_prices_rounds_as_they_measure():
             policy.observe(r, 1, 1, 0.0, 0, rows=4)  # accepts most of what it drafts
     k = policy.caps(four)[key]
     assert k > 0  # priced by the table and the premium, drafting pays
-    assert policy.ratio(4, CHAIN) == pytest.approx(1.0 + 3 * DRAFT_ROW_PREMIUM)
+    assert policy.ratio(4, True) == pytest.approx(1.0 + 3 * DRAFT_ROW_PREMIUM)
     for _ in range(30):  # drafting rounds take twice their price, plain ones 0.9x
         k = policy.caps(four)[key]
-        rows, kind, priced = policy._predicted
-        assert (rows, kind) == (4, CHAIN if k > 0 else PLAIN)
-        policy.timed(priced * (2.0 if kind == CHAIN else 0.9))
+        rows, drafting, priced = policy._predicted
+        assert (rows, drafting) == (4, k > 0)
+        policy.timed(priced * (2.0 if drafting else 0.9))
     assert policy.caps(four)[key] == 0
-    assert 1.6 < policy.ratio(4, CHAIN) < 2.0  # from its prior, toward what its rounds took until drafting stopped
-    assert policy.ratio(4, PLAIN) == pytest.approx(0.9, rel=0.05)
-    assert policy.ratio(8, CHAIN) == policy.ratio(4, CHAIN)  # nearest measured size
-    assert policy.ratio(4, TREE) == policy.ratio(4, CHAIN)  # no tree's round yet: a chain's there
-    assert policy.premium(8) == pytest.approx(policy.ratio(4, CHAIN) / policy.ratio(4, PLAIN))  # as measured at 4 rows
+    assert 1.6 < policy.ratio(4, True) < 2.0  # from its prior, toward what its rounds took until drafting stopped
+    assert policy.ratio(4, False) == pytest.approx(0.9, rel=0.05)
+    assert policy.ratio(8, True) == policy.ratio(4, True)  # nearest measured size
+    assert policy.premium(8) == pytest.approx(policy.ratio(4, True) / policy.ratio(4, False))  # as measured at 4 rows
     fresh = Adaptive(ForwardCosts({1: 0.05, 8: 0.065}))
-    fresh._predicted = (2, CHAIN, 0.1)
+    fresh._predicted = (2, True, 0.1)
     fresh.timed(0.4)  # a first round at a size, cold (4x its price): a fifth of the way from its prior
     prior = 1.0 + DRAFT_ROW_PREMIUM
-    assert fresh.ratio(2, CHAIN) == pytest.approx(0.8 * prior + 0.2 * 4.0)
-    assert fresh.ratio(5, CHAIN) == fresh.ratio(2, CHAIN)  # nearest measured size
-    assert fresh.ratio(2, PLAIN) == 1.0  # no plain round yet: tried at the table's price
-    fresh._predicted = (5, PLAIN, 0.1)
+    assert fresh.ratio(2, True) == pytest.approx(0.8 * prior + 0.2 * 4.0)
+    assert fresh.ratio(5, True) == fresh.ratio(2, True)  # nearest measured size
+    assert fresh.ratio(2, False) == 1.0  # no plain round yet: tried at the table's price
+    fresh._predicted = (5, False, 0.1)
     fresh.timed(0.12)
     plain = 0.8 * 1.0 + 0.2 * 1.2
-    assert fresh.ratio(5, CHAIN) == pytest.approx(plain * (1.0 + DRAFT_ROW_PREMIUM * 4))  # plain measured there
+    assert fresh.ratio(5, True) == pytest.approx(plain * (1.0 + DRAFT_ROW_PREMIUM * 4))  # plain measured there
     assert fresh._predicted is None
     fresh.timed(10.0)  # no round priced since: nothing kept
-    assert fresh.ratio(2, CHAIN) == pytest.approx(0.8 * prior + 0.2 * 4.0)
+    assert fresh.ratio(2, True) == pytest.approx(0.8 * prior + 0.2 * 4.0)
     probing = Adaptive(ForwardCosts({1: 0.05, 8: 0.065}), probe=1)
     eight, rows8 = _policy_batch(8, options)
     for r in rows8:

@@ -40,7 +40,7 @@ table alone can price a drafting round too low and a plain one too high (on the 
 EPYC the policy drafted at 4 rows and served 0.88x the tokens/s of not drafting:
 the serving run of a864972). Each round's measured seconds past its proposals (scoring,
 verifying, committing) are therefore kept against the table's price of its forward, as a decayed
-ratio per batch size and per kind of round (plain, chains alone, a tree in it: `timed`), and every candidate's forward is scaled by
+ratio per batch size and per drafting or not (`timed`), and every candidate's forward is scaled by
 its ratio (`ratio`). Only the forward: its draft forwards are priced as measured here, at this
 machine's speed now. Where the forward runs slower than its table and the ratio also scaled the
 draft forwards, one ratio shared by every child overpriced the children that draft with a model
@@ -100,8 +100,6 @@ EASE_WEIGHT = 2.0  # a request's ease starts at the workload's, as this many exp
 WORKLOAD_WEIGHT = 8.0  # the workload's starts at 1 (the profile's prompts), as this many
 EASE_SHARE = 0.5  # a child's prior moves by the square root of the ease of the request's other children
 SHADOW_WEIGHT = 0.5  # a child scored every round (`Adaptive._shadow`): its prior weighs half a round's worth
-# a round's kind, each with its own measured ratio (`Adaptive.ratio`): no row drafted, chains alone, a tree in it
-PLAIN, CHAIN, TREE = "plain", "chain", "tree"
 
 
 @dataclass
@@ -111,7 +109,7 @@ class _Priced:
     rate: float  # tokens per second: its forward scaled by the measured ratio, its draft forwards as measured
     forward: float  # seconds of the target's forward, as the cost table prices it
     drafting: float  # seconds of its draft forwards
-    kind: str  # PLAIN, CHAIN or TREE
+    drafts: bool  # any row drafted
 
     @property
     def seconds(self) -> float:
@@ -128,20 +126,18 @@ class _Sums:
     fed: float = 0.0
     catch_up: float = 0.0
     used: dict = field(default_factory=dict)
-    tree: bool = False  # a row drafts a tree
 
     def add(self, plan: tuple, row: tuple[float, float, float, float]) -> None:
         key, g, _, choice, _ = plan
         own, width, steps, catch = row
         self.tokens, self.fed, self.catch_up = self.tokens + own, self.fed + width, self.catch_up + catch
         if choice.child is not None:
-            self.tree = self.tree or g.proposer.children[choice.child].shape == "tree"
             at = (id(g), choice.child)
             count, depth, _ = self.used.get(at, (0, 0, None))
             self.used[at] = (count + 1, max(depth, steps), key)
 
     def plus(self, plan: tuple, row: tuple[float, float, float, float]) -> "_Sums":
-        out = _Sums(self.tokens, self.fed, self.catch_up, dict(self.used), self.tree)
+        out = _Sums(self.tokens, self.fed, self.catch_up, dict(self.used))
         out.add(plan, row)
         return out
 
@@ -292,8 +288,8 @@ class Adaptive:
         self._step: dict = {}  # group key -> StepTimes by rows drafted for: a draft forward (or proposal, where none)
         self._nodes: dict = {}  # group key -> decayed mean of the nodes a row's draft held
         self._levels: dict = {}  # group key -> decayed mean of the draft forwards a drafting round ran
-        self._ratios = {kind: StepTimes() for kind in (PLAIN, CHAIN, TREE)}  # kind -> seconds past proposals / the forward's price, by rows
-        self._predicted: tuple[int, str, float] | None = None  # the last round's (rows, kind, its forward's seconds) as priced
+        self._ratios = {False: StepTimes(), True: StepTimes()}  # drafting or not -> seconds past proposals / the forward's price, by rows
+        self._predicted: tuple[int, bool, float] | None = None  # the last round's (rows, drafting, its forward's seconds) as priced
         self.last: dict = {}  # the last round's caps, for metrics and tests
 
     def acceptance(self, request) -> float:
@@ -342,59 +338,45 @@ class Adaptive:
         old = self._levels.get(key)  # a tree's levels drafted (a lookup round's: none)
         self._levels[key] = forwards if old is None else 0.8 * old + 0.2 * forwards
 
-    def ratio(self, rows: int, kind: str) -> float:
-        """Measured over predicted seconds of rounds of `rows` rows of a kind (PLAIN: no row
-        drafted; CHAIN: chains alone; TREE: a tree in it), at that size. A tree's round verifies
-        and commits more than the table's forward of as many tokens (its mask, its paths moved into
-        place): priced as a chain's, EAGLE's tree looked as cheap as a lookup's chain of half its
-        width (the table is flat there) and was planned where prompt lookup ran faster. A plain
-        round not measured there: as at the nearest size measured (the smaller on a tie), else 1
-        (tried at the table's price, and measured). A drafting round: the other drafting kind's
-        there; else, where no plain round ran there, as at the nearest size its kind (else the other)
-        ran; else the plain round's ratio there times the premium (`premium`). A drafting round
-        verifies and commits per drafted row what the table's forward leaves out: at the plain
-        ratio, one that never ran at a size looks cheaper than it is, and trying it there costs a
-        draft's reading of every row's prompt."""
-        memo = self._ratio_memo.get((rows, kind))
+    def ratio(self, rows: int, drafting: bool) -> float:
+        """Measured over predicted seconds of rounds of `rows` rows that drafted (or not), at that
+        size. A plain round not measured there: as at the nearest size measured (the smaller on a
+        tie), else 1 (tried at the table's price, and measured). A drafting round: the plain
+        round's ratio there times the premium (`premium`) where plain rounds ran there, else as at
+        the nearest size a drafting round ran, else the plain ratio times the premium. A drafting
+        round verifies and commits per drafted row what the table's forward leaves out: at the
+        plain ratio, one that never ran at a size looks cheaper than it is, and trying it there
+        costs a draft's reading of every row's prompt."""
+        memo = self._ratio_memo.get((rows, drafting))
         if memo is None:
-            memo = self._ratio_memo[rows, kind] = self._ratio(rows, kind)
+            memo = self._ratio_memo[rows, drafting] = self._ratio(rows, drafting)
         return memo
 
-    def _ratio(self, rows: int, kind: str) -> float:
-        own = self._ratios[kind]
+    def _ratio(self, rows: int, drafting: bool) -> float:
+        own = self._ratios[drafting]
         if rows in own.seconds:
             return own.seconds[rows]
-        flat = lambda n: 1.0  # noqa: E731  (a ratio does not scale with rows)
-        plain = self._ratios[PLAIN]
-        if kind == PLAIN:
-            return plain.at(rows, flat) or 1.0
-        other = self._ratios[TREE if kind == CHAIN else CHAIN]
-        if rows in other.seconds:
-            return other.seconds[rows]
-        if rows not in plain.seconds:
-            for times in (own, other):
-                near = times.at(rows, flat)
-                if near is not None:
-                    return near
-        return (plain.at(rows, flat) or 1.0) * self.premium(rows)
+        plain = self._ratios[False]
+        if drafting and rows not in plain.seconds:
+            near = own.at(rows, lambda n: 1.0)  # a ratio does not scale with rows
+            if near is not None:
+                return near
+        base = plain.at(rows, lambda n: 1.0) or 1.0
+        return base * self.premium(rows) if drafting else base
 
-    def measured_ratios(self) -> dict[int, dict[str, float]]:
-        """By rows: the measured ratio of each kind of round that ran at that size."""
-        sizes = sorted({n for times in self._ratios.values() for n in times.seconds})
-        return {n: {kind: times.seconds[n] for kind, times in self._ratios.items() if n in times.seconds} for n in sizes}
+    def measured_ratios(self) -> dict[int, tuple[float | None, float | None]]:
+        """By rows: the measured ratios of plain and drafting rounds (None: none ran at that size)."""
+        plain, drafting = self._ratios[False].seconds, self._ratios[True].seconds
+        return {n: (plain.get(n), drafting.get(n)) for n in sorted({*plain, *drafting})}
 
     def premium(self, rows: int) -> float:
         """A drafting round's ratio over a plain one's at `rows` rows: as measured at the nearest
-        size where both ran (the smaller on a tie; chains' before a tree's), else 1 +
-        DRAFT_ROW_PREMIUM a row past the first."""
-        plain = self._ratios[PLAIN].seconds
-        for kind in (CHAIN, TREE):
-            drafting = self._ratios[kind].seconds
-            both = [n for n in drafting if n in plain]
-            if both:
-                near = min(both, key=lambda n: (abs(n - rows), n))
-                return drafting[near] / plain[near]
-        return 1.0 + DRAFT_ROW_PREMIUM * (rows - 1)
+        size where both ran (the smaller on a tie), else 1 + DRAFT_ROW_PREMIUM a row past the first."""
+        both = [n for n in self._ratios[True].seconds if n in self._ratios[False].seconds]
+        if not both:
+            return 1.0 + DRAFT_ROW_PREMIUM * (rows - 1)
+        near = min(both, key=lambda n: (abs(n - rows), n))
+        return self._ratios[True].seconds[near] / self._ratios[False].seconds[near]
 
     def timed(self, seconds: float) -> None:
         """The round `caps` last priced took `seconds` past its proposals (its forward, verifying
@@ -403,12 +385,12 @@ class Adaptive:
         taken as it is it would misprice that size's rounds for the next ten."""
         if self._predicted is None:
             return
-        rows, kind, predicted = self._predicted
+        rows, drafting, predicted = self._predicted
         self._predicted = None
         ratio = min(max(seconds / max(predicted, 1e-9), 0.25), 4.0)  # one stall (a page fault storm) moves it little
-        own = self._ratios[kind]
+        own = self._ratios[drafting]
         if rows not in own.seconds:  # a size's first round (new shapes: allocations, cold caches) moves its prior
-            own.record(rows, self.ratio(rows, kind))
+            own.record(rows, self.ratio(rows, drafting))
         own.record(rows, ratio)
         self._ratio_memo.clear()
 
@@ -522,7 +504,6 @@ class Adaptive:
         # rows whose draft this policy does not choose: plain ones commit one token, kept ones their method's
         tokens0 = rows - sum(len(g.requests) for _, g in groups)
         fed0 = 0  # drafted tokens the round's forward reads (each row its own: no padding)
-        tree0 = any(key in trees for key in kept)
         for key, g in groups:
             if key in kept:
                 tokens0 += sum(self._expected(r, g.proposer.k, key in trees) for r in g.requests)
@@ -542,10 +523,9 @@ class Adaptive:
                     drafting += self._step_seconds(key, len(g.requests), unread[key]) * forwards
                     catch_up += self._catch_up(key, g, own, is_tree, unread[key])
                     fed += len(g.requests) * (self._tree_width(key, g) if is_tree else own)
-            kind = _kind(fed, tree0 or (tree_on and any(key in trees for key, _ in free)))
-            rate, forward = self._per_second(tokens, rows, fed, drafting + catch_up, kind)
+            rate, forward = self._per_second(tokens, rows, fed, drafting + catch_up)
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate, priced = (k, tree_on), rate, (rows, kind, forward)
+                best, best_rate, priced = (k, tree_on), rate, (rows, fed > 0, forward)
         k, tree_on = best
         self._predicted = priced
         self.last = {**unmeasured, **{key: (None if tree_on else 0) if key in trees else min(k, g.proposer.k)
@@ -691,11 +671,11 @@ class Adaptive:
             seconds = tokens * tuned.reading_seconds if tuned is not None else 0.0
         return seconds
 
-    def _price(self, plans: list[tuple], rows: int, tokens0: float, fed0: float, tree0: bool = False) -> "_Priced":
+    def _price(self, plans: list[tuple], rows: int, tokens0: float, fed0: float) -> "_Priced":
         """A round whose auto rows take `plans`: a list of (key, group, request, choice, unread by
         child). The forward reads `rows` roots and every row's own drafted tokens (fed0: the other
-        groups', tree0: a tree among them), no padding."""
-        return self._priced(self._sums(plans), rows, tokens0, fed0, tree0)
+        groups'), no padding."""
+        return self._priced(self._sums(plans), rows, tokens0, fed0)
 
     def _sums(self, plans) -> "_Sums":
         """What `plans`' rows add to a round (their tokens, fed tokens and reading, and per child
@@ -705,7 +685,7 @@ class Adaptive:
             out.add(plan, self._row(*plan))
         return out
 
-    def _priced(self, sums: "_Sums", rows: int, tokens0: float, fed0: float, tree0: bool = False) -> "_Priced":
+    def _priced(self, sums: "_Sums", rows: int, tokens0: float, fed0: float) -> "_Priced":
         # a child's forwards run once for all its rows: its deepest row's
         drafting = 0.0
         for (_, child), (count, depth, key) in sums.used.items():
@@ -715,17 +695,15 @@ class Adaptive:
                 seconds = self._steps[memo] = self._step_seconds((key, child), count)
             drafting += seconds * depth
         fed = fed0 + sums.fed
-        kind = _kind(fed, tree0 or sums.tree)
-        rate, forward = self._per_second(tokens0 + sums.tokens, rows, fed, drafting + sums.catch_up, kind)
-        return _Priced(rate, forward, drafting, kind)
+        rate, forward = self._per_second(tokens0 + sums.tokens, rows, fed, drafting + sums.catch_up)
+        return _Priced(rate, forward, drafting, fed > 0)
 
-    def _per_second(self, tokens: float, rows: int, fed: float, beside: float, kind: str) -> tuple[float, float]:
-        """(tokens per second, the table's seconds of the forward) of a round of `kind` committing
-        `tokens` whose forward reads `rows` roots and `fed` drafted tokens: the forward scaled by
-        its kind's measured ratio (`timed`), the seconds `beside` it (draft forwards, a draft's
-        reading) as they are."""
+    def _per_second(self, tokens: float, rows: int, fed: float, beside: float) -> tuple[float, float]:
+        """(tokens per second, the table's seconds of the forward) of a round committing `tokens`
+        whose forward reads `rows` roots and `fed` drafted tokens: the forward scaled by its measured
+        ratio (`timed`), the seconds `beside` it (draft forwards, a draft's reading) as they are."""
         forward = self.costs(rows + fed)
-        return tokens / (forward * self.ratio(rows, kind) + beside), forward
+        return tokens / (forward * self.ratio(rows, fed > 0) + beside), forward
 
     def _plan(self, batch, groups, planned, rows) -> dict:
         """Each auto row's Choice for this round (set on its group's proposer); the other groups
@@ -734,7 +712,6 @@ class Adaptive:
         self._rows.clear()
         self._steps.clear()
         tokens0, fed0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
-        tree0 = any(g.proposer.shape == "tree" for _, g in groups)
         for key, g in groups:  # the other groups at their own k
             tokens0 += sum(self._expected(r, g.proposer.k, g.proposer.shape == "tree") - 1.0 for r in g.requests)
             fed0 += len(g.requests) * (self._tree_width(key, g) if g.proposer.shape == "tree" else g.proposer.k)
@@ -756,7 +733,7 @@ class Adaptive:
             for choice in sorted(uniform, key=lambda c: (c.child or "", c.k)):  # every row on one choice
                 for e in free:
                     e[3] = choice if choice in options[id(e)] else NO_DRAFT
-                rate = self._price([tuple(e) for e in free], rows, tokens0, fed0, tree0).rate
+                rate = self._price([tuple(e) for e in free], rows, tokens0, fed0).rate
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best = rate, [e[3] for e in free]
             for e, c in zip(free, best):
@@ -768,7 +745,7 @@ class Adaptive:
                     for choice in options[id(e)]:
                         e[3] = choice
                         plan = tuple(e)
-                        rate = self._priced(others.plus(plan, self._row(*plan)), rows, tokens0, fed0, tree0).rate
+                        rate = self._priced(others.plus(plan, self._row(*plan)), rows, tokens0, fed0).rate
                         if rate > best_rate * (1 + 1e-9):
                             best_rate, held = rate, choice
                     e[3] = held
@@ -795,8 +772,8 @@ class Adaptive:
                     if name != chosen and (id(r), name) not in shadowed:
                         curve.age(SHARED_DECAY)
         plans = [tuple(e) for e in free]
-        priced = self._price(plans, rows, tokens0, fed0, tree0)
-        self._predicted = (rows, priced.kind, priced.forward) if free else None
+        priced = self._price(plans, rows, tokens0, fed0)
+        self._predicted = (rows, priced.drafts, priced.forward) if free else None
         for key, g in planned:
             mine = {id(r): c for k2, g2, r, c, _ in plans if g2 is g}
             g.proposer.plan = [mine[id(r)] for r in g.requests]
@@ -811,6 +788,7 @@ class Adaptive:
                 self._chosen[r] = c
         self.last = {key: [c for c in g.proposer.plan] for key, g in planned}
         return {}
+
 
     def _shadow(self, free) -> set:
         """For each planned row, the chain each child that can say so without running
@@ -855,11 +833,6 @@ class Adaptive:
             else:
                 self._own_curves.setdefault(r, {}).setdefault(s.child, _Curve()).update(self.decay, s.cap, len(s.tokens), taken)
         pending[:] = left
-
-
-def _kind(fed: float, tree: bool) -> str:
-    """The kind of a round whose forward reads `fed` drafted tokens, a tree among them or not."""
-    return PLAIN if fed <= 0 else TREE if tree else CHAIN
 
 
 def _spec(key):
