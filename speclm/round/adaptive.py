@@ -789,7 +789,6 @@ class Adaptive:
         self.last = {key: [c for c in g.proposer.plan] for key, g in planned}
         return {}
 
-
     def _shadow(self, free) -> set:
         """For each planned row, the chain each child that can say so without running
         (Proposer.shadow: a lookup) would have drafted, where the row is not its this round: kept
