@@ -803,10 +803,10 @@ class Adaptive:
             groups.setdefault(id(e[1]), (e[0], e[1], []))[2].append(e)
         for key, g, rows in groups.values():
             for name, child in g.proposer.children.items():
-                others = [e[2] for e in rows if e[3].child != name]
-                if child.shape == "tree" or not others:
+                if child.shape == "tree":
                     continue
-                chains = child.shadow([r.context for r in others])
+                others = [e[2] for e in rows if e[3].child != name]
+                chains = child.shadow([r.context for r in others])  # asked with no rows too: it says whether it can
                 if chains is None:
                     continue
                 self._shadowing.add(name)
