@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto", help=QUANTIZE_HELP)
     g.add_argument("--draft-quantize", choices=QUANTIZE_MODES, default=None, help=DRAFT_QUANTIZE_HELP)
     g.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS", help=PREFIX_CACHE_HELP)
+    shape = g.add_mutually_exclusive_group()  # the output's constraint (speclm.constraint; docs/constraints.md)
+    shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema (every method)")
+    shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    shape.add_argument("--regex", metavar="RE", help="the whole output matches this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark, llguidance's dialect, "
+                       "or llama.cpp's GBNF)")
 
     b = sub.add_parser("bench", help="benchmark methods side by side (speclm and transformers) and write a report")
     b.add_argument("--target", help="catalog name, hub id, model folder or .gguf file")
@@ -345,7 +351,7 @@ def _generate(args) -> int:
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, confidence=args.confidence,
         alternatives=args.alternatives, draft_vocab=args.draft_vocab, draft_prompt_ratio=args.draft_prompt_ratio,
         tree=args.tree, heads=args.heads, acceptance=args.acceptance, lookahead=args.lookahead, layers=args.layers,
-        self_weights=args.self_weights,
+        self_weights=args.self_weights, constraint=_constraint(args),
     )
     if args.batch_size < 1:
         raise UsageError(f"batch-size must be >= 1, got {args.batch_size}")
@@ -384,10 +390,29 @@ def _generate(args) -> int:
     return 0
 
 
-def _as_kwargs(opts, seed_offset: int) -> dict:
-    from dataclasses import asdict
+def _constraint(args):
+    """--json-schema, --json-object, --regex or --grammar as a Constraint (None: none given)."""
+    from speclm.constraint import Constraint
 
-    kw = asdict(opts)
+    if args.json_object:
+        return Constraint("json_object")
+    if args.regex is not None:
+        return Constraint.of(regex=args.regex)
+    for flag, kind in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        path = getattr(args, flag)
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    return Constraint(kind, f.read())
+            except OSError as e:
+                raise UsageError(f"--{flag.replace('_', '-')} {path}: {e.strerror}") from None
+    return None
+
+
+def _as_kwargs(opts, seed_offset: int) -> dict:
+    from dataclasses import fields
+
+    kw = {f.name: getattr(opts, f.name) for f in fields(opts)}  # fields as they are (the constraint stays one)
     if kw["seed"] is not None:
         kw["seed"] += seed_offset  # row i of the whole prompt list samples with seed + i
     return kw

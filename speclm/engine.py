@@ -25,6 +25,7 @@ from speclm.errors import UsageError
 from speclm.heads.loaded import LoadedHeads
 from speclm.methods import DRAFT_MODEL, HEADS, Weights
 from speclm.models.loading import LoadedModel
+from speclm.constraint import Matcher, tokenizer_for
 from speclm.options import GenerationOptions
 from speclm.forward.prefix_cache import PrefixCaches
 from speclm.proposers import Proposer
@@ -82,6 +83,7 @@ class SpecEngine:
         self._planner: Adaptive | None = None
         self._profiles: dict = {}  # speclm.tune key -> Profile
         self.measured_children: dict = {}  # auto's child -> speclm.tune.ChildProfile: every planner's prior
+        self._constraint_tokenizer = None  # llguidance's view of the target's tokenizer, made at the first constraint
         if draft is not None:
             check_same_vocabulary(target, draft)
 
@@ -107,7 +109,7 @@ class SpecEngine:
             raise UsageError(f"batch-size must be >= 1, got {size}")
         seed = opts.seed if opts.seed is not None else secrets.randbits(62)
         requests = [Request.of(i, ids, opts, seed + i, self.target.max_context, seeded=opts.seed is not None,
-                               vocab=self.target.vocab_size)
+                               vocab=self.target.vocab_size, matcher=self.matcher(opts))
                     for i, ids in enumerate(encoded)]
         check_fits(self.target.model, min(size, len(requests)), max(r.prompt_len + r.max_new for r in requests))
         self.prepare(opts)
@@ -191,10 +193,20 @@ class SpecEngine:
         ids = self.encode([prompt], opts.chat)[0]
         seeded = seed is not None or opts.seed is not None
         seed = seed if seed is not None else opts.seed if opts.seed is not None else secrets.randbits(62)
-        request = Request.of(index, ids, opts, seed, self.target.max_context, seeded, self.target.vocab_size)
+        request = Request.of(index, ids, opts, seed, self.target.max_context, seeded, self.target.vocab_size,
+                             matcher=self.matcher(opts))
         check_fits(self.target.model, 1, request.prompt_len + request.max_new)
         self.prepare(opts)
         return request
+
+    def matcher(self, opts: GenerationOptions) -> Matcher | None:
+        """A new parser of the request's constraint over the target's tokens (None: unconstrained)."""
+        if opts.constraint is None:
+            return None
+        if self._constraint_tokenizer is None:  # once per engine: about a second for a large vocabulary
+            self._constraint_tokenizer = tokenizer_for(self.target.tokenizer, self.target.vocab_size,
+                                                       self.target.eos_token_ids)
+        return Matcher(opts.constraint, self._constraint_tokenizer, self.target.vocab_size, self.target.eos_token_ids)
 
     def prepare(self, opts: GenerationOptions) -> None:
         """Ready what requests with these options need once per engine, before any of them runs (so

@@ -3,9 +3,10 @@ defaults (speclm.defaults) are resolved here, in one place."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, replace
 
 from speclm import defaults
+from speclm.constraint import Constraint
 from speclm.errors import UsageError
 from speclm.methods import NAMES, REGISTRY, Method, Weights, taking
 from speclm.proposers.draft_tree import TreeSpec, parse_tree
@@ -57,8 +58,23 @@ class GenerationOptions:
     # self: the weights its layers draft with: "target" (the target's own) or "int4" (an int4 copy of the
     # drafting layers and the head, made once at first use); None: speclm.defaults.SELF_WEIGHTS
     self_weights: str | None = None
+    # the output follows this JSON schema, regex or grammar (speclm.constraint); None: free text.
+    # Given as a Constraint, or as OpenAI's response_format / speclm's regex / grammar (at most one)
+    constraint: Constraint | None = None
+    response_format: InitVar[dict | None] = None
+    regex: InitVar[str | None] = None
+    grammar: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, response_format=None, regex=None, grammar=None) -> None:
+        given = Constraint.of(response_format, regex, grammar)
+        if given is not None and self.constraint is not None:
+            raise UsageError("one constraint per request: constraint= and response_format/regex/grammar were both given")
+        if given is not None:
+            object.__setattr__(self, "constraint", given)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise UsageError("constraint: a speclm.constraint.Constraint (or pass response_format, regex or grammar)")
+        if self.constraint is not None and self.ignore_eos:
+            raise UsageError("ignore-eos with a constraint: a complete output can only end (drop one of them)")
         if self.method not in REGISTRY:
             raise UsageError(f"unknown method '{self.method}' (choose from {', '.join(NAMES)})")
         if self.k is not None and self.k < 1:
@@ -169,4 +185,4 @@ class GenerationOptions:
     def proposer_key(self) -> "GenerationOptions":
         """What a proposer is made from (requests with equal keys share one, their rows drafted
         together): these options less those of the request alone."""
-        return replace(self, max_new_tokens=1, seed=None, stop=(), chat=False, ignore_eos=False)
+        return replace(self, max_new_tokens=1, seed=None, stop=(), chat=False, ignore_eos=False, constraint=None)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from speclm.options import GenerationOptions
+
+if TYPE_CHECKING:
+    from speclm.constraint import Matcher
 from speclm.sampling import Coupled
 from speclm.stats import RequestStats
 
@@ -27,6 +31,8 @@ class Request:
     # the caller chose its seed (sampling): every token drawn by position from it (speclm.sampling.Coupled),
     # so its text is its plain decoding's with that seed, whatever the method, plan or batch
     coupled: Coupled | None = None
+    # its constraint's parser (speclm.constraint.Matcher), at its committed tokens; None: unconstrained
+    matcher: "Matcher | None" = None
 
     @property
     def seeded(self) -> bool:
@@ -34,13 +40,14 @@ class Request:
 
     @staticmethod
     def of(index: int, ids: list[int], options: GenerationOptions, seed: int, max_context: int | None,
-           seeded: bool = False, vocab: int = 0) -> "Request":
-        """vocab: the target's output ids (a seeded sampled request's draws are made over them)."""
+           seeded: bool = False, vocab: int = 0, matcher: "Matcher | None" = None) -> "Request":
+        """vocab: the target's output ids (a seeded sampled request's draws are made over them);
+        matcher: its constraint's parser, where options.constraint is set."""
         limit = max_context or 1 << 62
         generator = None if options.sampling.greedy else torch.Generator().manual_seed(seed)
         coupled = Coupled(seed, vocab) if seeded and generator is not None and vocab > 0 else None
         return Request(index, list(ids), len(ids), min(options.max_new_tokens, limit - len(ids)), options, generator,
-                       coupled=coupled)
+                       coupled=coupled, matcher=matcher)
 
     @property
     def prompt(self) -> list[int]:

@@ -22,6 +22,7 @@ class RequestStats:
     wall_seconds: float = 0.0  # from the start of the request to its last token
     forward_seconds: float = 0.0  # inside target and draft model forwards (shared batch time)
     prefill_seconds: float = 0.0  # the first round: the prompt's forward, which commits the first token
+    constraint_seconds: float = 0.0  # computing the constraint's token masks (speclm.constraint), along every draft
     cached_tokens: int = 0  # prompt tokens whose keys and values the target took from the prefix cache
     new_tokens: int = 0  # generated tokens returned (EOS included when generated)
     # counted by the proposers that declare them (Proposer.round_counts):

@@ -52,6 +52,10 @@ SCRIPTS = {
                        ["| repeat | run | wall s | tokens | tokens/s | rounds | draft model s | of which reading prompts s "
                         "| identical to none |", re.compile(r"\| 1 \| draft\+pld, this \| .* \| 2/2 \|"),
                         "this / none "], True),
+    "constrained.py": (["--target", "{target}", "--draft", "{draft}"],
+                       ["## Libraries", "| library | compile ms (mean of schemas) | mask us / token (mean) | tokens walked |",
+                        "| llguidance | ", "## Speed", re.compile(r"\| none \| .* \| 1\.000 \| 2/2 \| ./2 \| .*% \|"),
+                        re.compile(r"\| auto \| .* \| 2/2 \| ./2 \| .*% \|")], False),
     "batch_generate.py": (["--target", "{target}", "--draft", "{draft}"],
                           ["| batch size | method | wall s | tokens | tokens/s | x none | identical to none | auto's plan |",
                            re.compile(r"\| 2 \| none \| .* \| 1\.000 \| 2/2 \| – \|"),

@@ -133,3 +133,11 @@ def test_readme_python_quick_start_runs(folders, monkeypatch, capsys):
     assert len(out.token_ids) >= 1 and out.stats.target_forwards >= 1
     assert namespace["a"].done and namespace["b"].done and not namespace["batch"].active
     assert capsys.readouterr().out.strip()  # it printed the text and statistics
+
+
+def test_serving_docs_list_the_fields_taken_and_not_acted_on():
+    from speclm.serve.protocol import HARMLESS
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    for field in HARMLESS:
+        assert f"`{field}`" in text, field

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speclm.constraint import forbid
 from speclm.errors import UsageError
 from speclm.forward.cache import StaticKV
 from speclm.options import GenerationOptions
@@ -73,6 +74,9 @@ class _Proposal:
     seconds: float  # proposing
     prefill_seconds: float  # of which the draft model's reading of prompts
     forward_seconds: float  # of which inside the draft model's forwards
+    # per request: its constraint's (1 + N_g, W) int32 bitmasks at its root and after each node
+    # (speclm.constraint.Matcher.masks), or None (unconstrained); None: no request of the group is
+    masks: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -243,6 +247,10 @@ class Batch:
         by_sampling: dict = {}  # each one's first token, drawn with its own options
         for j, i in enumerate(done):
             by_sampling.setdefault(reading[i].options.sampling, []).append((j, i))
+        for i in done:  # a constrained request's first token: its constraint's mask at the start
+            matcher = reading[i].matcher
+            if matcher is not None:
+                forbid(logits[i, :1], matcher.mask())
         for params, at in by_sampling.items():
             first = verify_tree(logits[[i for _, i in at]], Draft.empty(len(at)).tree(), params,
                                 [reading[i].generator for _, i in at], coupled=[_coupled(reading[i]) for _, i in at])
@@ -279,6 +287,10 @@ class Batch:
         proposals = self._propose_all()
         t1 = time.perf_counter()
         scored = self._score(proposals)
+        for p in proposals:  # constrained rows: the logits of what their constraint forbids at each node, -inf
+            for i, mask in enumerate(p.masks or ()):
+                if mask is not None:
+                    forbid(scored.logits[p.rows[i], : mask.shape[0]], mask)
         verdicts = [self._verify(p, scored.logits) for p in proposals]
         t2 = time.perf_counter()
         self._commit_round(proposals, verdicts, scored, verify_seconds=t2 - t1)
@@ -384,8 +396,11 @@ class Batch:
             prefill = proposer.prefill_seconds - read_before
             forwards = proposer.forward_seconds - forwards_before
         tree = draft.tree()
+        masks = None
+        if any(r.matcher is not None for r in group.requests):
+            tree, masks = _fence(group, tree)
         return _Proposal(group, rows, draft, tree, tree.sizes, tree.max_depths(), time.perf_counter() - t0, prefill,
-                         forwards)
+                         forwards, masks)
 
     @staticmethod
     def _verify(p: _Proposal, logits: torch.Tensor) -> Verdict:
@@ -422,6 +437,9 @@ class Batch:
                 new, r.finish_reason = new[: i + 1], "stop"
                 break
         r.context.extend(new)
+        if r.matcher is not None:
+            r.matcher.commit(new)
+            r.stats.constraint_seconds = r.matcher.mask_seconds
         cut = stop_cut(self.engine.target.tokenizer, r.generated, first_new, r.options.stop)
         if cut is not None:
             del r.context[r.prompt_len + cut :]
@@ -488,6 +506,30 @@ def _feed(contexts: list[list[int]], have: list[int], tree: DraftTree
         chain = chain and all(s == len(c) + n - 1 for n, s in enumerate(slot))
         links.append([-1] * (len(c) - h) + slot)
     return feed, None if chain else links, spans
+
+
+def _fence(group: _Group, tree: DraftTree) -> tuple[DraftTree, list[torch.Tensor | None]]:
+    """The group's tree less what its constrained rows' constraints forbid, and those rows' masks
+    (speclm.constraint: a forbidden node ends its branch; it stays as a leaf only where a draft
+    sampled it, unseeded, for the verifier to reject it against its distribution)."""
+    parents = tree.parents.clone()
+    tokens, rows = tree.tokens.tolist(), tree.parents.tolist()
+    masks: list[torch.Tensor | None] = []
+    for b, r in enumerate(group.requests):
+        if r.matcher is None:
+            masks.append(None)
+            continue
+        mask, forbidden, ends = r.matcher.masks(tokens[b], rows[b])
+        masks.append(mask)
+        sampled = tree.probs is not None and not group.options.sampling.greedy and r.coupled is None
+        ended = set(forbidden) | set(ends)  # these and, below them, every node (parents come first)
+        for n, parent in enumerate(rows[b]):
+            if parent in ended:
+                ended.add(n)
+        for n in ended:
+            if n not in ends and not (sampled and n in forbidden):
+                parents[b, n] = PAD
+    return DraftTree(tree.tokens, parents, tree.probs), masks
 
 
 def _coupled(r: Request):

@@ -222,8 +222,9 @@ class _Guard:
 
 def _options(defaults: GenerationOptions, body, max_tokens: int) -> GenerationOptions:
     spec = body.speculation_spec()
-    changes = dict(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                   stop=tuple(body.stop or ()), chat=False, ignore_eos=body.ignore_eos)
+    changes = dict(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                   seed=body.seed, stop=tuple(body.stop or ()), chat=False, ignore_eos=body.ignore_eos,
+                   constraint=body.constraint())
     if spec is not None:
         if spec.method is not None and spec.method != defaults.method:
             takes = method(spec.method).options  # the server's heads and acceptance, where the method takes them

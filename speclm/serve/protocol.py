@@ -1,19 +1,30 @@
 """What a client may send, checked, and the errors it gets back, in OpenAI's shapes.
 
 Field names and defaults follow OpenAI's API (temperature 1, top_p 1; `max_tokens` 16 for
-completions, the rest of the context for chat). One field is speclm's own, `speculation`:
-"off" (plain decoding), a method name ("draft", "pld", "draft+pld", "none"), or an object
-{"method": ..., "k": N, "tree": ...}; a request that sets k keeps it every round (else the
-server's adaptive speculation may lower it, speclm.round.adaptive).
+completions, the rest of the context for chat), `response_format` included (json_object and
+json_schema: speclm.constraint). speclm's own fields: `speculation`: "off" (plain decoding), a
+method name ("draft", "pld", "draft+pld", "none"), or an object {"method": ..., "k": N, "tree":
+...}; a request that sets k keeps it every round (else the server's adaptive speculation may
+lower it, speclm.round.adaptive); `regex` and `grammar` (Lark or GBNF), constraints as
+response_format is; `top_k` and `ignore_eos` (as vLLM's).
+
+A field the server does not honour is refused with a 400 that names it, unless it cannot change
+the output (HARMLESS, listed in docs/serving.md); a field is never silently ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from speclm.constraint import Constraint
+from speclm.errors import UsageError
 from speclm.methods import NAMES as METHODS
+
+# fields a client may send that cannot change what is generated: accepted and not acted on
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prediction", "parallel_tool_calls",
+                      "safety_identifier", "prompt_cache_key"})
 
 
 class ApiError(Exception):
@@ -63,9 +74,9 @@ def _refused(why: str):
 
 
 class _Common(BaseModel):
-    """Fields chat and completions share. Unknown fields are ignored, as OpenAI's clients send many."""
+    """Fields chat and completions share. Any other field is refused (400) unless HARMLESS."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -80,6 +91,41 @@ class _Common(BaseModel):
     logprobs: Any = None
     speculation: Any = None  # speclm's own field: see the module docstring
     ignore_eos: bool = False  # as vLLM's: generate max_tokens whatever the model says (load tests)
+    top_k: int = Field(default=0, ge=0)  # as vLLM's: 0 (default) no top-k filter
+    response_format: Any = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
+    regex: str | None = None  # speclm's: the whole output matches it
+    grammar: str | None = None  # speclm's: a Lark (llguidance) or GBNF grammar the output follows
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+
+    _tools = field_validator("tools", "functions", "function_call")(_refused(
+        "tools are not supported: the output is not parsed into tool_calls (constrain it with response_format)"))
+    _logit_bias = field_validator("logit_bias")(_refused("logit_bias is not supported"))
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v not in (None, "none", "auto"):  # with no tools, "none" and "auto" change nothing
+            raise ValueError("tools are not supported")
+        return v
+
+    @model_validator(mode="after")
+    def _known(self):
+        unknown = sorted(set(self.model_extra or ()) - HARMLESS)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not supported by this server (docs/serving.md lists the fields it takes)")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        """response_format, regex or grammar as the request's constraint (a 400 names a bad one)."""
+        try:
+            return Constraint.of(self.response_format, self.regex, self.grammar)
+        except UsageError as exc:
+            field = next((f for f in ("response_format", "regex", "grammar") if getattr(self, f) is not None), None)
+            raise ApiError(400, str(exc), param=field) from None
 
     @field_validator("n")
     @classmethod
