@@ -30,7 +30,7 @@ from speclm.options import GenerationOptions
 from speclm.forward.prefix_cache import PrefixCaches
 from speclm.proposers import Proposer
 from speclm.proposers.draft_tree import DraftTimes, TreeSpec
-from speclm.requests import Request
+from speclm.requests import Request, TokenLogprob
 from speclm.runtime import bound_freed_memory
 from speclm.stats import RequestStats
 from speclm.text import IncrementalText, chat_ids, final_text
@@ -45,15 +45,21 @@ class Completion:
     token_ids: list[int]  # generated ids only
     finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled" (Batch.cancel)
     stats: RequestStats
+    # per generated token, where the request asked (logprobs=N): its log-probability and the N likeliest
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "prompt_index": self.prompt_index,
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top": [list(p) for p in e.top]}
+                               for e in self.logprobs]
+        return out
 
 
 class SpecEngine:
@@ -315,7 +321,7 @@ class SpecEngine:
     def completion(self, request: Request) -> Completion:
         text = final_text(self.target.tokenizer, request.generated, request.options.stop)
         return Completion(request.index, text, list(request.generated), request.finish_reason or "length",
-                          request.stats)
+                          request.stats, list(request.logprobs) if request.options.logprobs is not None else None)
 
     def encode(self, prompts: list, chat: bool) -> list[list[int]]:
         tok = self.target.tokenizer

@@ -12,6 +12,8 @@ from speclm.methods import NAMES, REGISTRY, Method, Weights, taking
 from speclm.proposers.draft_tree import TreeSpec, parse_tree
 from speclm.sampling import SamplingParams
 
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
+
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -61,6 +63,10 @@ class GenerationOptions:
     # the output follows this JSON schema, regex or grammar (speclm.constraint); None: free text.
     # Given as a Constraint, or as OpenAI's response_format / speclm's regex / grammar (at most one)
     constraint: Constraint | None = None
+    # return each generated token's log-probability and this many most likely alternatives (0-20;
+    # None: none): the target's distribution at temperature 1 where the token was committed
+    # (a constraint's forbidden tokens removed), from the forward that verified it
+    logprobs: int | None = None
     response_format: InitVar[dict | None] = None
     regex: InitVar[str | None] = None
     grammar: InitVar[str | None] = None
@@ -73,6 +79,9 @@ class GenerationOptions:
             object.__setattr__(self, "constraint", given)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise UsageError("constraint: a speclm.constraint.Constraint (or pass response_format, regex or grammar)")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise UsageError(f"logprobs: the alternatives returned per token, 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.constraint is not None and self.ignore_eos:
             raise UsageError("ignore-eos with a constraint: a complete output can only end (drop one of them)")
         if self.method not in REGISTRY:
@@ -185,4 +194,5 @@ class GenerationOptions:
     def proposer_key(self) -> "GenerationOptions":
         """What a proposer is made from (requests with equal keys share one, their rows drafted
         together): these options less those of the request alone."""
-        return replace(self, max_new_tokens=1, seed=None, stop=(), chat=False, ignore_eos=False, constraint=None)
+        return replace(self, max_new_tokens=1, seed=None, stop=(), chat=False, ignore_eos=False, constraint=None,
+                       logprobs=None)

@@ -15,6 +15,16 @@ from speclm.sampling import Coupled
 from speclm.stats import RequestStats
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target's distribution where it was committed,
+    and the most likely tokens there (GenerationOptions.logprobs)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, log-probability), most likely first
+
+
 @dataclass(eq=False)  # compared by identity: two requests are never the same one
 class Request:
     index: int  # the caller's number for it (generate: its position in the prompt list)
@@ -33,6 +43,7 @@ class Request:
     coupled: Coupled | None = None
     # its constraint's parser (speclm.constraint.Matcher), at its committed tokens; None: unconstrained
     matcher: "Matcher | None" = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, where options.logprobs is set
 
     @property
     def seeded(self) -> bool:

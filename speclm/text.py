@@ -101,3 +101,37 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     assistant's turn opened."""
     chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return list(tokenizer(chat, add_special_tokens=False).input_ids)
+
+
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme), character -> byte:
+    printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order."""
+    kept = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_pieces(tokenizer, token_ids: list[int]) -> list[tuple[str, bytes]]:
+    """Each token's own text and bytes (OpenAI's logprobs `token` and `bytes`): a byte-level BPE
+    token's bytes exactly (a piece of a character decodes with U+FFFD in its text), otherwise the
+    UTF-8 of its decoded text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = backend is not None and type(backend.decoder).__name__ == "ByteLevel"
+    out = []
+    for t, piece in zip(token_ids, tokenizer.convert_ids_to_tokens(list(token_ids))):
+        if byte_level and piece is not None and all(c in _BYTE_LEVEL for c in piece):
+            raw = bytes(_BYTE_LEVEL[c] for c in piece)
+            out.append((raw.decode("utf-8", "replace"), raw))
+        else:
+            text = tokenizer.decode([t])
+            out.append((text, text.encode()))
+    return out

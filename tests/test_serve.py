@@ -220,7 +220,7 @@ def raw(server, method: str, path: str, key: str | None = KEY, **kw) -> httpx.Re
     return httpx.request(method, server.url + path, headers=headers, timeout=60, **kw)
 
 
-@pytest.mark.parametrize("case", ["no key", "wrong key", "malformed json", "wrong type", "n=2", "bad speculation",
+@pytest.mark.parametrize("case", ["no key", "wrong key", "malformed json", "wrong type", "n=17", "bad speculation",
                                   "prompt too long", "max_tokens over cap", "body too large", "unknown model",
                                   "not an object", "empty messages", "tools", "unknown field", "bad regex",
                                   "bad schema", "two constraints", "logit_bias"])
@@ -231,7 +231,7 @@ def test_errors_are_openai_shaped(server, case):
               "wrong key": (401, dict(key="nope", json={"messages": msgs})),
               "malformed json": (400, dict(content=b'{"messages": [', headers={"Content-Type": "application/json"})),
               "wrong type": (400, dict(json={"messages": msgs, "temperature": "hot"})),
-              "n=2": (400, dict(json={"messages": msgs, "n": 2})),
+              "n=17": (400, dict(json={"messages": msgs, "n": 17})),
               "bad speculation": (400, dict(json={"messages": msgs, "speculation": {"method": "magic"}})),
               "prompt too long": (400, dict(json={"messages": [{"role": "user", "content": "x" * 5000}]})),
               "max_tokens over cap": (400, dict(json={"messages": msgs, "max_tokens": 3001})),
@@ -287,6 +287,66 @@ def test_structured_output_with_the_openai_client(server, engine):
                                     extra_body={"regex": "(ab|ba)+c", "user": "someone"})  # user: harmless, taken
     ref = alone(engine, PROMPTS[1], max_new_tokens=30, regex="(ab|ba)+c")
     assert out.choices[0].text == ref.text and re.fullmatch("(ab|ba)+c?", ref.text), ref.text
+
+
+def test_logprobs_with_the_openai_client(server, engine):
+    """Chat's logprobs/top_logprobs and completions' logprobs, whole and streamed: the target's own
+    log-probabilities of the tokens plain decoding commits (int8: the same bits), with speculation."""
+    client = server.client()
+    msgs = [{"role": "user", "content": PROMPTS[7]}]
+    ref = alone(engine, PROMPTS[7], chat=True, max_new_tokens=24, logprobs=3)
+    assert ref.logprobs == alone(engine, PROMPTS[7], chat=True, max_new_tokens=24, logprobs=3, method="none").logprobs
+    out = client.chat.completions.create(model=server_model(server), messages=msgs, max_tokens=24, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [e.logprob for e in ref.logprobs]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [[v for _, v in e.top] for e in ref.logprobs]
+    assert all(len(c.bytes) == 1 for c in content)  # the byte tokenizer: one byte per token (no EOS in 24)
+    joined = b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace")
+    assert "\ufffd" in joined or joined == out.choices[0].message.content
+    streamed = []
+    for chunk in client.chat.completions.create(model=server_model(server), messages=msgs, max_tokens=24,
+                                                temperature=0, logprobs=True, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [c.logprob for c in streamed] == [e.logprob for e in ref.logprobs]
+    assert all(c.top_logprobs == [] for c in streamed)
+    text = client.completions.create(model=server_model(server), prompt=PROMPTS[7], max_tokens=16, temperature=0,
+                                     logprobs=2)
+    ref = alone(engine, PROMPTS[7], max_new_tokens=16, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert lp.token_logprobs == [e.logprob for e in ref.logprobs] and len(lp.tokens) == len(ref.token_ids)
+    # the legacy shape keys alternatives by their text: two byte pieces both shown as U+FFFD are one key
+    assert all(set(t.values()) <= {v for _, v in e.top} for t, e in zip(lp.top_logprobs, ref.logprobs))
+    assert lp.text_offset[0] == 0
+    bad = raw(server, "POST", "/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2})
+    assert bad.status_code == 400 and "top_logprobs" in bad.json()["error"]["message"]
+
+
+def test_n_choices(server, engine):
+    """n sampled choices, each its single run with seed + i, the later ones reading the prompt from
+    the first's keys and values; greedy choices all the one output; streamed as whole."""
+    client = server.client()
+    msgs = [{"role": "user", "content": PROMPTS[3]}]
+    out = client.chat.completions.create(model=server_model(server), messages=msgs, max_tokens=20, temperature=0.9,
+                                         seed=7, n=3)
+    runs = [alone(engine, PROMPTS[3], chat=True, max_new_tokens=20, temperature=0.9, seed=7 + i) for i in range(3)]
+    refs = [r.text for r in runs]
+    assert [c.message.content for c in sorted(out.choices, key=lambda c: c.index)] == refs
+    assert out.usage.completion_tokens == sum(len(r.token_ids) for r in runs)
+    assert all(c.model_extra["speculation"]["cached_prompt_tokens"] > 0 for c in out.choices[1:])  # the shared prefill
+    text = client.completions.create(model=server_model(server), prompt=PROMPTS[2], max_tokens=16, temperature=0, n=2)
+    assert len(text.choices) == 2 and text.choices[0].text == text.choices[1].text == alone(
+        engine, PROMPTS[2], max_new_tokens=16).text
+    streamed: dict[int, str] = {}
+    finished = set()
+    for chunk in client.chat.completions.create(model=server_model(server), messages=msgs, max_tokens=20,
+                                                temperature=0.9, seed=7, n=3, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.add(c.index)
+    assert [streamed[i] for i in range(3)] == refs and finished == {0, 1, 2}
 
 
 def test_queue_full_is_429_with_retry_after(models):

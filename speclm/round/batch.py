@@ -46,7 +46,7 @@ from speclm.errors import UsageError
 from speclm.forward.cache import StaticKV
 from speclm.options import GenerationOptions
 from speclm.proposers import Draft, Proposer, Verified
-from speclm.requests import Request
+from speclm.requests import Request, TokenLogprob
 from speclm.text import stop_cut
 from speclm.tree import PAD, ROOT, DraftTree
 from speclm.round.verify import Verdict, verify_tree
@@ -255,7 +255,7 @@ class Batch:
             first = verify_tree(logits[[i for _, i in at]], Draft.empty(len(at)).tree(), params,
                                 [reading[i].generator for _, i in at], coupled=[_coupled(reading[i]) for _, i in at])
             for n, (_, i) in enumerate(at):
-                self._commit(reading[i], first.committed(n))
+                self._commit(reading[i], first.committed(n), logits[i, :1])
         for r in read:
             s = r.stats
             s.wall_seconds = s.verify_seconds = time.perf_counter() - r.joined_at
@@ -371,7 +371,8 @@ class Batch:
                     self._policy.observe(r, int(p.draft.lengths[i]), len(verdict.paths[i]),
                                          p.seconds - p.prefill_seconds, p.draft.forwards,
                                          p.draft.forward_rows or len(p.rows))
-                self._commit(r, verdict.committed(i))
+                columns = [0] + [1 + n for n in verdict.paths[i]]  # where each committed token was scored
+                self._commit(r, verdict.committed(i), scored.logits[b, columns] if r.options.logprobs is not None else None)
                 r.stats.new_tokens = len(r.generated)
                 r.stats.wall_seconds = time.perf_counter() - r.joined_at
 
@@ -430,7 +431,9 @@ class Batch:
             s.record_acceptance(size, accepted, p.depths[i])
 
     # ---------------------------------------------------------------- committing and leaving
-    def _commit(self, r: Request, new: list[int]) -> None:
+    def _commit(self, r: Request, new: list[int], logits: torch.Tensor | None = None) -> None:
+        """r commits `new`, cut at an end of sequence, a stop string or its length; logits (len(new),
+        V): the target's where each was committed (its log-probabilities, where it asks)."""
         first_new = len(r.generated)
         for i, t in enumerate(new):
             if t in self.eos and not r.options.ignore_eos:
@@ -446,6 +449,9 @@ class Batch:
             r.finish_reason = "stop"
         elif r.finish_reason is None and len(r.generated) >= r.max_new:
             r.finish_reason = "length"
+        if r.options.logprobs is not None and logits is not None:
+            kept = r.generated[first_new:]
+            r.logprobs += _logprobs(logits[: len(kept)], kept, r.options.logprobs)
 
     def _leave(self) -> None:
         """Finished requests leave: their cache rows are free for the next to join."""
@@ -506,6 +512,21 @@ def _feed(contexts: list[list[int]], have: list[int], tree: DraftTree
         chain = chain and all(s == len(c) + n - 1 for n, s in enumerate(slot))
         links.append([-1] * (len(c) - h) + slot)
     return feed, None if chain else links, spans
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits (M, V): the target's where tokens (M,) were committed -> each token's log-probability
+    at temperature 1 and the `top` likeliest there (tokens a constraint forbids, at -inf, left out)."""
+    with torch.inference_mode():
+        logp = torch.log_softmax(logits.float().cpu(), -1)  # (M, V)
+        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+        best = logp.topk(top, -1) if top else None
+    out = []
+    for j, (token, value) in enumerate(zip(tokens, chosen)):
+        pairs = () if best is None else tuple(
+            (int(t), float(v)) for t, v in zip(best.indices[j].tolist(), best.values[j].tolist()) if v != float("-inf"))
+        out.append(TokenLogprob(token, float(value), pairs))
+    return out
 
 
 def _fence(group: _Group, tree: DraftTree) -> tuple[DraftTree, list[torch.Tensor | None]]:

@@ -11,7 +11,7 @@ import sys
 import traceback
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from speclm.methods import DRAFT_MODEL, method
 from speclm.errors import UsageError
 from speclm.options import GenerationOptions
+from speclm.text import token_pieces
 from speclm.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from speclm.serve.scheduler import Scheduler, Ticket
 
@@ -133,56 +134,63 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
         if options.spec.needs == DRAFT_MODEL and engine.draft is None:
             raise ApiError(400, f"speculation: method '{options.method}' needs a draft model; this server has none",
                            param="speculation")
+        # n choices: sampled, each its own request (seed + i where a seed is set: each the same as its
+        # single run); greedy, one run whose output every choice shows
+        runs = body.n if not options.sampling.greedy else 1
         try:
-            req = engine.request(ids, options)
+            reqs = [engine.request(ids, options if options.seed is None else replace(options, seed=options.seed + i))
+                    for i in range(runs)]
         except UsageError as exc:
             raise ApiError(400, str(exc)) from None
-        ticket = scheduler.submit(req)
+        choices = _Choices(scheduler, reqs, body.n)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        shape = _Shape(rid, int(time.time()), config.model_name, chat)
+        shape = _Shape(rid, int(time.time()), config.model_name, chat, engine.target.tokenizer)
         if body.stream:
-            return StreamingResponse(_stream(ticket, shape, body.include_usage), media_type="text/event-stream",
+            return StreamingResponse(_stream(choices, shape, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watch = asyncio.ensure_future(_watch_disconnect(request, ticket))
+        watch = asyncio.ensure_future(_watch_disconnect(request, choices))
         try:
-            text = []
-            while True:
-                events = await ticket.take()
+            texts: dict[int, list[str]] = {i: [] for i in range(runs)}
+            async for i, events in choices.events():
                 if not events:  # the client went away
-                    scheduler.cancel(ticket)
+                    choices.cancel()
                     return Response(status_code=499)
                 for event in events:
                     if event[0] == "text":
-                        text.append(event[1])
+                        texts[i].append(event[1])
                     elif event[0] == "error":
                         raise ApiError(500, event[1], type="server_error")
-                    else:
-                        return JSONResponse(shape.whole("".join(text), ticket))
+            return JSONResponse(shape.whole({i: "".join(t) for i, t in texts.items()}, choices))
         finally:
             watch.cancel()
 
-    async def _stream(ticket: Ticket, shape: "_Shape", include_usage: bool):
+    async def _stream(choices: "_Choices", shape: "_Shape", include_usage: bool):
         # a step's events go out as one write: one wake-up of the loop and of the client per step
         try:
-            yield _sse(shape.chunk({"role": "assistant", "content": ""} if shape.chat else {"text": ""}))
-            while True:
+            yield "".join(_sse(shape.chunk(j, {"role": "assistant", "content": ""} if shape.chat else {"text": ""}))
+                          for j in range(choices.n))
+            logprobs: dict[int, list | None] = {}  # per run: its steps' tokens' log-probabilities, with its next text
+            async for i, events in choices.events():
                 out = []
-                for event in await ticket.take():
-                    if event[0] == "text":
-                        out.append(_sse(shape.chunk({"content": event[1]} if shape.chat else {"text": event[1]},
-                                                    draft_accepted=event[2])))
+                for event in events:
+                    if event[0] == "logprobs":  # several steps' may wait here: kept in order until a text goes out
+                        logprobs[i] = (logprobs.get(i) or []) + list(event[1])
+                    elif event[0] == "text":
+                        delta, given = {"content": event[1]} if shape.chat else {"text": event[1]}, logprobs.pop(i, None)
+                        out += [_sse(shape.chunk(j, delta, event[2], given)) for j in choices.shown(i)]
                     elif event[0] == "error":
                         yield "".join(out) + _sse(ApiError(500, event[1], type="server_error").body())
                         return
                     else:
-                        out.append(_sse(shape.last(ticket)))
-                        if include_usage:
-                            out.append(_sse(shape.usage_chunk(ticket)))
-                        yield "".join(out) + "data: [DONE]\n\n"
-                        return
+                        out += _rest(shape, choices, i, logprobs.pop(i, None))
+                        out += [_sse(shape.last(j, choices.tickets[i])) for j in choices.shown(i)]
+                out += _rest(shape, choices, i, logprobs.pop(i, None))
                 yield "".join(out)
-        finally:  # the client disconnected (or the stream ended): a running request leaves the batch
-            scheduler.cancel(ticket)
+            if include_usage:
+                yield _sse(shape.usage_chunk(choices))
+            yield "data: [DONE]\n\n"
+        finally:  # the client disconnected (or the stream ended): running requests leave the batch
+            choices.cancel()
 
     return app
 
@@ -224,7 +232,7 @@ def _options(defaults: GenerationOptions, body, max_tokens: int) -> GenerationOp
     spec = body.speculation_spec()
     changes = dict(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                    seed=body.seed, stop=tuple(body.stop or ()), chat=False, ignore_eos=body.ignore_eos,
-                   constraint=body.constraint())
+                   constraint=body.constraint(), logprobs=body.logprobs_count())
     if spec is not None:
         if spec.method is not None and spec.method != defaults.method:
             takes = method(spec.method).options  # the server's heads and acceptance, where the method takes them
@@ -256,12 +264,80 @@ async def _json(request: Request, limit: int):
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
 
 
-async def _watch_disconnect(request: Request, ticket: Ticket) -> None:
-    """Wait (the body read) for the client to go away, and wake the ticket's handler when it does."""
+async def _watch_disconnect(request: Request, choices: "_Choices") -> None:
+    """Wait (the body read) for the client to go away, and wake the handler when it does."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    ticket.gone = True
-    ticket.wake()
+    choices.gone()
+
+
+class _Choices:
+    """A request's n choices: its runs' tickets (one run per choice when sampling, one for all when
+    greedy). The first run is submitted at once, the others when it has read the prompt, so that
+    they start from its keys and values in the prefix cache (where the weights keep one)."""
+
+    def __init__(self, scheduler, requests: list, n: int):
+        self.scheduler, self.n = scheduler, n
+        self.tickets: list[Ticket] = [scheduler.submit(requests[0])]
+        self._later = requests[1:]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._left = len(requests)
+
+    def shown(self, run: int) -> range:
+        """The choice indices that show a run's output."""
+        return range(self.n) if len(self.tickets) + len(self._later) == 1 else range(run, run + 1)
+
+    def _pump(self, i: int) -> None:
+        async def pump():
+            ticket = self.tickets[i]
+            while True:
+                events = await ticket.take()
+                if i == 0 and self._later and events:  # the prompt is read: the other runs join now
+                    later, self._later = self._later, []
+                    for r in later:
+                        try:
+                            self.tickets.append(self.scheduler.submit(r))
+                        except ApiError as exc:
+                            self.cancel()
+                            await self._queue.put((i, [("error", exc.message)]))
+                            return
+                        self._pump(len(self.tickets) - 1)
+                await self._queue.put((i, events))
+                if not events or any(e[0] in ("done", "error") for e in events):
+                    return
+
+        self._pumps.append(asyncio.ensure_future(pump()))
+
+    async def events(self):
+        """(run, events) as they come, until every run is done (or the client went away: events [])."""
+        if not self._pumps:
+            self._pump(0)
+        while self._left:
+            i, events = await self._queue.get()
+            yield i, events
+            if not events:
+                return
+            if any(e[0] in ("done", "error") for e in events):
+                self._left -= 1
+
+    def gone(self) -> None:
+        for t in self.tickets:
+            t.gone = True
+            t.wake()
+
+    def cancel(self) -> None:
+        self._later = []
+        for t in self.tickets:
+            self.scheduler.cancel(t)
+
+
+def _rest(shape: "_Shape", choices: _Choices, run: int, logprobs) -> list[str]:
+    """A run's log-probabilities that no text has carried yet, in chunks of their own."""
+    if not logprobs:
+        return []
+    return [_sse(shape.chunk(j, {"content": ""} if shape.chat else {"text": ""}, logprobs=logprobs))
+            for j in choices.shown(run)]
 
 
 def _sse(obj: dict) -> str:
@@ -280,47 +356,79 @@ class _Shape:
     created: int
     model: str
     chat: bool
+    tokenizer: object
+    _offsets: dict = field(default_factory=dict)  # completions' text_offset, per choice: characters already given
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, delta: dict, draft_accepted: bool | None = None) -> dict:
+    def logprobs(self, entries, index: int = 0) -> dict | None:
+        """TokenLogprobs in OpenAI's shape: chat's `content` list, or completions' parallel lists."""
+        if entries is None:
+            return None
+        ids = sorted({e.token for e in entries} | {t for e in entries for t, _ in e.top})
+        piece = dict(zip(ids, token_pieces(self.tokenizer, ids)))
         if self.chat:
-            choice = {"index": 0, "delta": delta, "finish_reason": None}
+            return {"content": [{"token": piece[e.token][0], "logprob": e.logprob, "bytes": list(piece[e.token][1]),
+                                 "top_logprobs": [{"token": piece[t][0], "logprob": v, "bytes": list(piece[t][1])}
+                                                  for t, v in e.top]} for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(piece[e.token][0])
+        return {"tokens": [piece[e.token][0] for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{piece[t][0]: v for t, v in e.top} for e in entries], "text_offset": offsets}
+
+    def chunk(self, index: int, delta: dict, draft_accepted: bool | None = None, logprobs=None) -> dict:
+        if self.chat:
+            choice = {"index": index, "delta": delta, "finish_reason": None}
+            if logprobs is not None:
+                choice["logprobs"] = self.logprobs(logprobs, index)
         else:
-            choice = {"index": 0, "text": delta["text"], "finish_reason": None, "logprobs": None}
+            choice = {"index": index, "text": delta["text"], "finish_reason": None,
+                      "logprobs": self.logprobs(logprobs, index)}
         if draft_accepted is not None:  # speclm's: the text came from draft tokens the target accepted
             choice["draft_accepted"] = draft_accepted
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
-    def last(self, ticket: Ticket) -> dict:
+    def last(self, index: int, ticket: Ticket) -> dict:
         reason = _reason(ticket)
-        choice = ({"index": 0, "delta": {}, "finish_reason": reason} if self.chat
-                  else {"index": 0, "text": "", "finish_reason": reason, "logprobs": None})
+        choice = ({"index": index, "delta": {}, "finish_reason": reason} if self.chat
+                  else {"index": index, "text": "", "finish_reason": reason, "logprobs": None})
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice],
                 "speculation": speculation(ticket)}
 
-    def usage_chunk(self, ticket: Ticket) -> dict:
+    def usage_chunk(self, choices: "_Choices") -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(ticket)}
+                "usage": usage(choices)}
 
-    def whole(self, text: str, ticket: Ticket) -> dict:
-        reason = _reason(ticket)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                   "logprobs": None} if self.chat else {"index": 0, "text": text, "finish_reason": reason,
-                                                         "logprobs": None})
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(ticket), "speculation": speculation(ticket)}
+    def whole(self, texts: dict[int, str], choices: "_Choices") -> dict:
+        out = []
+        for j in range(choices.n):
+            run = j if len(choices.tickets) > 1 else 0
+            ticket = choices.tickets[run]
+            r = ticket.request
+            logprobs = self.logprobs(r.logprobs if r.options.logprobs is not None else None, j)
+            choice = ({"index": j, "message": {"role": "assistant", "content": texts[run]}, "finish_reason": _reason(ticket),
+                       "logprobs": logprobs} if self.chat else {"index": j, "text": texts[run],
+                                                                 "finish_reason": _reason(ticket), "logprobs": logprobs})
+            if choices.n > 1:
+                choice["speculation"] = speculation(ticket)
+            out.append(choice)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
+                "usage": usage(choices), "speculation": speculation(choices.tickets[0])}
 
 
 def _reason(ticket: Ticket) -> str:
     return "length" if ticket.request.finish_reason == "length" else "stop"
 
 
-def usage(ticket: Ticket) -> dict:
-    r = ticket.request
-    return {"prompt_tokens": r.prompt_len, "completion_tokens": len(r.generated),
-            "total_tokens": r.prompt_len + len(r.generated)}
+def usage(choices: "_Choices") -> dict:
+    """Tokens of the prompt (read once) and of every choice."""
+    prompt = choices.tickets[0].request.prompt_len
+    copies = choices.n if len(choices.tickets) == 1 else 1
+    completion = copies * sum(len(t.request.generated) for t in choices.tickets)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def speculation(ticket: Ticket) -> dict:

@@ -83,12 +83,11 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: Union[str, list[str], None] = None
     seed: int | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=16)  # choices: each sampled apart (seed + i), after the first's prefill
     stream: bool = False
     stream_options: dict | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: Any = None
     speculation: Any = None  # speclm's own field: see the module docstring
     ignore_eos: bool = False  # as vLLM's: generate max_tokens whatever the model says (load tests)
     top_k: int = Field(default=0, ge=0)  # as vLLM's: 0 (default) no top-k filter
@@ -127,13 +126,6 @@ class _Common(BaseModel):
             field = next((f for f in ("response_format", "regex", "grammar") if getattr(self, f) is not None), None)
             raise ApiError(400, str(exc), param=field) from None
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
@@ -144,7 +136,6 @@ class _Common(BaseModel):
 
     _penalty = field_validator("presence_penalty", "frequency_penalty")(
         _refused("penalties change the target's distribution and are not supported"))
-    _logprobs = field_validator("logprobs")(_refused("logprobs are not supported"))
 
     @field_validator("speculation")
     @classmethod
@@ -194,12 +185,28 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    def logprobs_count(self) -> int | None:
+        """The alternatives to return per token (GenerationOptions.logprobs), None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str]]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy shape: the alternatives per token
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

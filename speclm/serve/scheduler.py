@@ -28,7 +28,8 @@ from speclm.text import IncrementalText
 class Ticket:
     """One request as its handler sees it. The engine thread queues a step's events together and
     wakes the handler's loop once for them (`flush`); the handler takes all that is there (`take`).
-    Events: ("text", str, drafted: bool) ..., then ("done", None) or ("error", message)."""
+    Events: ("logprobs", [TokenLogprob]) (where asked: the step's new tokens'), ("text", str, drafted:
+    bool) ..., then ("done", None) or ("error", message)."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
@@ -236,6 +237,8 @@ class Scheduler:
                     m.itl.observe(gap)
             t.last_token_at = now
         t._count = len(generated)
+        if r.options.logprobs is not None and committed > 0:
+            t.put(("logprobs", r.logprobs[start:len(generated)]))
         # the accepted draft tokens come first in a round's commit, then the target's own token
         from_draft = max(0, min(accepted, committed - 1))
         pieces = [(generated[: start + from_draft], True), (generated, False)] if from_draft else [(generated, False)]
