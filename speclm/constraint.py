@@ -230,6 +230,20 @@ class Matcher:
         self.mask_seconds += time.perf_counter() - t0
         return out, sorted(forbidden), sorted(ends)
 
+    def allowed(self, width: int) -> torch.Tensor:
+        """(width,) bool: the tokens allowed next (ids past the parser's vocabulary: False)."""
+        out = unpack(self.mask(), width)[0]
+        return torch.cat([out, out.new_zeros(width - len(out))]) if len(out) < width else out
+
+    def push(self, token: int) -> bool:
+        """A drafter's token, consumed for its next mask (False: not taken: an end of sequence, or
+        forbidden); `pop` takes pushed tokens back."""
+        return token not in self.eos and self._m.consume_token(token)
+
+    def pop(self, count: int) -> None:
+        if count:
+            self._m.rollback(count)
+
     def commit(self, tokens: list[int]) -> None:
         """The request committed these tokens (each allowed by its mask; an end of sequence ends them)."""
         tokens = next((tokens[:i] for i, t in enumerate(tokens) if t in self.eos), tokens)

@@ -94,36 +94,45 @@ class SpecEngine:
             check_same_vocabulary(target, draft)
 
     # ---------------------------------------------------------------- public API
-    def generate(self, prompts, batch_size: int | None = None, **options) -> Completion | list[Completion]:
+    def generate(self, prompts, batch_size: int | None = None, n: int = 1,
+                 **options) -> Completion | list[Completion]:
         """Generate for one prompt (returns a Completion) or a list (returns a list, in order).
 
         A prompt is a string or a list of token ids. Up to `batch_size` prompts decode together
         (default: all at once), each accepting its own number of tokens per round; as one
         finishes, the next joins. Keyword options are those of `GenerationOptions`.
+
+        n: completions per prompt (a list of n for one prompt, prompt by prompt for a list): choice i
+        of prompt p samples with seed + p * n + i (n = 1: prompt p with seed + p), each the same as
+        its own run with that seed; the first of a prompt's choices reads the prompt and the others
+        join once it has, starting from its keys and values (the prefix cache, on quantized weights).
         """
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        results = list(self.completions([prompts] if single else list(prompts), batch_size, **options))
-        return results[0] if single else results
+        results = list(self.completions([prompts] if single else list(prompts), batch_size, n=n, **options))
+        return results[0] if single and n == 1 else results
 
-    def completions(self, prompts: list, batch_size: int | None = None, **options) -> Iterator[Completion]:
+    def completions(self, prompts: list, batch_size: int | None = None, n: int = 1, **options) -> Iterator[Completion]:
         """`generate` for a list of prompts, each Completion yielded, in order, as soon as it and
         those before it are done. Every prompt is encoded (and checked) before any decoding."""
         opts = GenerationOptions(**options)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise UsageError(f"n must be an integer >= 1, got {n!r}")
         encoded = self.encode(list(prompts), opts.chat)
-        size = batch_size or len(encoded)
+        size = batch_size or len(encoded) * n
         if size < 1:
             raise UsageError(f"batch-size must be >= 1, got {size}")
         seed = opts.seed if opts.seed is not None else secrets.randbits(62)
-        requests = [Request.of(i, ids, opts, seed + i, self.target.max_context, seeded=opts.seed is not None,
+        requests = [Request.of(p, ids, opts, seed + p * n + i, self.target.max_context, seeded=opts.seed is not None,
                                vocab=self.target.vocab_size, matcher=self.matcher(opts))
-                    for i, ids in enumerate(encoded)]
+                    for p, ids in enumerate(encoded) for i in range(n)]
         check_fits(self.target.model, min(size, len(requests)), max(r.prompt_len + r.max_new for r in requests))
         self.prepare(opts)
         waiting = deque(requests)
+        leaders = {id(r): requests[k - k % n] for k, r in enumerate(requests)}  # each prompt's first choice
         batch = self.batch(rows=min(size, len(requests)), capacity=max(r.prompt_len + r.max_new for r in requests))
         given = 0
         while waiting or batch.active:
-            while waiting and batch.size < size:
+            while waiting and batch.size < size and (n == 1 or _read(waiting[0], leaders)):
                 batch.join(waiting.popleft())
             batch.step()
             while given < len(requests) and requests[given].done:
@@ -376,6 +385,13 @@ class TextStream:
                 yield delta
         self.completion = self._engine.completion(r)
         bound_freed_memory()
+
+
+def _read(request: Request, leaders: dict) -> bool:
+    """Whether a request may join: the first of its prompt's n choices always, the others once
+    that one has read the prompt (they then start from its keys and values)."""
+    first = leaders[id(request)]
+    return first is request or first.done or len(first.generated) > 0
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

@@ -124,6 +124,38 @@ def test_constraint_time_is_reported(engines):
     assert free.stats.constraint_seconds == 0
 
 
+def _cut_nodes(engine, monkeypatch, **options) -> tuple[int, int]:
+    """(nodes drafted, nodes the round cut as forbidden) over the prompts and constraint kinds."""
+    import speclm.round.batch as batch_mod
+
+    counts = [0, 0]
+    real = batch_mod._fence
+
+    def fence(group, tree):
+        out, masks = real(group, tree)
+        counts[0] += sum(tree.sizes)
+        counts[1] += sum(tree.sizes) - sum(out.sizes)
+        return out, masks
+
+    monkeypatch.setattr(batch_mod, "_fence", fence)
+    for given in CONSTRAINTS.values():
+        for p in PROMPTS:
+            engine.generate(p, max_new_tokens=N, **given, **options)
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8}, {"temperature": 0.8, "seed": 2}])
+def test_a_draft_models_chain_drafts_only_what_the_constraint_allows(engines, monkeypatch, sampling):
+    """The draft model's distribution is masked before it picks (greedy) or draws (sampling) each
+    token, so the round cuts nothing of its chains; a planted bug, the mask not applied to the
+    draft, leaves forbidden tokens for the round to cut."""
+    drafted, cut = _cut_nodes(engines[1], monkeypatch, method="draft", **sampling)
+    assert drafted > 100 and cut == 0
+    monkeypatch.setattr(constraint_mod.Matcher, "allowed", lambda self, width: torch.ones(width, dtype=torch.bool))
+    drafted, cut = _cut_nodes(engines[1], monkeypatch, method="draft", **sampling)
+    assert cut > 0
+
+
 # ---------------------------------------------------------------- planted bugs fail the greedy check
 
 def _differs_or_breaks(engines, heads) -> bool:
@@ -278,10 +310,11 @@ def constrained_pvalue(small, monkeypatch, method, params, options, samples: int
 
 SAMPLING_CASES = {
     "plain": ("none", T1, {}),
-    # the draft model samples from its own (unconstrained) distribution: forbidden draws stay as
-    # leaves for the verifier to reject against its residual
+    # the draft model's chain samples from its distribution masked by the constraint
     "draft": ("draft", T1, {}),
     "draft-top": ("draft", SamplingParams(temperature=0.7, top_k=4, top_p=0.9), {}),
+    # a draft tree samples from the draft's own distribution: forbidden draws stay as leaves for the
+    # verifier to reject against its residual
     "draft-tree": ("draft", T1, {"tree": "auto"}),
     "draft+pld": ("draft+pld", T1, {}),
     "eagle+pld": ("eagle+pld", T1, {}),
@@ -311,7 +344,8 @@ def test_dropping_a_sampled_forbidden_draft_token_fails(small, monkeypatch):
         return real(Greedy(group), tree)
 
     monkeypatch.setattr(batch_mod, "_fence", fence)
-    assert constrained_pvalue(small, monkeypatch, "draft", T1, {}) < ALPHA
+    # a draft tree samples from the draft's own distribution (a chain's is masked: nothing to drop)
+    assert constrained_pvalue(small, monkeypatch, "draft", T1, {"tree": "auto"}) < ALPHA
 
 
 def test_masks_not_applied_fail_the_distribution(small, monkeypatch):

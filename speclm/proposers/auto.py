@@ -128,7 +128,7 @@ class AutoProposer(Proposer):
             if not any(budgets):
                 continue
             t0, read0 = time.perf_counter(), child.prefill_seconds
-            child.draws = self.draws
+            child.draws, child.guides = self.draws, self.guides
             draft = child.propose(contexts, budgets, params, generators).trimmed()
             drafts[name] = draft
             rows = sum(b > 0 for b in budgets)

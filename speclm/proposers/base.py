@@ -139,6 +139,11 @@ class Proposer:
     # or None; a proposer that samples its tokens may draw them so (the verifier takes the target's draw
     # at each position whatever was drafted: this only makes a sampled draft likelier to hold it)
     draws: tuple = ()
+    # per row, set before each proposal: a constrained request's parser at its committed tokens
+    # (speclm.constraint.Matcher) or None; a proposer that drafts from a distribution may mask it
+    # (left where it was: push, then pop what it pushed). The round cuts what a constraint forbids
+    # anyway (speclm.round.batch._fence): this only keeps a draft to tokens that can be accepted
+    guides: tuple = ()
 
     def start(self, batch_size: int, capacity: int, prompt_lengths: list[int] | None = None,
               max_new_tokens: list[int] | None = None, pool: int = 0) -> None:

@@ -152,17 +152,26 @@ class DraftModelProposer(Proposer):
         gauge = self.confidence > 0 or self.alternatives > 0  # the draft's probability of its token is needed
         vocab = self.vocabs
         mask = vocab.mask(rows, logits.shape[-1]) if params.greedy else None  # each row's own columns
+        guides = [self.guides[b] if len(self.guides) > b else None for b in rows]  # constrained rows' parsers
+        pushed = [0] * batch  # tokens pushed on each row's parser this round (popped at the end)
         for j in range(width):
+            allowed = _allowed(guides, head, logits.shape[-1], drafted, j)  # (B, S) or None
+            if allowed is not None:  # a row whose constraint leaves none of the draft's columns stops
+                drafted = [d if bool(a.any()) else min(d, j) for d, a in zip(drafted, allowed)]
+                allowed[~allowed.any(-1)] = True
             if params.greedy:
                 own = logits if mask is None else logits.masked_fill(~mask.to(logits.device), float("-inf"))
+                if allowed is not None:
+                    own = own.masked_fill(~allowed.to(own.device), float("-inf"))
                 step = own.argmax(-1).cpu()  # (B,) columns of the head
                 ids = step if head is None else head.ids[step]  # token ids
                 sure = torch.softmax(own, -1).gather(-1, step[:, None].to(own.device))[:, 0].cpu() if gauge else None
             else:
                 # each row's distribution over its own vocabulary, drawn from its own generator; only
                 # rows still drafting draw, so a row's draws do not depend on the other rows
-                dists = [processed_probs(vocab.logits(b, logits[i : i + 1]), params)[0].cpu()
-                         for i, b in enumerate(rows)]  # (S_b,) each
+                dists = [processed_probs(_masked(vocab.logits(b, logits[i : i + 1]),
+                                                 None if allowed is None else vocab.logits(b, allowed[i : i + 1])),
+                                         params)[0].cpu() for i, b in enumerate(rows)]  # (S_b,) each
                 probs.append(torch.stack([on_vocabulary(d, vocab.token_ids(b), vocab_size) for d, b in zip(dists, rows)]))
                 draws = [self.draws[b] if len(self.draws) > b else None for b in rows]
                 columns = [(c.token(d, len(ctx) + j, vocab.token_ids(b)) if c is not None else sample(d, g)) if j < n else 0
@@ -181,6 +190,12 @@ class DraftModelProposer(Proposer):
                     others[:, j] = torch.where(branch, torch.tensor(other, dtype=torch.long), -1)
             tokens[:, j] = ids
             steps = j + 1
+            for i, g in enumerate(guides):  # a constrained row's parser follows its draft (an end of sequence ends it)
+                if g is not None and j < drafted[i]:
+                    if g.push(int(ids[i])):
+                        pushed[i] += 1
+                    else:
+                        drafted[i] = j + 1
             if self.confidence > 0:  # a row stops after a token its draft was unsure of
                 unsure = (sure < self.confidence).tolist()
                 drafted = [min(d, j + 1) if below else d for d, below in zip(drafted, unsure)]
@@ -188,6 +203,9 @@ class DraftModelProposer(Proposer):
                 logits = kv.forward([[t] for t in ids.tolist()], 1, head, only=only)[:, -1]
             else:
                 break
+        for g, n in zip(guides, pushed):
+            if g is not None:
+                g.pop(n)
         lengths = torch.tensor(drafted, dtype=torch.long)
         draft_probs = torch.stack(probs, dim=1) if probs is not None else None  # (B, steps, V)
         alternatives = others[:, :steps] if others is not None else None
@@ -222,3 +240,20 @@ class DraftModelProposer(Proposer):
         self._slots = [self._slots[r] for r in rows] if self._slots else []
         self._nodes = [self._nodes[r] for r in rows] if self._nodes else []
 
+
+def _allowed(guides: list, head, width: int, drafted: list[int], j: int) -> torch.Tensor | None:
+    """(B, width) bool: each constrained row's columns its constraint allows next (True for the
+    other rows, and for rows done drafting); None where no row is constrained and drafting."""
+    if not any(g is not None and j < d for g, d in zip(guides, drafted)):
+        return None
+    out = torch.ones(len(guides), width, dtype=torch.bool)
+    for i, (g, d) in enumerate(zip(guides, drafted)):
+        if g is not None and j < d:
+            ids = g.allowed(max(width, int(head.ids.max()) + 1) if head is not None else width)
+            out[i] = ids if head is None else ids[head.ids]
+    return out
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """logits (1, S) with what `allowed` (1, S) forbids at -inf (a constrained row's draft distribution)."""
+    return logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -392,6 +392,7 @@ class Batch:
             if proposer.drafts_on_target:  # the target's own layers draft, over its cache's rows
                 proposer.bind_target(self.kv, rows)
             proposer.draws = [r.coupled for r in group.requests]  # seeded rows: draws by position
+            proposer.guides = [r.matcher for r in group.requests]  # constrained rows: drafts masked where they can be
             draft = proposer.propose([r.context for r in group.requests], budgets, group.options.sampling,
                                      [r.generator for r in group.requests]).trimmed()
             prefill = proposer.prefill_seconds - read_before
