@@ -238,7 +238,8 @@ class Matcher:
     def push(self, token: int) -> bool:
         """A drafter's token, consumed for its next mask (False: not taken: an end of sequence, or
         forbidden); `pop` takes pushed tokens back."""
-        return token not in self.eos and self._m.consume_token(token)
+        # checked first: consuming a forbidden token would leave the parser in its error state
+        return token not in self.eos and self._m.validate_tokens([token]) == 1 and self._m.consume_token(token)
 
     def pop(self, count: int) -> None:
         if count:

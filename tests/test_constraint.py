@@ -6,7 +6,7 @@ The sampling checks (chi-square, tests/chisq.py's ALPHA each) run on a tiny mode
 one-character tokens under a regex that allows 3, 3, 3 and 2 of them at the four positions
 counted (as test_sampling_distribution.py counts: the prefill's token and a whole drafting
 round of K = 2; llguidance reads the tokens through a small wrapper). The exact joint is computed from the target's logits with the forbidden
-words at -inf, then temperature. Nine checks run here (tests/chisq.py's total counts them).
+words at -inf, then temperature. Ten checks run here (tests/chisq.py's total counts them).
 """
 
 from __future__ import annotations
@@ -125,34 +125,42 @@ def test_constraint_time_is_reported(engines):
 
 
 def _cut_nodes(engine, monkeypatch, **options) -> tuple[int, int]:
-    """(nodes drafted, nodes the round cut as forbidden) over the prompts and constraint kinds."""
-    import speclm.round.batch as batch_mod
-
+    """(nodes drafted, nodes the constraint forbids) over the prompts and constraint kinds."""
     counts = [0, 0]
-    real = batch_mod._fence
+    real = constraint_mod.Matcher.masks
 
-    def fence(group, tree):
-        out, masks = real(group, tree)
-        counts[0] += sum(tree.sizes)
-        counts[1] += sum(tree.sizes) - sum(out.sizes)
-        return out, masks
+    def masks(self, tokens, parents):
+        out = real(self, tokens, parents)
+        counts[0] += sum(p != -2 for p in parents)
+        counts[1] += len(out[1])
+        return out
 
-    monkeypatch.setattr(batch_mod, "_fence", fence)
+    monkeypatch.setattr(constraint_mod.Matcher, "masks", masks)
     for given in CONSTRAINTS.values():
         for p in PROMPTS:
             engine.generate(p, max_new_tokens=N, **given, **options)
     return counts[0], counts[1]
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8}, {"temperature": 0.8, "seed": 2}])
-def test_a_draft_models_chain_drafts_only_what_the_constraint_allows(engines, monkeypatch, sampling):
-    """The draft model's distribution is masked before it picks (greedy) or draws (sampling) each
-    token, so the round cuts nothing of its chains; a planted bug, the mask not applied to the
-    draft, leaves forbidden tokens for the round to cut."""
-    drafted, cut = _cut_nodes(engines[1], monkeypatch, method="draft", **sampling)
-    assert drafted > 100 and cut == 0
+DRAFTERS = [("draft", {}), ("draft", {"tree": "auto"}), ("self", {"layers": "1", "self_weights": "target"}),
+            ("self", {"layers": "1", "self_weights": "target", "tree": "auto"})]
+
+
+def _unmasked(monkeypatch) -> None:
+    """Drafters see every token allowed (the constraint not applied to the draft's distribution)."""
     monkeypatch.setattr(constraint_mod.Matcher, "allowed", lambda self, width: torch.ones(width, dtype=torch.bool))
-    drafted, cut = _cut_nodes(engines[1], monkeypatch, method="draft", **sampling)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8}, {"temperature": 0.8, "seed": 2}])
+@pytest.mark.parametrize("method,options", DRAFTERS, ids=lambda v: str(v))
+def test_a_drafting_model_drafts_only_what_the_constraint_allows(engines, monkeypatch, sampling, method, options):
+    """A draft model's (and self's) distribution is masked before it picks (greedy) or draws
+    (sampling) each token, chains and trees, so the round cuts nothing of their drafts; a planted
+    bug, the mask not applied to the draft, leaves forbidden tokens for the round to cut."""
+    drafted, cut = _cut_nodes(engines[1], monkeypatch, method=method, **options, **sampling)
+    assert drafted > 100 and cut == 0
+    _unmasked(monkeypatch)
+    drafted, cut = _cut_nodes(engines[1], monkeypatch, method=method, **options, **sampling)
     assert cut > 0
 
 
@@ -294,6 +302,8 @@ def constrained_pvalue(small, monkeypatch, method, params, options, samples: int
     options = {"heads": eagle, **options} if method in ("eagle+pld", "auto") else options
     prompt_ids = PROMPT_IDS
     coupled = options.pop("coupled", False)
+    if options.pop("unmasked", False):
+        _unmasked(monkeypatch)
     run = lambda seed: engine.generate([prompt_ids] * samples, method=method, k=K, max_new_tokens=DEPTH,  # noqa: E731
                                        seed=seed, temperature=params.temperature, top_k=params.top_k,
                                        top_p=params.top_p, regex=CHAR_REGEX, **options)
@@ -313,9 +323,10 @@ SAMPLING_CASES = {
     # the draft model's chain samples from its distribution masked by the constraint
     "draft": ("draft", T1, {}),
     "draft-top": ("draft", SamplingParams(temperature=0.7, top_k=4, top_p=0.9), {}),
-    # a draft tree samples from the draft's own distribution: forbidden draws stay as leaves for the
-    # verifier to reject against its residual
     "draft-tree": ("draft", T1, {"tree": "auto"}),
+    # a draft sampling from its own distribution (none does, the constraint masks them all; here
+    # planted): forbidden draws stay as leaves for the verifier to reject against its residual
+    "draft-unmasked": ("draft", T1, {"unmasked": True}),
     "draft+pld": ("draft+pld", T1, {}),
     "eagle+pld": ("eagle+pld", T1, {}),
     "lookahead": ("lookahead", T1, {"lookahead": (2, 3, 2)}),
@@ -344,8 +355,8 @@ def test_dropping_a_sampled_forbidden_draft_token_fails(small, monkeypatch):
         return real(Greedy(group), tree)
 
     monkeypatch.setattr(batch_mod, "_fence", fence)
-    # a draft tree samples from the draft's own distribution (a chain's is masked: nothing to drop)
-    assert constrained_pvalue(small, monkeypatch, "draft", T1, {"tree": "auto"}) < ALPHA
+    # drafts sampled from the draft's own distribution (as draft-unmasked, which passes)
+    assert constrained_pvalue(small, monkeypatch, "draft", T1, {"unmasked": True}) < ALPHA
 
 
 def test_masks_not_applied_fail_the_distribution(small, monkeypatch):

@@ -135,7 +135,7 @@ class DraftModelProposer(Proposer):
             lengths = kv.lengths_list()
             lengths = [lengths[b] for b in rows]
             grown = grow(kv, self.vocabs, rows, vocab_size, self.tree, logits, lengths, max_tokens, params, generators,
-                         began, self._times, only)
+                         began, self._times, only, [self.guides[b] if len(self.guides) > b else None for b in rows])
             # per batch row: the draft cache slot of each node it fed, and (greedy) the nodes, for
             # measuring acceptance (a sampled node's is another matter)
             self._slots = [[] for _ in range(kv.batch_size)]

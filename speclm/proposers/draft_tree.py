@@ -162,13 +162,15 @@ class GrownTree:
 
 def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logits: torch.Tensor, lengths: list[int],
          budgets: list[int], params: SamplingParams, generators: list, began: float,
-         times: DraftTimes | None = None, only: list[int] | None = None) -> GrownTree:
+         times: DraftTimes | None = None, only: list[int] | None = None, guides: list | None = None) -> GrownTree:
     """Grow a tree for each of the draft's batch rows `rows` from the draft's logits after its last
     committed token, root_logits (B, S) over its head's columns (vocabs: each row's own columns and
     their token ids, speclm.proposers.draft_vocab.RowVocabs). kv: the draft's StaticKV, holding
     lengths[i] tokens of row rows[i] (only: rows to feed, None: all of kv's); budgets: each row's
     deepest path; began: when this round's drafting began; times: the proposer's measurements
-    (greedy auto trees of one row then expand a level only while the cost model expects it to pay)."""
+    (greedy auto trees of one row then expand a level only while the cost model expects it to pay);
+    guides: per row, a constrained request's parser (speclm.constraint.Matcher) or None: a node's
+    children are drawn from the distribution its constraint leaves after the node's path."""
     batch = root_logits.shape[0]
     head = vocabs.head
     by_cost = (spec.choices is None and params.greedy and spec.costs is not None and times is not None
@@ -184,11 +186,21 @@ def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logi
         grown = [[] for _ in range(batch)]  # per row: this level's new node indices
         for b in range(batch):
             scores = [vocabs.logits(rows[b], logits) for _, logits in frontier[b]]
+            blocked: set[int] = set()  # frontier entries whose constraint allows nothing of the draft's columns
+            if guides is not None and guides[b] is not None:
+                for i, (parent, _) in enumerate(frontier[b]):
+                    allowed = _allowed_after(guides[b], _path(nodes[b], parent), vocabs, rows[b], head, scores[i].shape[-1])
+                    if allowed is None:
+                        blocked.add(i)
+                    else:
+                        scores[i] = scores[i].masked_fill(~allowed.to(scores[i].device), float("-inf"))
             dists = [processed_probs(x, params) for x in scores] if sized else [None] * len(scores)  # (S,) each
             if sized:
                 counts = _sampled_counts(spec, plans[b], [nodes[b][n].prob if n != ROOT else 1.0 for n, _ in frontier[b]],
                                          dists)
             for i, (parent, _) in enumerate(frontier[b]):
+                if i in blocked:
+                    continue
                 ranks = list(range(counts[i])) if sized else _ranks_wanted(spec, nodes[b], parent)
                 for rank, token, p, q in _children(scores[i], ranks, params, generators[b],
                                                    vocabs.token_ids(rows[b]), vocab_size, probs=dists[i]):
@@ -238,6 +250,31 @@ def grow(kv, vocabs, rows: list[int], vocab_size: int, spec: TreeSpec, root_logi
     return _tensors(nodes, vocab_size, forwards, with_probs=not params.greedy)
 
 
+def _path(nodes: list[_Node], node: int) -> list[int]:
+    """The tokens from the root down to `node` (ROOT: none)."""
+    out = []
+    while node != ROOT:
+        out.append(nodes[node].token)
+        node = nodes[node].parent
+    return out[::-1]
+
+
+def _allowed_after(guide, path: list[int], vocabs, row: int, head, width: int) -> torch.Tensor | None:
+    """(S_row,) bool: the row's draft columns its constraint allows after `path`; None where the
+    path ends the output (an end of sequence) or the constraint allows none of them."""
+    pushed = 0
+    try:
+        for t in path:
+            if not guide.push(t):
+                return None
+            pushed += 1
+        full = guide.allowed(max(width, int(head.ids.max()) + 1) if head is not None else width)
+    finally:
+        guide.pop(pushed)
+    allowed = vocabs.logits(row, full if head is None else full[head.ids])
+    return allowed if bool(allowed.any()) else None
+
+
 def _ranks_wanted(spec: TreeSpec, nodes: list[_Node], parent: int) -> list[int]:
     """Which ranks of children `parent` gets (ascending)."""
     if spec.choices is None:
@@ -266,7 +303,8 @@ def _children(logits: torch.Tensor, ranks: list[int], params: SamplingParams, ge
     if params.greedy:
         probs = torch.softmax(logits.float(), -1)
         top = torch.topk(probs, min(max(ranks) + 1, probs.shape[-1]))
-        picked = [(r, int(top.indices[r]), float(top.values[r])) for r in ranks if r < len(top.indices)]
+        picked = [(r, int(top.indices[r]), float(top.values[r])) for r in ranks
+                  if r < len(top.indices) and float(top.values[r]) > 0]  # none a constraint forbids
         return [(r, token_of(ids, i), p, None) for r, i, p in picked]
     q = (probs if probs is not None else processed_probs(logits, params)).cpu()  # (S,)
     out, wanted = [], set(ranks)

@@ -257,7 +257,8 @@ class SelfDraftProposer(Proposer):
         if self.tree is not None:
             lengths = [s + len(f) for s, f in zip(start, feed)]
             grown = grow(_OnLayers(kv, self.layers, self._head), self.vocabs, drafting, vocab_size, self.tree, logits,
-                         lengths, budgets, params, gens, t0, self._times, only)
+                         lengths, budgets, params, gens, t0, self._times, only,
+                         [self.guides[i] if len(self.guides) > i else None for i in drafting])
             self._nodes = dict(zip(drafting, grown.nodes)) if params.greedy else {}
             draft = Draft(grown.tokens, grown.lengths, grown.probs, forwards=1 + grown.forwards,
                           forward_rows=len(drafting), parents=grown.parents)
@@ -279,20 +280,41 @@ class SelfDraftProposer(Proposer):
         mask = vocabs.mask(drafting, logits.shape[-1]) if params.greedy else None  # each row's own columns
         active = list(range(len(drafting)))
         forwards = 1
+        guides = [self.guides[row] if len(self.guides) > row else None for row in drafting]  # constrained rows' parsers
+        pushed = [0] * len(drafting)
+        budgets = list(budgets)
         for j in range(width):
             picked = []
             for a, i in enumerate(active):
                 row = drafting[i]
+                allowed = None  # over the head's columns: what the row's constraint allows next
+                if guides[i] is not None:
+                    head = vocabs.head
+                    full = guides[i].allowed(max(logits.shape[-1], int(head.ids.max()) + 1) if head is not None
+                                             else logits.shape[-1])
+                    allowed = full if head is None else full[head.ids]
+                    if not bool(vocabs.logits(row, allowed).any()):  # nothing of its columns: it stops here
+                        budgets[i], allowed = min(budgets[i], j), None
                 if params.greedy:
                     own = logits[a] if mask is None else logits[a].masked_fill(~mask[i].to(logits.device), float("-inf"))
+                    if allowed is not None:
+                        own = own.masked_fill(~allowed.to(own.device), float("-inf"))
                     column = int(own.argmax())  # of the head's (the union's) columns
                     token = column if vocabs.head is None else int(vocabs.head.ids[column])
                 else:
-                    dist = processed_probs(vocabs.logits(row, logits[a : a + 1]), params)[0].cpu()  # (S_b,)
+                    scores = vocabs.logits(row, logits[a : a + 1])
+                    if allowed is not None:
+                        scores = scores.masked_fill(~vocabs.logits(row, allowed)[None].to(scores.device), float("-inf"))
+                    dist = processed_probs(scores, params)[0].cpu()  # (S_b,)
                     probs[i].append(on_vocabulary(dist, vocabs.token_ids(row), vocab_size))
                     token = token_of(vocabs.token_ids(row), sample(dist, generators[i]))
                 tokens[i, j] = token
                 picked.append(token)
+                if guides[i] is not None and j < budgets[i]:  # the parser follows the chain; an end of sequence ends it
+                    if guides[i].push(token):
+                        pushed[i] += 1
+                    else:
+                        budgets[i] = j + 1
             active_next = [i for i in active if budgets[i] > j + 1]
             if not active_next:
                 break
@@ -301,6 +323,9 @@ class SelfDraftProposer(Proposer):
                                 head=self._head)[:, -1]
             forwards += 1
             active = active_next
+        for g, n in zip(guides, pushed):
+            if g is not None:
+                g.pop(n)
         lengths = torch.tensor([min(b, width) for b in budgets], dtype=torch.long)
         draft_probs = None
         if probs is not None:
