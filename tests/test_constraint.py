@@ -70,7 +70,8 @@ def heads(tmp_path_factory, target):
 
 def methods(heads):
     return [("pld", {}), ("draft", {}), ("draft", {"tree": "auto"}), ("draft", {"alternatives": 1.0}),
-            ("draft+pld", {}), ("medusa", {"heads": heads["medusa"]}), ("eagle+pld", {"heads": heads["eagle"]}),
+            ("draft+pld", {}), ("medusa", {"heads": heads["medusa"]}), ("eagle", {"heads": heads["eagle"]}),
+            ("eagle+pld", {"heads": heads["eagle"]}),
             ("lookahead", {"lookahead": (2, 3, 2)}), ("lookahead+pld", {}),
             ("self", {"layers": "1", "self_weights": "target"}), ("auto", {"heads": heads["eagle"]})]
 

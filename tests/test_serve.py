@@ -223,7 +223,8 @@ def raw(server, method: str, path: str, key: str | None = KEY, **kw) -> httpx.Re
 @pytest.mark.parametrize("case", ["no key", "wrong key", "malformed json", "wrong type", "n=17", "bad speculation",
                                   "prompt too long", "max_tokens over cap", "body too large", "unknown model",
                                   "not an object", "empty messages", "tools", "unknown field", "bad regex",
-                                  "bad schema", "two constraints", "logit_bias"])
+                                  "bad schema", "two constraints", "logit_bias",
+                                  "message field"])
 def test_errors_are_openai_shaped(server, case):
     chat = "/v1/chat/completions"
     msgs = [{"role": "user", "content": "hi"}]
@@ -246,9 +247,10 @@ def test_errors_are_openai_shaped(server, case):
               "bad schema": (400, dict(json={"messages": msgs, "response_format": {"type": "json_schema",
                                                                                    "json_schema": {"schema": 3}}})),
               "two constraints": (400, dict(json={"messages": msgs, "regex": "a+", "grammar": 'start: "a"'})),
-              "logit_bias": (400, dict(json={"messages": msgs, "logit_bias": {"5": 10}}))}
+              "logit_bias": (400, dict(json={"messages": msgs, "logit_bias": {"5": 10}})),
+              "message field": (400, dict(json={"messages": [{"role": "user", "content": "hi", "name": "ann"}]}))}
     named = {"tools": "tools", "unknown field": "repetition_penalty", "bad regex": "regex", "bad schema": "json schema",
-             "two constraints": "one constraint", "logit_bias": "logit_bias"}
+             "two constraints": "one constraint", "logit_bias": "logit_bias", "message field": "messages.0.name"}
     status, kw = expect[case]
     response = raw(server, "POST", chat, **kw)
     assert response.status_code == status, response.text
