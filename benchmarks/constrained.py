@@ -26,6 +26,7 @@ from speclm.files import cpu_name
 from speclm.engine import SpecEngine
 from speclm.models.loading import load_model
 from speclm.runtime import set_threads, usable_cores, weights_for
+from speclm.text import byte_level_table
 
 
 def _obj(props: dict, example: dict) -> tuple[dict, dict]:
@@ -79,19 +80,6 @@ TASKS = [
      _obj({"component": S, "severity": {"enum": ["low", "medium", "high"]}, "steps": {"type": "array", "items": S}},
           {"component": "reports", "severity": "high", "steps": ["open reports", "clear the dates", "press export"]})),
 ]
-
-
-def _byte_level_chars() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte (GPT-2's table), character -> byte."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in kept:
-            out[chr(b)] = b
-        else:
-            out[chr(256 + extra)] = b
-            extra += 1
-    return out
 
 
 def _all(results) -> None:
@@ -151,7 +139,7 @@ def libraries(tokenizer, vocab: int, tasks) -> None:
     try:
         import outlines_core as oc
 
-        back = _byte_level_chars()
+        back = byte_level_table()
         words: dict = {}
         for token, i in tokenizer.get_vocab().items():
             if i != tokenizer.eos_token_id and i < vocab:

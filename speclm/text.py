@@ -103,7 +103,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(chat, add_special_tokens=False).input_ids)
 
 
-def _byte_level_table() -> dict[str, int]:
+def byte_level_table() -> dict[str, int]:
     """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme), character -> byte:
     printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order."""
     kept = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
@@ -117,7 +117,7 @@ def _byte_level_table() -> dict[str, int]:
     return table
 
 
-_BYTE_LEVEL = _byte_level_table()
+_BYTE_LEVEL = byte_level_table()
 
 
 def token_pieces(tokenizer, token_ids: list[int]) -> list[tuple[str, bytes]]:

@@ -26,8 +26,13 @@ stated, in test_sampling_distribution.py and test_tree_verify.py.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+import torch
 from scipy import stats
+
+from speclm.sampling import processed_probs
 
 ALPHA = 1e-4
 MIN_EXPECTED = 5.0
@@ -74,3 +79,22 @@ def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     obs = np.array([counts[g].sum() for g in groups])
     exp = np.array([expected[g].sum() for g in groups])
     return float(stats.chisquare(obs, exp).pvalue)
+
+
+def joint(model, prompt_ids: list[int], params, allowed: list) -> np.ndarray:
+    """The exact P(first len(allowed) tokens after the prompt), shape (V,) * depth, under the
+    model's processed distribution with the tokens not in allowed[j] at -inf at position j (every
+    token allowed: the plain distribution), from one forward over every allowed prefix of depth - 1
+    tokens (the last token is read off its logits)."""
+    vocab, depth = model.config.vocab_size, len(allowed)
+    prefixes = list(itertools.product(*allowed[: depth - 1]))
+    ids = torch.tensor([prompt_ids + list(p) for p in prefixes])
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(prompt_ids) - 1 :].clone()  # (P, depth, V)
+    for j, tokens in enumerate(allowed):
+        logits[:, j, [t for t in range(vocab) if t not in set(tokens)]] = float("-inf")
+    probs = processed_probs(logits, params).double().numpy()
+    out = np.zeros((vocab,) * depth)
+    for i, prefix in enumerate(prefixes):
+        out[prefix] = np.prod([probs[i, j, t] for j, t in enumerate(prefix)]) * probs[i, depth - 1]
+    return out

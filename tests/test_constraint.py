@@ -11,7 +11,6 @@ words at -inf, then temperature. Ten checks run here (tests/chisq.py's total cou
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 
@@ -22,12 +21,12 @@ import torch
 
 import speclm.constraint as constraint_mod
 import speclm.engine as engine_mod
-from chisq import ALPHA, chisq_pvalue
+from chisq import ALPHA, chisq_pvalue, joint
 from speclm import SpecEngine
 from speclm.constraint import Constraint
 from speclm.errors import UsageError
 from speclm.options import GenerationOptions
-from speclm.sampling import SamplingParams, processed_probs
+from speclm.sampling import SamplingParams
 from tiny import loaded, random_heads, random_plan, tiny_model, word_tokenizer
 
 N = 48
@@ -276,20 +275,8 @@ def small(tmp_path_factory):
 
 
 def exact_constrained_joint(target, prompt_ids, params) -> np.ndarray:
-    """P(first DEPTH tokens) under the target's distribution with forbidden words at -inf."""
-    prefixes = list(itertools.product(*ALLOWED[: DEPTH - 1]))
-    ids = torch.tensor([prompt_ids + list(p) for p in prefixes])
-    with torch.no_grad():
-        logits = target.model(ids).logits[:, len(prompt_ids) - 1:].clone()  # (P, DEPTH, V)
-    for j, allowed in enumerate(ALLOWED):
-        forbidden = [t for t in range(V) if t not in allowed]
-        logits[:, j, forbidden] = float("-inf")
-    probs = processed_probs(logits, params).double().numpy()
-    joint = np.zeros((V,) * DEPTH)
-    for i, prefix in enumerate(prefixes):
-        p_prefix = np.prod([probs[i, j, t] for j, t in enumerate(prefix)])
-        joint[prefix] = p_prefix * probs[i, DEPTH - 1]
-    return joint
+    """P(first DEPTH tokens) under the target's distribution with forbidden tokens at -inf."""
+    return joint(target.model, prompt_ids, params, ALLOWED[:DEPTH])
 
 
 def constrained_pvalue(small, monkeypatch, method, params, options, samples: int = SAMPLES) -> float:

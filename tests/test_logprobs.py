@@ -14,7 +14,7 @@ from speclm import SpecEngine
 from speclm.errors import UsageError
 from speclm.options import GenerationOptions
 from speclm.quant.weights import quantize_model
-from tiny import loaded, random_heads, require_compiled_kernels, tiny_model
+from tiny import loaded, random_heads, require_compiled_kernels
 
 PROMPTS = ["ab ab ab ab", "hello world, hello", "the quick brown fox"]
 N = 30

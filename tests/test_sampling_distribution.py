@@ -68,7 +68,6 @@ coupled-plain's, its outputs being plain decoding's), variables ignoring the pos
 (every p-value 0 to double precision).
 """
 
-import itertools
 import json
 import os
 import tempfile
@@ -79,7 +78,7 @@ import pytest
 import torch
 
 import speclm.round.verify as verify_mod
-from chisq import ALPHA, MIN_EXPECTED, chisq_pvalue, pool
+from chisq import ALPHA, MIN_EXPECTED, chisq_pvalue, joint, pool
 from speclm import SpecEngine
 from speclm.sampling import SamplingParams, processed_probs
 from tiny import loaded, random_heads, random_plan, tiny_model, word_tokenizer
@@ -104,19 +103,9 @@ def small():
 
 
 def exact_joint(target, prompt_ids, params, depth: int = DEPTH) -> np.ndarray:
-    """P(first `depth` tokens) under the target's processed distribution, shape (V,) * depth,
-    from one forward over every prefix of depth - 1 tokens (the last token is read off its logits)."""
-    vocab = target.model.config.vocab_size
-    prefixes = list(itertools.product(range(vocab), repeat=depth - 1))
-    ids = torch.tensor([prompt_ids + list(p) for p in prefixes])
-    with torch.no_grad():
-        logits = target.model(ids).logits[:, len(prompt_ids) - 1 :]  # (P, depth, V)
-    probs = processed_probs(logits, params).double().numpy()
-    joint = np.zeros((vocab,) * depth)
-    for i, prefix in enumerate(prefixes):
-        p_prefix = np.prod([probs[i, j, t] for j, t in enumerate(prefix)])
-        joint[prefix] = p_prefix * probs[i, depth - 1]
-    return joint
+    """P(first `depth` tokens) under the target's processed distribution, shape (V,) * depth
+    (tests/chisq.py's joint over every prefix)."""
+    return joint(target.model, prompt_ids, params, [range(target.model.config.vocab_size)] * depth)
 
 
 def decode(engine, prompt_ids, method, params, depth: int = DEPTH, k: int = K, samples: int = SAMPLES,
