@@ -23,11 +23,13 @@ consumes what the round commits). A drafted token the constraint forbids ends it
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import torch
 
 from speclm.errors import UsageError
+from speclm.tree import PAD, ROOT
 
 KINDS = ("json_object", "json_schema", "regex", "grammar")
 # JSON's whitespace between tokens: runs of at most 16 spaces, newlines, tabs or returns, so that
@@ -180,8 +182,6 @@ class Matcher:
 
     def mask(self) -> torch.Tensor:
         """(1, W) int32: the tokens allowed next."""
-        import time
-
         t0 = time.perf_counter()
         out = torch.zeros(1, self._words, dtype=torch.int32)
         self._fill(out, 0)
@@ -194,10 +194,6 @@ class Matcher:
         forbids, and the allowed end-of-sequence nodes, in node order. Either ends its branch:
         below it nothing is walked (its rows of masks allow everything: nothing reads them). The
         matcher's state is unchanged."""
-        import time
-
-        from speclm.tree import PAD, ROOT
-
         t0 = time.perf_counter()
         out = torch.full((1 + len(tokens), self._words), -1, dtype=torch.int32)
         children: dict[int, list[int]] = {}
