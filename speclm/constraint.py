@@ -22,6 +22,7 @@ consumes what the round commits). A drafted token the constraint forbids ends it
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ class Constraint:
         if error:
             raise UsageError(f"{self.kind.replace('_', ' ')}: {_first_line(error)}")
 
-    @property
+    @functools.cached_property  # made once: checked at construction, then each request's parser reads it
     def grammar(self) -> str:
         """The constraint as llguidance takes it."""
         llg = _llguidance()
@@ -159,10 +160,11 @@ class Matcher:
     """One request's parser: its state is the request's committed tokens. `masks` walks a draft
     tree from there and returns to it; `commit` moves it on."""
 
-    def __init__(self, constraint: Constraint, tokenizer, vocab: int, eos: tuple[int, ...] = ()):
-        """eos: the ids that end a request (an allowed one is never consumed: the request ends there)."""
+    def __init__(self, constraint: Constraint, tokenizer, eos: tuple[int, ...] = ()):
+        """tokenizer: `tokenizer_for`'s; eos: the ids that end a request (an allowed one is never
+        consumed: the request ends there)."""
         llg = _llguidance()
-        self.constraint, self.vocab, self.eos = constraint, vocab, frozenset(eos)
+        self.constraint, self.eos = constraint, frozenset(eos)
         self._m = llg.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         self._words = (tokenizer.vocab_size + 31) // 32
         self.mask_seconds = 0.0  # spent computing masks (the constraint's share of a request's time)
@@ -226,10 +228,13 @@ class Matcher:
         self.mask_seconds += time.perf_counter() - t0
         return out, sorted(forbidden), sorted(ends)
 
-    def allowed(self, width: int) -> torch.Tensor:
-        """(width,) bool: the tokens allowed next (ids past the parser's vocabulary: False)."""
-        out = unpack(self.mask(), width)[0]
-        return torch.cat([out, out.new_zeros(width - len(out))]) if len(out) < width else out
+    def allowed(self, width: int, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """(width,) bool: the tokens allowed next, by id (ids past the parser's vocabulary: False);
+        given columns (S,), the token ids of a restricted head's columns: (S,) over those."""
+        out = unpack(self.mask(), self._words * 32)[0]
+        if columns is not None:
+            return out[columns]
+        return torch.cat([out, out.new_zeros(width - len(out))]) if len(out) < width else out[:width]
 
     def push(self, token: int) -> bool:
         """A drafter's token, consumed for its next mask (False: not taken: an end of sequence, or

@@ -221,7 +221,7 @@ class SpecEngine:
         if self._constraint_tokenizer is None:  # once per engine: about a second for a large vocabulary
             self._constraint_tokenizer = tokenizer_for(self.target.tokenizer, self.target.vocab_size,
                                                        self.target.eos_token_ids)
-        return Matcher(opts.constraint, self._constraint_tokenizer, self.target.vocab_size, self.target.eos_token_ids)
+        return Matcher(opts.constraint, self._constraint_tokenizer, self.target.eos_token_ids)
 
     def prepare(self, opts: GenerationOptions) -> None:
         """Ready what requests with these options need once per engine, before any of them runs (so

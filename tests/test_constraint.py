@@ -148,7 +148,8 @@ DRAFTERS = [("draft", {}), ("draft", {"tree": "auto"}), ("self", {"layers": "1",
 
 def _unmasked(monkeypatch) -> None:
     """Drafters see every token allowed (the constraint not applied to the draft's distribution)."""
-    monkeypatch.setattr(constraint_mod.Matcher, "allowed", lambda self, width: torch.ones(width, dtype=torch.bool))
+    monkeypatch.setattr(constraint_mod.Matcher, "allowed", lambda self, width, columns=None: torch.ones(
+        width if columns is None else len(columns), dtype=torch.bool))
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8}, {"temperature": 0.8, "seed": 2}])

@@ -249,8 +249,7 @@ def _allowed(guides: list, head, width: int, drafted: list[int], j: int) -> torc
     out = torch.ones(len(guides), width, dtype=torch.bool)
     for i, (g, d) in enumerate(zip(guides, drafted)):
         if g is not None and j < d:
-            ids = g.allowed(max(width, int(head.ids.max()) + 1) if head is not None else width)
-            out[i] = ids if head is None else ids[head.ids]
+            out[i] = g.allowed(width, head.ids if head is not None else None)
     return out
 
 

@@ -268,10 +268,10 @@ def _allowed_after(guide, path: list[int], vocabs, row: int, head, width: int) -
             if not guide.push(t):
                 return None
             pushed += 1
-        full = guide.allowed(max(width, int(head.ids.max()) + 1) if head is not None else width)
+        columns = guide.allowed(width, head.ids if head is not None else None)  # over the head's columns
     finally:
         guide.pop(pushed)
-    allowed = vocabs.logits(row, full if head is None else full[head.ids])
+    allowed = vocabs.logits(row, columns)
     return allowed if bool(allowed.any()) else None
 
 

@@ -289,10 +289,7 @@ class SelfDraftProposer(Proposer):
                 row = drafting[i]
                 allowed = None  # over the head's columns: what the row's constraint allows next
                 if guides[i] is not None:
-                    head = vocabs.head
-                    full = guides[i].allowed(max(logits.shape[-1], int(head.ids.max()) + 1) if head is not None
-                                             else logits.shape[-1])
-                    allowed = full if head is None else full[head.ids]
+                    allowed = guides[i].allowed(logits.shape[-1], vocabs.head.ids if vocabs.head is not None else None)
                     if not bool(vocabs.logits(row, allowed).any()):  # nothing of its columns: it stops here
                         budgets[i], allowed = min(budgets[i], j), None
                 if params.greedy:

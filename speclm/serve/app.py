@@ -277,16 +277,16 @@ class _Choices:
     they start from its keys and values in the prefix cache (where the weights keep one)."""
 
     def __init__(self, scheduler, requests: list, n: int):
-        self.scheduler, self.n = scheduler, n
+        self.scheduler, self.n, self.runs = scheduler, n, len(requests)  # runs: n, or 1 (greedy)
         self.tickets: list[Ticket] = [scheduler.submit(requests[0])]
         self._later = requests[1:]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
-        self._left = len(requests)
+        self._left = self.runs
 
     def shown(self, run: int) -> range:
         """The choice indices that show a run's output."""
-        return range(self.n) if len(self.tickets) + len(self._later) == 1 else range(run, run + 1)
+        return range(self.n) if self.runs == 1 else range(run, run + 1)
 
     def _pump(self, i: int) -> None:
         async def pump():
@@ -405,7 +405,7 @@ class _Shape:
     def whole(self, texts: dict[int, str], choices: "_Choices") -> dict:
         out = []
         for j in range(choices.n):
-            run = j if len(choices.tickets) > 1 else 0
+            run = j if choices.runs > 1 else 0
             ticket = choices.tickets[run]
             r = ticket.request
             logprobs = self.logprobs(r.logprobs if r.options.logprobs is not None else None, j)
@@ -426,7 +426,7 @@ def _reason(ticket: Ticket) -> str:
 def usage(choices: "_Choices") -> dict:
     """Tokens of the prompt (read once) and of every choice."""
     prompt = choices.tickets[0].request.prompt_len
-    copies = choices.n if len(choices.tickets) == 1 else 1
+    copies = choices.n if choices.runs == 1 else 1
     completion = copies * sum(len(t.request.generated) for t in choices.tickets)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
