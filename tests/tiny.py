@@ -122,3 +122,54 @@ def random_plan(engine, seed: int = 0):
 
     engine._planner = RandomPlan(engine.forward_costs(), plans_only=True)
     return engine._planner
+
+
+# One tiny random model per architecture of speclm.forward.decoders, built from transformers'
+# own config class, with every feature the family has switched on at a size the tests reach:
+# sliding windows of 6 keys (prompts in the tests run past them), soft-capping, q/k norms,
+# partial rotary, per-layer rotary tables, Llama 3's rotary scaling.
+WINDOW = 6
+ARCHITECTURES = ("llama3", "mistral", "qwen2-sliding", "qwen3", "phi3", "phi4-partial", "gemma2", "gemma3")
+
+
+def tiny_arch(arch: str, vocab_size: int, seed: int = 0, layers: int = 3, hidden: int = 64, heads: int = 2,
+              kv_heads: int = 1, init: float = 0.2):
+    """A tiny model of `arch` (ARCHITECTURES). Norm weights are drawn too (transformers starts them
+    at 1, or at 0 where the norm multiplies by 1 + weight), so a norm's form is tested."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  tie_word_embeddings=False, initializer_range=init)
+    head_dim = hidden // heads
+    if arch == "llama3":
+        config, cls = tf.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}), tf.LlamaForCausalLM
+    elif arch == "mistral":
+        config, cls = tf.MistralConfig(**common, sliding_window=WINDOW, head_dim=head_dim), tf.MistralForCausalLM
+    elif arch == "qwen2-sliding":  # layers from max_window_layers on slide
+        config, cls = tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=WINDOW,
+                                     max_window_layers=1), tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config, cls = tf.Qwen3Config(**common, head_dim=head_dim), tf.Qwen3ForCausalLM
+    elif arch in ("phi3", "phi4-partial"):
+        extra = {"partial_rotary_factor": 0.5} if arch == "phi4-partial" else {"sliding_window": WINDOW}
+        config, cls = tf.Phi3Config(**common, pad_token_id=0, **extra), tf.Phi3ForCausalLM
+    elif arch == "gemma2":
+        config, cls = tf.Gemma2Config(**common, head_dim=head_dim, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                      attn_logit_softcapping=2.0, final_logit_softcapping=3.0), tf.Gemma2ForCausalLM
+    elif arch == "gemma3":
+        types = ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
+        config, cls = tf.Gemma3TextConfig(**common, head_dim=head_dim, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                          layer_types=types), tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(arch)
+    config._attn_implementation = "eager"  # transformers' reference: the one that does everything
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model

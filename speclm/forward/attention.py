@@ -48,30 +48,33 @@ def per_query(starts: list[int], counts: list[int], tree: Tree | None = None):
 
 def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: list[int],
                       counts: list[int], scaling: float | None, tree: Tree | None = None,
-                      cache_rows: list[int] | None = None) -> torch.Tensor:
+                      cache_rows: list[int] | None = None, window: int = 0, softcap: float | None = None) -> torch.Tensor:
     """q (B, M, H, D); keys, values (P, H_kv, >= W, D) -> (B, M, H, D): row b's query i attends
     alone over slots [0, starts[b] + i] of cache row cache_rows[b] (None: row b, P = B); padding
     columns (i >= counts[b]) stay zero. tree: where a row holds a tree (speclm.forward.cache.StaticKV.forward's
     parents), query i attends slots [0, reach) and then `apart`: the slots and order of a plain
-    step at its position."""
+    step at its position. window: a sliding window's keys (0: none), a query at position p sees
+    the keys of positions p - window + 1 .. p (transformers' sliding mask); softcap: scores
+    cap * tanh(s / cap) before the softmax (Gemma 2)."""
     batch, width, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads  # query head h reads kv head h // groups, as repeat_kv lays them out
 
     def visible(t: torch.Tensor, b: int, i: int) -> torch.Tensor:  # (1, H_kv, slots, D) query (b, i) reads
-        if tree is None or tree[b] is None:
-            return t[:, :, : starts[b] + i + 1]
-        reach, apart = tree[b][i]
+        reach, apart = (starts[b] + i + 1, []) if tree is None or tree[b] is None else tree[b][i]
+        low = max(0, reach + len(apart) - window) if window else 0  # the first position seen
+        if low > reach:  # leading slots hold their positions, those apart positions reach, reach + 1, ...
+            apart, reach = apart[low - reach:], low
         if not apart:
-            return t[:, :, :reach]
-        return torch.cat([t[:, :, :reach], t[:, :, apart]], dim=2)
+            return t[:, :, low:reach]
+        return torch.cat([t[:, :, low:reach], t[:, :, apart]], dim=2)
 
     per_row = []
     for b in range(batch):
         at = b if cache_rows is None else cache_rows[b]
         row_keys, row_values = (keys, values) if keys.shape[0] == 1 else (keys[at : at + 1], values[at : at + 1])
-        outs = [F.scaled_dot_product_attention(qi.reshape(1, kv_heads, groups, dim), visible(row_keys, b, i),
-                                               visible(row_values, b, i), scale=scaling)
+        outs = [_attend(qi.reshape(1, kv_heads, groups, dim), visible(row_keys, b, i), visible(row_values, b, i), scaling,
+                        softcap)
                 for i, qi in enumerate(q[b].unbind(0)[: counts[b]])]  # qi (H, D): a kv head's query heads as its "queries"
         outs += [q.new_zeros(1, kv_heads, groups, dim)] * (width - counts[b])  # padding columns
         per_row.append(torch.cat(outs) if width > 1 else outs[0])  # (M, H_kv, G, D)
@@ -79,13 +82,64 @@ def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.view(batch, width, heads, dim)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None, softcap: float | None = None,
+            mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scaling [soft-capped] [masked]) v for q (B, H_kv, G or M, D) and k, v (B, H_kv, S, D):
+    SDPA, or where scores are soft-capped (which SDPA cannot do) the same formula as transformers'
+    eager attention."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scaling)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif causal:
+        scores = scores.masked_fill(~torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def attend_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None, window: int = 0,
+                   softcap: float | None = None) -> torch.Tensor:
+    """A batched prefill: q (B, M, H, D), every row from slot 0, left-aligned; keys, values
+    (B, H_kv, M, D) -> (B, M, H, D). Its mask is the causal one (which lets SDPA skip the blocks
+    above the diagonal), within the sliding window where there is one."""
+    heads, kv_heads, width = q.shape[2], keys.shape[1], q.shape[1]
+    mask = None
+    if window and window < width:
+        at = torch.arange(width, device=q.device)
+        mask = (at[None, :] <= at[:, None]) & (at[None, :] > at[:, None] - window)  # (M, M): key j for query i
+    if heads > kv_heads and softcap is not None:  # the eager formula reads one kv head per query head
+        keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
+                                           scale=scaling, enable_gqa=heads > kv_heads)
+    else:
+        o = _attend(q.transpose(1, 2), keys, values, scaling, softcap, mask, causal=True)
+    return o.transpose(1, 2)
+
+
 def exact_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                     **kwargs):
-    """transformers' attention interface: query (B, H, M, D); key, value (B, H_kv, W, D) -> (B, M, H, D)."""
+    """transformers' attention interface: query (B, H, M, D); key, value (B, H_kv, W, D) -> (B, M, H, D).
+    A layer's sliding window (`sliding_window`) and soft-capped scores (`softcap`) are honoured
+    on every path: speclm's prefill mask is causal only, and SDPA has no soft-cap."""
     plan = _PLAN.get()
+    window, softcap = kwargs.pop("sliding_window", None) or 0, kwargs.pop("softcap", None)
     if plan is None or is_prefill(plan[0]):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return attend_each_query(query.transpose(1, 2), key, value, plan[0], plan[1], scaling, plan[2]), None
+        if plan is not None and window and attention_mask is not None and attention_mask.dtype == torch.bool:
+            at = torch.arange(max(query.shape[2], key.shape[2]), device=query.device)  # a prefill: slots are positions
+            attention_mask = attention_mask & (at[None, : key.shape[2]] > at[: query.shape[2], None] - window)
+        if softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          **kwargs)
+        groups = query.shape[1] // key.shape[1]
+        mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask == 0
+        out = _attend(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), scaling, softcap,
+                      None if mask is None else mask[:, :, :, : key.shape[2]],
+                      causal=mask is None and query.shape[2] > 1)  # as SDPA's is_causal where transformers gives no mask
+        return out.transpose(1, 2), None
+    return attend_each_query(query.transpose(1, 2), key, value, plan[0], plan[1], scaling, plan[2],
+                             window=window, softcap=softcap), None
 
 
 AttentionInterface.register(NAME, exact_attention)

@@ -1,4 +1,5 @@
-"""A lean forward for Llama-architecture decoders (Llama, SmolLM, Qwen2), over speclm's KV cache.
+"""A lean forward for the decoders speclm.forward.decoders describes (Llama, Qwen2/3, Mistral, Phi-3,
+Gemma 2/3), over speclm's KV cache.
 
 transformers' eager forward spends part of every step in Python (module calls, mask and
 cache bookkeeping), which counts on a CPU next to int8 weights: there every aten op costs
@@ -24,15 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from speclm.quant import kernels
-from speclm.forward.attention import attend_each_query, is_prefill
+from speclm.forward import decoders
+from speclm.forward.attention import attend_each_query, attend_prefill, is_prefill
+from speclm.forward.decoders import Decoder
 from speclm.defaults import FP32_FEW_ROWS, FP32_PADDED_ROWS, PREFILL_ROW_BLOCK
 from speclm.quant.weights import Int8Slice, QuantLinear, dense_linear, int4_copy, quantize_linears, quantized_bytes
 
 Rows = Callable[[torch.Tensor], torch.Tensor]  # (R, in) -> (R, out), row by row
-# a Llama-family decoder layer's linear layers, by the part that holds them
-PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
-SUPPORTED = ("llama", "qwen2")
 # Row-wise work (norms, projections, MLP) of a long feed runs in blocks of ROW_BLOCK rows: a
 # block's activations, (rows, intermediate) floats, then stay in the CPU's cache, where the
 # elementwise passes between the GEMMs run several times faster than over a prompt-long tensor.
@@ -41,17 +41,7 @@ ROW_BLOCK = PREFILL_ROW_BLOCK
 
 
 def supports(model) -> bool:
-    cfg = model.config
-    inner = getattr(model, "model", None)
-    return (
-        getattr(cfg, "model_type", None) in SUPPORTED
-        and getattr(cfg, "hidden_act", "silu") == "silu"
-        and not getattr(cfg, "use_sliding_window", False)
-        and inner is not None
-        and hasattr(inner, "rotary_emb")
-        and hasattr(inner.rotary_emb, "inv_freq")
-        and getattr(inner.rotary_emb, "rope_type", "default") in ("default", "linear", "llama3", "yarn", "longrope")
-    )
+    return decoders.describe(model) is not None
 
 
 def _few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,12 +84,13 @@ def _side_by_side(modules: list[nn.Module]) -> Rows:
     return lambda x: torch.cat([p(x) for p in projections], dim=-1)
 
 
-def _rms_norm(norm: nn.Module, dtype: torch.dtype, compiled=None) -> Rows:
-    """transformers' RMSNorm formula (fp32 statistics, weight after): speclm's compiled kernel
-    where it runs (one call instead of F.rms_norm's several ops), else one aten op."""
-    weight, eps = norm.weight, norm.variance_epsilon
-    if dtype == torch.float32 and compiled is not None:
-        return partial(compiled.rms_norm, weight=weight.detach(), eps=eps)
+def _rms_norm(norm: nn.Module, decoder: Decoder, dtype: torch.dtype, compiled=None) -> Rows:
+    """transformers' RMSNorm formula (fp32 statistics, weight after; Gemma's weight is 1 + w):
+    speclm's compiled kernel where it runs (one call instead of F.rms_norm's several ops), else
+    one aten op."""
+    weight, eps = decoders.norm_weight(norm, decoder), decoders.norm_eps(norm)
+    if dtype == torch.float32 and compiled is not None and weight.shape[0] % 16 == 0:
+        return partial(compiled.rms_norm, weight=weight, eps=eps)
     if dtype == torch.float32:
         return partial(F.rms_norm, normalized_shape=weight.shape, weight=weight, eps=eps)
 
@@ -126,33 +117,64 @@ def _plus_residual(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], 
 
 @dataclass
 class _Layer:
-    attn_in: Rows  # (R, E) -> (R, (H + 2 H_kv) D): input norm, then q | k | v
-    attn_out: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (R, H D), h (R, E) -> h + o_proj
-    mlp: Rows  # h (R, E) -> h + gated MLP(post-attention norm(h))
+    attn_in: Rows  # (R, E) -> (R, (H + 2 H_kv) D): input norm, then q | k | v (q and k normed per head where the family does)
+    attn_out: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (R, H D), h (R, E) -> h + o_proj (post-normed where the family does)
+    mlp: Rows  # h (R, E) -> h + gated MLP(norm(h))
+    window: int = 0  # a sliding window's keys, 0: full attention
+    rope: str = ""  # its rotary table, a key of the Decoder's tables
 
 
-def _layer(layer: nn.Module, dtype: torch.dtype, compiled) -> _Layer:
+def _per_head(norm: Rows, width: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A norm over each head's D features of x (R, n D) -> (R, n D)."""
+    return lambda x: norm(x.reshape(-1, width)).view(x.shape)
+
+
+def _layer(layer: nn.Module, decoder: Decoder, index: int, dtype: torch.dtype, compiled, shape: tuple[int, int, int]) -> _Layer:
+    """shape: (H, H_kv, D)."""
+    family = decoder.family
     attn, mlp = layer.self_attn, layer.mlp
-    norm1 = _rms_norm(layer.input_layernorm, dtype, compiled)
-    norm2 = _rms_norm(layer.post_attention_layernorm, dtype, compiled)
-    qkv = _side_by_side([attn.q_proj, attn.k_proj, attn.v_proj])
-    down = _plus_residual(mlp.down_proj)
-    gate, up = mlp.gate_proj, mlp.up_proj
-    gate_up = _side_by_side([gate, up]) if isinstance(gate, Int8Slice) else None
-    gate_fn, up_fn = _projection(gate), _projection(up)
-    fused_act = compiled.silu_mul if compiled is not None and dtype == torch.float32 else None
+    norm = partial(_rms_norm, decoder=decoder, dtype=dtype, compiled=compiled)
+    norm1 = norm(layer.input_layernorm)
+    qkv = _side_by_side([getattr(attn, n) for n in family.qkv])
+    heads, kv_heads, dim = shape
+    if family.qk_norm:
+        q_norm, k_norm = _per_head(norm(attn.q_norm), dim), _per_head(norm(attn.k_norm), dim)
+        q_end, k_end = heads * dim, (heads + kv_heads) * dim
+
+        def attn_in(x):
+            out = qkv(norm1(x))  # (R, (H + 2 H_kv) D), a fresh tensor
+            out[:, :q_end] = q_norm(out[:, :q_end])
+            out[:, q_end:k_end] = k_norm(out[:, q_end:k_end])
+            return out
+    else:
+        def attn_in(x):
+            return qkv(norm1(x))
+    if family.sandwich:  # h + norm(o_proj(x)): the residual cannot be added inside the kernel
+        o_proj, post_attn = _projection(attn.o_proj), norm(layer.post_attention_layernorm)
+        pre_mlp, post_mlp = norm(layer.pre_feedforward_layernorm), norm(layer.post_feedforward_layernorm)
+        attn_out = lambda x, h: h + post_attn(o_proj(x))  # noqa: E731
+        down_fn = _projection(mlp.down_proj)
+        down = lambda x, h: h + post_mlp(down_fn(x))  # noqa: E731
+    else:
+        attn_out, pre_mlp, down = _plus_residual(attn.o_proj), norm(layer.post_attention_layernorm), _plus_residual(mlp.down_proj)
+    parts = [getattr(mlp, n) for n in family.gate_up]
+    gate_up = _projection(parts[0]) if len(parts) == 1 else _side_by_side(parts) if isinstance(parts[0], Int8Slice) else None
+    gate_fn, up_fn = (_projection(parts[0]), _projection(parts[1])) if gate_up is None else (None, None)
+    silu = family.activation == "silu"
+    fused_act = compiled.silu_mul if silu and compiled is not None and dtype == torch.float32 else None
+    act = F.silu if silu else partial(F.gelu, approximate="tanh")
 
     def mlp_block(h):
-        x = norm2(h)
+        x = pre_mlp(h)
         if gate_up is not None:  # one GEMM, (R, 2 I)
             both = gate_up(x)
             if fused_act is not None:
                 return down(fused_act(both), h)
             inner = both.shape[1] // 2
-            return down(F.silu(both[:, :inner]).mul_(both[:, inner:]), h)
-        return down(F.silu(gate_fn(x)).mul_(up_fn(x)), h)
+            return down(act(both[:, :inner]).mul_(both[:, inner:]), h)
+        return down(act(gate_fn(x)).mul_(up_fn(x)), h)
 
-    return _Layer(attn_in=lambda x: qkv(norm1(x)), attn_out=_plus_residual(attn.o_proj), mlp=mlp_block)
+    return _Layer(attn_in=attn_in, attn_out=attn_out, mlp=mlp_block, window=decoder.windows[index], rope=decoder.ropes[index])
 
 
 @dataclass(frozen=True)
@@ -172,24 +194,36 @@ def int4_stack(model, indices: tuple[int, ...], progress: Callable[[], None] = l
     linear layer: its `rows` map (R, E) -> (R, V)), and the copy's bytes. The model itself is untouched. `progress` is called after each layer and
     after the head."""
     inner = model.model
+    decoder = decoders.describe(model)
     dtype = inner.norm.weight.dtype
     compiled = kernels.compiled() if inner.norm.weight.device.type == "cpu" else None
     copies, size = {}, 0
     for i in indices:
         layer = inner.layers[i]
         stand_in = nn.Module()
-        stand_in.self_attn, stand_in.mlp = nn.Module(), nn.Module()
-        stand_in.input_layernorm, stand_in.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        for part, names in PROJECTIONS:
+        for part, names in decoder.projections:  # the layer's norms as they are, its projections copied
+            setattr(stand_in, part, nn.Module())
+            for name, child in getattr(layer, part).named_children():
+                if name not in names:
+                    setattr(getattr(stand_in, part), name, child)
             for name in names:
                 setattr(getattr(stand_in, part), name, dense_linear(getattr(getattr(layer, part), name)))
+        for name, child in layer.named_children():
+            if name not in ("self_attn", "mlp"):
+                setattr(stand_in, name, child)
         quantize_linears(stand_in, "int4")  # q|k|v and gate|up fused, as the model's own int8 layers are
         size += sum(quantized_bytes(m) for m in _kernels_of(stand_in))
-        copies[i] = _layer(stand_in, dtype, compiled)
+        copies[i] = _layer(stand_in, decoder, i, dtype, compiled, _shape(model.config))
         progress()
     head = int4_copy(model.get_output_embeddings())
     progress()
     return Stack(tuple(indices), copies), head, size + quantized_bytes(head)
+
+
+def _shape(cfg) -> tuple[int, int, int]:
+    """(H, H_kv, D) of a model config."""
+    heads = cfg.num_attention_heads
+    return heads, getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
 
 
 def _kernels_of(module: nn.Module) -> list[QuantLinear]:
@@ -211,13 +245,14 @@ class LeanForward:
         # None where it does not run, and for a model off the CPU: torch's ops instead
         compiled = kernels.compiled() if device.type == "cpu" else None
         self.compiled = compiled
-        self.layers = [_layer(layer, dtype, compiled) for layer in inner.layers]
-        self.norm = _rms_norm(inner.norm, dtype, compiled)
+        self.decoder = decoder = decoders.describe(model)
+        self.heads, self.kv_heads, self.head_dim = shape = _shape(cfg)
+        self.layers = [_layer(layer, decoder, i, dtype, compiled, shape) for i, layer in enumerate(inner.layers)]
+        self.norm = _rms_norm(inner.norm, decoder, dtype, compiled)
         self.head = _projection(model.get_output_embeddings())
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.scaling = self.head_dim**-0.5
+        self.scaling = decoder.scaling
+        self.embed_scale = decoder.embed_scale
+        self.final_softcap = decoder.final_softcap
         # Quantized projections (each row quantized alone, speclm.quant.weights) and speclm's per-query
         # attention make a token's keys and values independent of how its prompt is split into
         # forwards: then every forward, a prefill too, attends per query, and keys and values
@@ -226,23 +261,26 @@ class LeanForward:
         self.chunk_invariant = (
             compiled is not None and dtype == torch.float32 and self.head_dim % 32 == 0
             and all(isinstance(getattr(getattr(layer, part), name, None), (QuantLinear, Int8Slice))
-                    for layer in inner.layers for part, names in PROJECTIONS for name in names
+                    for layer in inner.layers for part, names in decoder.projections for name in names
                     if hasattr(getattr(layer, part), name)))
-        self.inv_freq = inner.rotary_emb.inv_freq.float()  # (D/2,)
-        self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
-        # rotary tables by position, grown on demand, on the model's device
-        self._cos = self._sin = torch.empty(0, self.head_dim, device=self.inv_freq.device)
+        # The compiled decode attention rotates whole heads: a partial rotary (Phi-4-mini) attends
+        # through torch's ops instead.
+        self.kernel_attention = decoder.rotary_dim == self.head_dim
+        # rotary tables by name and position, grown on demand, on the model's device
+        self._tables = {name: (rope, *[torch.empty(0, decoder.rotary_dim, device=rope.inv_freq.device)] * 2)
+                        for name, rope in decoder.tables.items()}
 
     def _grow_rotary(self, window):
-        """Rotary tables cos and sign-folded sin (P, D) covering `window` positions, computed once
-        per length: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin], one roll instead of two
-        slices, a negation and a cat (the same products, so the same bits)."""
-        if window > self._cos.shape[0]:
-            length = max(window, 2 * self._cos.shape[0])
-            freqs = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq
-            self._cos = torch.cat((freqs, freqs), dim=-1).cos() * self.rope_scale  # (P, D)
-            sin = freqs.sin() * self.rope_scale
-            self._sin = torch.cat((-sin, sin), dim=-1)
+        """Each rotary table's cos and sign-folded sin (P, D_rot) covering `window` positions,
+        computed once per length: rotate_half(x) * sin == roll(x, D_rot/2) * [-sin, sin], one roll
+        instead of two slices, a negation and a cat (the same products, so the same bits)."""
+        for name, (rope, cos, sin) in self._tables.items():
+            if window > cos.shape[0]:
+                length = max(window, 2 * cos.shape[0])
+                freqs = torch.arange(length, dtype=torch.float32, device=rope.inv_freq.device)[:, None] * rope.inv_freq
+                cos = torch.cat((freqs, freqs), dim=-1).cos() * rope.scale  # (P, D_rot)
+                half = freqs.sin() * rope.scale
+                self._tables[name] = (rope, cos, torch.cat((-half, half), dim=-1))
 
     @torch.inference_mode()
     def __call__(self, ids, slots, kv, starts, counts, window, keep_cols, head=None, positions=None, tree=None,
@@ -281,8 +319,12 @@ class LeanForward:
             h = self.embed(ids.view(-1)[real]).view(len(real), -1)  # (T, E)
         else:
             h = self.embed(ids).view(batch * width, -1)  # (R, E), R = B M
+        if self.embed_scale is not None:  # Gemma's sqrt(E), in the rows' dtype
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         self._grow_rotary(window)
-        half, split = dim // 2, (heads + kv_heads) * dim
+        rot = self.decoder.rotary_dim
+        half, split = rot // 2, (heads + kv_heads) * dim
+        softcap = self.decoder.attn_softcap
         per_query = self.chunk_invariant or not is_prefill(starts)
         rows = torch.arange(batch, device=ids.device)[:, None]  # (B, 1) batch rows
         cache_rows = rows[:, 0] if cache_rows is None else cache_rows  # (B,)
@@ -291,13 +333,14 @@ class LeanForward:
         one_row = batch == 1
         start, first = starts[0], cache_list[0]
         # a decode forward: rotary, cache writes and attention in one compiled call per layer
-        compiled = self.compiled if (per_query and h.dtype == torch.float32 and dim % 32 == 0
+        compiled = self.compiled if (per_query and h.dtype == torch.float32 and dim % 32 == 0 and self.kernel_attention
                                      and kv.keys[0].dtype == torch.float32) else None
         at = slots if positions is None else positions
         flat = _flat_tree(tree, starts, width) if tree is not None else []  # the compiled kernel's form
-        if compiled is None:  # the torch ops' rotary: cos and sin (R, 1, D) at these positions
-            cos = self._cos[at.view(-1)].to(h.dtype)[:, None, :]
-            sin = self._sin[at.view(-1)].to(h.dtype)[:, None, :]
+        rotary = {}  # the torch ops' rotary, per table: cos and sin (R, 1, D_rot) at these positions
+        if compiled is None:
+            for name, (_, cos, sin) in self._tables.items():
+                rotary[name] = (cos[at.view(-1)].to(h.dtype)[:, None, :], sin[at.view(-1)].to(h.dtype)[:, None, :])
         # The rows whose logits are returned, as indices into the R rows; None: all of them. The
         # last layer's output projection and MLP run on these alone: the other rows (a prompt's
         # all but last) need only their keys and values, which its attention has written by then.
@@ -341,12 +384,18 @@ class LeanForward:
                 laid_out[real] = qkv
                 qkv = laid_out
             if compiled is not None:
-                out = compiled.decode_attention(qkv, self._cos, self._sin, kv.keys[i], kv.values[i], starts, counts,
+                _, cos, sin = self._tables[layer.rope]
+                out = compiled.decode_attention(qkv, cos, sin, kv.keys[i], kv.values[i], starts, counts,
                                                 heads, kv_heads, self.scaling, flat,
-                                                cache_rows=cache_list)  # (R, H D)
+                                                cache_rows=cache_list, window=layer.window, softcap=softcap or 0.0)  # (R, H D)
             else:
+                cos, sin = rotary[layer.rope]
                 qk = qkv[:, :split].view(-1, heads + kv_heads, dim)
-                qk = qk * cos + qk.roll(half, dims=-1) * sin  # rotary on q and k at once
+                if rot == dim:
+                    qk = qk * cos + qk.roll(half, dims=-1) * sin  # rotary on q and k at once
+                else:  # partial rotary: the first D_rot features of each head
+                    turned = qk[..., :rot]
+                    qk = torch.cat((turned * cos + turned.roll(half, dims=-1) * sin, qk[..., rot:]), dim=-1)
                 q = qk[:, :heads].view(batch, width, heads, dim)
                 k = qk[:, heads:].view(batch, width, kv_heads, dim)
                 v = qkv[:, split:].view(batch, width, kv_heads, dim)
@@ -358,15 +407,13 @@ class LeanForward:
                     keys[at_rows, :, slots] = k.to(keys.dtype)
                     values[at_rows, :, slots] = v.to(values.dtype)
                 if per_query:
-                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, tree, cache_list)  # (B, M, H, D)
+                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, tree, cache_list,
+                                            window=layer.window, softcap=softcap)  # (B, M, H, D)
                 else:
-                    # a prefill's rows all start at slot 0, left-aligned: its mask is the causal one,
-                    # which lets SDPA skip the blocks above the diagonal
                     if cache_list != list(range(keys.shape[0])):  # the batch's own rows of the pool
                         keys, values = keys[cache_rows], values[cache_rows]
-                    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :window], values[:, :, :window],
-                                                       is_causal=True, scale=self.scaling, enable_gqa=heads > kv_heads)
-                    out = o.transpose(1, 2)
+                    out = attend_prefill(q, keys[:, :, :window], values[:, :, :window], self.scaling,
+                                         window=layer.window, softcap=softcap)  # (B, M, H, D)
                 out = out.reshape(batch * width, heads * dim)
             if real is not None:
                 out = out[real]  # (T, H D)
@@ -386,6 +433,8 @@ class LeanForward:
         if hidden_all and kept_rows is not None:
             normed = normed[kept_rows]
         logits = head(normed).float()  # (S, V): the kept tokens, row by row
+        if self.final_softcap is not None:  # Gemma 2's cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return as_kept(logits) if kept_flat is not None else logits.view(batch, -1, logits.shape[-1])  # (B, K, V)
 
 

@@ -1,7 +1,7 @@
 """Which forward runs a model over speclm's KV cache (speclm.forward.cache.StaticKV), and how long it took.
 
-speclm's lean forward (speclm.forward.lean) for the Llama-architecture decoders it supports; transformers'
-own forward for every other architecture, the cache handed in as its cache argument and attention
+speclm's lean forward (speclm.forward.lean) for the decoders speclm.forward.decoders describes; transformers'
+own forward for every other architecture (said once per model on stderr), the cache handed in as its cache argument and attention
 per query (speclm.forward.attention). The cache decides where each token's keys and values go and which
 slots it sees (a `Plan`); the runner only runs it.
 """
@@ -9,12 +9,14 @@ slots it sees (a `Plan`); the runner only runs it.
 from __future__ import annotations
 
 import inspect
+import sys
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from speclm.forward import lean
+from speclm.forward import decoders, lean
 from speclm.forward.attention import Tree, per_query, use_exact_attention
 from speclm.forward.lean import LeanForward, Stack
 
@@ -38,12 +40,19 @@ class Plan:
     kept_mask: torch.Tensor | None = None  # (B, K) which of cols hold a token (None: all); the rest are padding
 
 
+_TOLD: weakref.WeakSet = weakref.WeakSet()  # models whose fallback to transformers' forward was said
+
+
 class ModelRunner:
     def __init__(self, model):
         self.model = model
         self.lean = LeanForward(model) if lean.supports(model) else None
         if self.lean is None:
             use_exact_attention(model)
+            if model not in _TOLD:  # once per model object
+                _TOLD.add(model)
+                print(f"speclm: transformers' forward runs this model, not speclm's lean forward and kernels "
+                      f"({decoders.why_not(model)})", file=sys.stderr, flush=True)
         self._writer = _SlotWriter()
         self._cache_arg = cache_argument(model)
         self.forward_seconds = 0.0  # time spent inside model forwards, for overhead accounting

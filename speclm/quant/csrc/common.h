@@ -93,8 +93,29 @@ struct Visible {
   int64_t reach;
   const int64_t* apart;
   int64_t count;
+  int64_t base = 0;  // the first leading slot attended (a sliding window's), <= reach
   int64_t position() const { return reach + count - 1; }
+  int64_t lead() const { return reach - base; }  // leading slots attended: base .. reach - 1
 };
+
+// v within a sliding window of `window` keys (0: none): a query at position p attends the slots of
+// positions p - window + 1 .. p (transformers' sliding mask, kv > q - window). Leading slots hold
+// their positions; slots apart hold positions reach, reach + 1, ...: those before the window are
+// dropped. The query's score for a slot sits at index (its position) - base, as in a plain step at
+// that position, so its bits stay that step's.
+inline Visible windowed(Visible v, int64_t window) {
+  if (window <= 0) return v;
+  const int64_t lo = v.position() - window + 1;
+  if (lo <= v.base) return v;
+  if (lo > v.reach) {
+    const int64_t drop = lo - v.reach;
+    v.apart += drop;
+    v.count -= drop;
+    v.reach = lo;
+  }
+  v.base = lo;
+  return v;
+}
 
 // decode_attention's `tree` argument: empty for chains; else tree[r] .. tree[r + 1] - 1 (r < B M,
 // offsets into the vector itself) hold query r's [reach, slots apart...].

@@ -739,12 +739,14 @@ inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0
 // from, output zero). tree: empty for chains, else which slots each query attends
 // (common.h's visible_of): a tree node attends the shared prefix, then its ancestors' slots and
 // its own, and is rotated at its depth's position: the slots, values and order of a plain step at
-// that position, so its bits are that step's.
+// that position, so its bits are that step's. window: a sliding window's keys (0: none; common.h's
+// windowed): a query attends only the slots of its last `window` positions. softcap: scores become
+// cap * tanh(s / cap) before the softmax (0: none).
 // Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
-                            int64_t query_tile, const std::vector<int64_t>& cache_rows) {
+                            int64_t query_tile, const std::vector<int64_t>& cache_rows, int64_t window, double softcap) {
   const speclm_common::AttentionShape shape = speclm_common::check_attention(
       qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile, cache_rows);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
@@ -809,7 +811,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
           continue;
         }
         who.push_back(r * heads + h);
-        sees.push_back(visible(b, i));
+        sees.push_back(speclm_common::windowed(visible(b, i), window));
       }
       const int64_t nq = static_cast<int64_t>(who.size());
       if (nq == 0) continue;
@@ -823,23 +825,30 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       for (int64_t n0 = 0; n0 < nq; n0 += query_tile) {
         const int64_t n1 = std::min(nq, n0 + query_tile);
         int64_t most = 0;  // entries of a query's scores: its leading slots, then those apart
-        for (int64_t n = n0; n < n1; ++n) most = std::max(most, sees[n].reach + sees[n].count);
+        for (int64_t n = n0; n < n1; ++n) most = std::max(most, sees[n].lead() + sees[n].count);
         scores.resize((n1 - n0) * most);
         acc.assign((n1 - n0) * dim, 0.0f);
         for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // scores q . k_j * scale
           for (int64_t n = n0; n < n1; ++n) {
-            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].reach);
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].lead());
             for (int64_t s0 = j0; s0 < j1; s0 += 16)
-              score16(q.data() + who[n] * dim, kg, dim, s0, std::min<int64_t>(16, j1 - s0), sc, scores.data() + (n - n0) * most);
+              score16(q.data() + who[n] * dim, kg + sees[n].base * dim, dim, s0, std::min<int64_t>(16, j1 - s0), sc, scores.data() + (n - n0) * most);
           }
         }
         for (int64_t n = n0; n < n1; ++n)  // slots apart, each scored in the lane a plain step's slot has
           for (int64_t e = 0; e < sees[n].count; ++e)
-            score_apart(q.data() + who[n] * dim, kg + sees[n].apart[e] * dim, dim, sees[n].reach + e, sc,
+            score_apart(q.data() + who[n] * dim, kg + sees[n].apart[e] * dim, dim, sees[n].lead() + e, sc,
                         scores.data() + (n - n0) * most);
+        if (softcap > 0) {  // Gemma 2's soft-capped scores: cap * tanh(s / cap), each score on its own
+          const float cap = static_cast<float>(softcap);
+          for (int64_t n = n0; n < n1; ++n) {
+            float* sn = scores.data() + (n - n0) * most;
+            for (int64_t j = 0; j < sees[n].lead() + sees[n].count; ++j) sn[j] = cap * std::tanh(sn[j] / cap);
+          }
+        }
         for (int64_t n = n0; n < n1; ++n) {  // softmax numerators in place, and 1 / their sum
           float* sn = scores.data() + (n - n0) * most;
-          const int64_t slots = sees[n].reach + sees[n].count;
+          const int64_t slots = sees[n].lead() + sees[n].count;
           __m512 vmax = _mm512_set1_ps(-INFINITY);  // a maximum does not depend on the order
           int64_t j = 0;
           for (; j + 16 <= slots; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sn + j));
@@ -864,13 +873,13 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         }
         for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
           for (int64_t n = n0; n < n1; ++n) {
-            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].reach);
-            if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg, dim, j0, j1, acc.data() + (n - n0) * dim);
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].lead());
+            if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg + sees[n].base * dim, dim, j0, j1, acc.data() + (n - n0) * dim);
           }
         }
         for (int64_t n = n0; n < n1; ++n)  // slots apart after, in order, as a plain step's last slots
           for (int64_t e = 0; e < sees[n].count; ++e)
-            weigh_values(scores.data() + (n - n0) * most + sees[n].reach + e, vg + sees[n].apart[e] * dim, dim, 0, 1,
+            weigh_values(scores.data() + (n - n0) * most + sees[n].lead() + e, vg + sees[n].apart[e] * dim, dim, 0, 1,
                          acc.data() + (n - n0) * dim);
         for (int64_t n = n0; n < n1; ++n) {
           float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
@@ -909,5 +918,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
         py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE,
-        py::arg("cache_rows") = std::vector<int64_t>());
+        py::arg("cache_rows") = std::vector<int64_t>(), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
 }

@@ -517,11 +517,13 @@ constexpr int64_t QUERY_TILE = SPECLM_QUERY_TILE;  // speclm.defaults.ATTENTION_
 // cpu_kernels.cpp's decode_attention, same arguments and meaning: rotary on q and k, k and v
 // written to the cache at each row's slots, and each query attending on its own over exactly
 // the slots before it (a tree node: the shared prefix, its ancestors' slots, its own slot; common.h's
-// visible_of), every query's arithmetic its own and in slot order. Returns (B M, H D).
+// visible_of; within a sliding `window` where one is given: windowed; scores soft-capped where
+// `softcap` > 0), every query's arithmetic its
+// own and in slot order. Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
-                            int64_t query_tile, const std::vector<int64_t>& cache_rows) {
+                            int64_t query_tile, const std::vector<int64_t>& cache_rows, int64_t window, double softcap) {
   const speclm_common::AttentionShape shape = speclm_common::check_attention(
       qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile, cache_rows);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
@@ -584,7 +586,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
           continue;
         }
         who.push_back(r * heads + h);
-        sees.push_back(visible(b, i));
+        sees.push_back(speclm_common::windowed(visible(b, i), window));
       }
       const int64_t nq = static_cast<int64_t>(who.size());
       if (nq == 0) continue;
@@ -596,26 +598,34 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       for (int64_t n0 = 0; n0 < nq; n0 += query_tile) {
         const int64_t n1 = std::min(nq, n0 + query_tile);
         int64_t most = 0;  // entries of a query's scores: its leading slots, then those apart
-        for (int64_t n = n0; n < n1; ++n) most = std::max(most, sees[n].reach + sees[n].count);
+        for (int64_t n = n0; n < n1; ++n) most = std::max(most, sees[n].lead() + sees[n].count);
         scores.resize((n1 - n0) * most);
         acc.assign((n1 - n0) * dim, 0.0f);
         for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // scores q . k_j * scale
           for (int64_t n = n0; n < n1; ++n) {
-            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].reach);
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].lead());
             const float* qh = q.data() + who[n] * dim;
+            const float* kb0 = kg + sees[n].base * dim;
             float* sn = scores.data() + (n - n0) * most;
             int64_t j = j0;
-            for (; j + 4 <= j1; j += 4) dots<4>(qh, kg + j * dim, dim, dim, sn + j);
-            for (; j < j1; ++j) sn[j] = dot(qh, kg + j * dim, dim);
+            for (; j + 4 <= j1; j += 4) dots<4>(qh, kb0 + j * dim, dim, dim, sn + j);
+            for (; j < j1; ++j) sn[j] = dot(qh, kb0 + j * dim, dim);
             for (j = j0; j < j1; ++j) sn[j] *= sc;
           }
         }
         for (int64_t n = n0; n < n1; ++n)  // slots apart after the leading ones, in order
           for (int64_t e = 0; e < sees[n].count; ++e)
-            scores[(n - n0) * most + sees[n].reach + e] = dot(q.data() + who[n] * dim, kg + sees[n].apart[e] * dim, dim) * sc;
+            scores[(n - n0) * most + sees[n].lead() + e] = dot(q.data() + who[n] * dim, kg + sees[n].apart[e] * dim, dim) * sc;
+        if (softcap > 0) {  // Gemma 2's soft-capped scores: cap * tanh(s / cap), each score on its own
+          const float cap = static_cast<float>(softcap);
+          for (int64_t n = n0; n < n1; ++n) {
+            float* sn = scores.data() + (n - n0) * most;
+            for (int64_t j = 0; j < sees[n].lead() + sees[n].count; ++j) sn[j] = cap * std::tanh(sn[j] / cap);
+          }
+        }
         for (int64_t n = n0; n < n1; ++n) {  // softmax numerators in place, and 1 / their sum
           float* sn = scores.data() + (n - n0) * most;
-          const int64_t slots = sees[n].reach + sees[n].count;
+          const int64_t slots = sees[n].lead() + sees[n].count;
           float top = -INFINITY;  // a maximum does not depend on the order
           for (int64_t j = 0; j < slots; ++j) top = std::max(top, sn[j]);
           const __m256 vtop = _mm256_set1_ps(top);
@@ -630,13 +640,13 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         }
         for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
           for (int64_t n = n0; n < n1; ++n) {
-            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].reach);
-            if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg, dim, j0, j1, acc.data() + (n - n0) * dim);
+            const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].lead());
+            if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg + sees[n].base * dim, dim, j0, j1, acc.data() + (n - n0) * dim);
           }
         }
         for (int64_t n = n0; n < n1; ++n)  // slots apart after, in order, as a plain step's last slots
           for (int64_t e = 0; e < sees[n].count; ++e)
-            weigh_values(scores.data() + (n - n0) * most + sees[n].reach + e, vg + sees[n].apart[e] * dim, dim, 0, 1,
+            weigh_values(scores.data() + (n - n0) * most + sees[n].lead() + e, vg + sees[n].apart[e] * dim, dim, 0, 1,
                          acc.data() + (n - n0) * dim);
         for (int64_t n = n0; n < n1; ++n) {
           float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
@@ -665,5 +675,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("starts"),
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
         py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE,
-        py::arg("cache_rows") = std::vector<int64_t>());
+        py::arg("cache_rows") = std::vector<int64_t>(), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
 }
