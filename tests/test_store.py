@@ -147,29 +147,59 @@ def test_a_cache_under_a_regular_file_is_one_error(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- real conversions of a tiny GGUF
 
 
+# What write_tiny_gguf writes per architecture (llama.cpp's tensor names, as transformers' GGUF
+# loader maps them: transformers/integrations/ggml.py, transformers/modeling_gguf_pytorch_utils.py).
+TINY_ARCHITECTURES = ("qwen2", "llama", "mistral", "qwen3", "phi3", "gemma2", "gemma3")
+
+
 def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1, heads: int = 2, kv_heads: int = 1,
-                    ff: int = 128, quantized: bool = False, tied: bool = False, merges: tuple[str, ...] = ()) -> Path:
-    """A qwen2 GGUF of a few hundred KB (a byte-level vocabulary of 257 tokens) that transformers'
+                    ff: int = 128, quantized: bool = False, tied: bool = False, merges: tuple[str, ...] = (),
+                    arch: str = "qwen2") -> Path:
+    """A GGUF of a few hundred KB (a byte-level vocabulary of 257 tokens) that transformers'
     GGUF loader converts in a second: the store's real conversion path, without a download. fp32
     tensors, or with `quantized` GGUF blocks as a Q4/Q5/Q8 file mixes them (the embedding Q5_0,
     projections Q8_0, the MLP's down projection Q4_1); `tied`: no output.weight (the head is the
     embedding table); `merges`: BPE merges to write, their tokens added before EOS (llama.cpp refuses a
-    file with none)."""
+    file with none).
+
+    `arch` (TINY_ARCHITECTURES), each with what its converter writes: qwen2 (q, k, v biases);
+    llama (rope.dimension_count = head_dim); mistral (llama.cpp writes Mistral as `llama`: a llama
+    file named as Mistral GGUFs are, "Mistral-7B-Instruct-v0.3", which transformers loads as
+    llama); qwen3 (per-head q and k RMSNorms, attn_q_norm / attn_k_norm, and a head_dim of 128,
+    the only one transformers builds: it reads no key_length for qwen3); phi3 (q, k, v fused in
+    attn_qkv, gate and up stacked in ffn_up, a padding id inside the vocabulary: Phi3Config's
+    default 32000 is not); gemma2 (norms after attention and after the MLP, the attention and
+    final logit softcapping keys, a sliding window; key_length = head_dim); gemma3 (gemma2's
+    norms, per-head q and k norms, a sliding window, no softcapping). A gemma file is tied (no
+    output.weight) only if `tied`, as for the others."""
     import gguf
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"no tiny GGUF for {arch!r}")
     rng = np.random.default_rng(seed)
     tokens = sorted(bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
-    vocab, head_dim = len(tokens), hidden // heads
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_name("tiny")
+    vocab = len(tokens)
+    head_dim = 128 if arch == "qwen3" else hidden // heads
+    gemma = arch in ("gemma2", "gemma3")
+    w = gguf.GGUFWriter(str(path), "llama" if arch == "mistral" else arch)
+    w.add_name("Mistral-7B-Instruct-v0.3" if arch == "mistral" else "tiny")
     w.add_context_length(256)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
+    if arch in ("llama", "mistral"):
+        w.add_rope_dimension_count(head_dim)
+    if gemma:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(16)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -181,6 +211,8 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     w.add_token_scores([0.0] * vocab)
     w.add_eos_token_id(vocab - 1)
     w.add_bos_token_id(vocab - 1)
+    if arch == "phi3":
+        w.add_pad_token_id(vocab - 1)
 
     def tensor(name, *shape, qtype="Q8_0"):
         values = (rng.standard_normal(shape) * 0.2).astype(np.float32)
@@ -197,19 +229,75 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     for i in range(layers):
         b = f"blk.{i}."
         tensor(b + "attn_norm.weight", hidden)
-        for name, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
-            tensor(b + name + ".weight", rows, hidden)
-            tensor(b + name + ".bias", rows)
+        if arch == "phi3":
+            tensor(b + "attn_qkv.weight", (heads + 2 * kv_heads) * head_dim, hidden)
+        else:
+            for name, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
+                               ("attn_v", kv_heads * head_dim)):
+                tensor(b + name + ".weight", rows, hidden)
+                if arch == "qwen2":
+                    tensor(b + name + ".bias", rows)
+        if arch in ("qwen3", "gemma3"):
+            tensor(b + "attn_q_norm.weight", head_dim)
+            tensor(b + "attn_k_norm.weight", head_dim)
         tensor(b + "attn_output.weight", hidden, heads * head_dim)
+        if gemma:
+            tensor(b + "post_attention_norm.weight", hidden)
         tensor(b + "ffn_norm.weight", hidden)
-        tensor(b + "ffn_gate.weight", ff, hidden)
-        tensor(b + "ffn_up.weight", ff, hidden)
+        if arch == "phi3":
+            tensor(b + "ffn_up.weight", 2 * ff, hidden)  # gate rows, then up rows
+        else:
+            tensor(b + "ffn_gate.weight", ff, hidden)
+            tensor(b + "ffn_up.weight", ff, hidden)
         tensor(b + "ffn_down.weight", hidden, ff, qtype="Q4_1")
+        if gemma:
+            tensor(b + "post_ffw_norm.weight", hidden)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# the model_type transformers gives each tiny architecture's file
+TINY_MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "mistral": "llama", "qwen3": "qwen3", "phi3": "phi3",
+                    "gemma2": "gemma2", "gemma3": "gemma3_text"}
+
+
+@pytest.mark.parametrize("arch", [
+    *TINY_ARCHITECTURES,
+    pytest.param("mistral-named", marks=pytest.mark.skip(reason=(
+        "transformers cannot load a GGUF whose general.name is exactly 'mistral': it then takes model_type "
+        "mistral and looks that up in gguf-py's MODEL_ARCH_NAMES, which has no 'mistral' (NotImplementedError: "
+        "Unknown gguf model_type: mistral in gguf-py). Real Mistral GGUFs (general.name 'Mistral 7B ...') "
+        "load as llama: the 'mistral' case"))),
+])
+def test_tiny_gguf_of_each_architecture_loads_as_transformers_loads_it(tmp_path, monkeypatch, arch):
+    """A GGUF of each architecture speclm's fast path is meant for: the store converts it and
+    loads it tensor by tensor (no fallback to from_pretrained), to transformers' own model of the
+    file: the same model_type, every weight and the logits bit for bit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speclm.models import weights
+    from speclm.models.loading import load_model
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", quantized=True, layers=2, arch=arch,
+                           tied=arch.startswith("gemma"))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    got = load_model(str(path), progress=False).model
+    assert got.config.model_type == ref.config.model_type == TINY_MODEL_TYPES[arch]
+    (folder,) = (tmp_path / "home" / "models").glob(f"gguf-tiny-{arch}-*")
+    source = weights.open_weights(folder, weights.skeleton(got.config, torch.float32))
+    assert source is not None  # the tensor-by-tensor path
+    source.close()
+    ours, theirs = dict(got.named_parameters()), dict(ref.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    ids = torch.tensor([[3, 100, 7, 256, 42, 42, 9]])
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
 
 
 @pytest.fixture

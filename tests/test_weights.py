@@ -74,6 +74,29 @@ def test_quantized_loads_equal_quantizing_transformers_model_and_keep_the_table_
     assert torch.equal(second(IDS).logits, want)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_table_kept_as_blocks_keeps_its_embed_scale(home, tmp_path, arch):
+    """Gemma's embedding module returns its rows times sqrt(hidden) (embed_scale); the compact
+    table put in its place keeps that scale (tied head: the unscaled table), so the int8 model,
+    built and read back from the quantized-weights cache, is transformers' model quantized."""
+    require_compiled_kernels()
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", quantized=True, tied=True, arch=arch)
+    ref = _reference(tmp_path, gguf_file="tiny.gguf")
+    rows = ref.model.embed_tokens(IDS).detach()  # scaled
+    table = ref.model.embed_tokens.weight.detach().clone()
+    assert not torch.equal(rows, table[IDS])
+    quantize_model(ref, "int8")
+    want = ref(IDS).logits
+    for _ in ("built", "cached"):
+        model = load_model(str(path), quantize="int8", progress=False).model
+        embed = model.model.embed_tokens
+        assert isinstance(embed, PackedEmbedding) and embed.kind == "Q5_0"
+        assert torch.equal(embed(IDS), rows) and torch.equal(embed(IDS), rows)  # the second through the row cache
+        assert torch.equal(embed.full(), table)
+        assert torch.equal(model(IDS).logits, want)
+    assert len(list((home / "quantized").glob("*-int8-*.safetensors"))) == 1
+
+
 def test_small_lookups_through_the_row_cache_give_the_tables_rows(home, tmp_path, monkeypatch):
     from speclm.forward import embedding
 

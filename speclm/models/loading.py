@@ -256,7 +256,8 @@ def _from_checkpoint(folder: Path, config, dtype, quantize: str, progress: bool)
         from transformers import AutoModelForCausalLM
 
         gguf = {"gguf_file": weights.GGUF_FILE} if (folder / weights.GGUF_FILE).is_file() else {}
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **gguf)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                     attn_implementation=weights.attention_implementation(config), **gguf)
         return quantize_model(model, quantize)
     model = weights.build(skel, source, dtype, quantize, lambda tree: quantize_linears(tree, quantize), progress)
     if quantize != "none":

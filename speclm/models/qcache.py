@@ -134,7 +134,8 @@ def load(model: nn.Module, path: Path, mode: str) -> nn.Module | None:
                 model.set_submodule(entry["path"], layer)
         if meta["embedding"] is not None:
             e = meta["embedding"]
-            model.set_submodule(e["path"], PackedEmbedding(f.get("embedding"), e["kind"], e["dim"]))
+            packed = PackedEmbedding(f.get("embedding"), e["kind"], e["dim"])
+            model.set_submodule(e["path"], packed.scaled_as(model.get_submodule(e["path"])))  # Gemma's embed_scale
         for key in f.keys():
             if key.startswith("p."):
                 set_tensor(model, key[2:], f.get(key))

@@ -39,7 +39,8 @@ class GGUFWeights:
     def __init__(self, path: Path, model: nn.Module):
         from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor, get_gguf_hf_weights_map, read_field)
+            TENSOR_PROCESSORS, Gemma2TensorProcessor, LlamaTensorProcessor, TensorProcessor, get_gguf_hf_weights_map,
+            read_field)
 
         indexed = read_index(path)
         if indexed is not None:  # the store's index: no parsing of the file's metadata
@@ -49,8 +50,9 @@ class GGUFWeights:
             self.reader = GGUFReader(str(path))  # maps the file; `close` drops every reference to the map
             arch, tensors = read_field(self.reader, "general.architecture")[0], self.reader.tensors
         processor_class = TENSOR_PROCESSORS.get(arch, TensorProcessor)
-        # these keep a tensor's name and shape (llama's only un-permutes q and k): one tensor in, one out
-        self.streamable = processor_class in (TensorProcessor, LlamaTensorProcessor)
+        # these keep a tensor's name and shape (llama's only un-permutes q and k, Gemma's takes 1 from
+        # the norms' weights): one tensor in, one out
+        self.streamable = processor_class in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor)
         self.processor = processor_class(config=model.config.to_dict())
         self.gguf_to_hf = get_gguf_hf_weights_map(model, self.processor)
         self.tensors = {self.gguf_to_hf[t.name]: t for t in tensors if t.name in self.gguf_to_hf}
@@ -195,13 +197,25 @@ def open_weights(folder: Path, model: nn.Module):
     return weights
 
 
+def attention_implementation(config) -> str:
+    """transformers' SDPA attention where the model's class supports it, else its eager one
+    (Gemma 2: SDPA has no attention-logit softcapping, and transformers refuses to build it so)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return "sdpa"  # transformers says what it cannot build
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def skeleton(config, dtype: torch.dtype) -> nn.Module:
     """The model's modules with parameters on the meta device (no memory) and real buffers."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_implementation(config))
     return model.eval()
 
 
@@ -281,5 +295,5 @@ def _embedding_and_head(model, weights, embed_name, head_name, dtype, quantized,
     if packed is None:
         set_tensor(model, embed_name, full)
     else:
-        model.set_submodule(embed_name.rpartition(".")[0], packed)
+        model.set_submodule(embed_name.rpartition(".")[0], packed.scaled_as(table))  # Gemma's sqrt(hidden) kept
     del full
