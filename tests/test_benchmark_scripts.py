@@ -102,6 +102,7 @@ SCRIPTS = {
                            "identical outputs |",
                            re.compile(r"\| none \| \d+ \| .* \| 2/2 \|"), re.compile(r"\| draft\+pld \| .* \| 2/2 \|")],
                           False),
+    "hf_dtype.py": (["--target", "{target}"], ["| dtype | tokens | seconds | tokens/s |", "| fp32 | ", "| bf16 | "], False),
     "typical_quality.py": (["--target", "{target}", "--heads", "{medusa}", "--methods", "medusa"],
                            ["| method | acceptance | tokens | target log-likelihood per token | tokens/s | speed vs exact |",
                             "| medusa | exact | ", "| medusa | typical | "], False),
