@@ -170,3 +170,15 @@ def test_sampled_tokens_follow_the_target_distribution(arch):
     params = SamplingParams(temperature=1.0)
     outs = decode(SpecEngine(target, draft=draft), ids, "draft+pld", params, depth=DEPTH)
     assert chisq_pvalue(counted(outs, V, DEPTH), exact_joint(target, ids, params, DEPTH)) > ALPHA
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_heads_train_on_the_models_own_embedding(tok, arch):
+    """A head's training reads the target's input embedding as the model does (Gemma's scaled by
+    sqrt(hidden)): the rows it trains on are those it drafts from."""
+    from speclm.heads.train import _frozen_on
+
+    model = tiny_arch(arch, len(tok), seed=1)
+    ids = torch.tensor([3, 5, 7])
+    frozen = _frozen_on(loaded(model, tok), torch.arange(len(tok)), torch.device("cpu"))
+    assert torch.equal(frozen.embed(ids), model.get_input_embeddings()(ids).float()), arch

@@ -306,9 +306,12 @@ def _frozen_on(target, ids: torch.Tensor, device):
     embed = target.model.get_input_embeddings()
     if isinstance(embed, nn.Embedding):
         weight = embed.weight.detach().to(device=device, dtype=torch.float32)
+        scale = getattr(embed, "embed_scale", None)  # Gemma's scaled embedding module: rows times sqrt(hidden)
+        scale = None if scale is None else scale.detach().to(device=device, dtype=torch.float32)
 
         def lookup(tokens: torch.Tensor) -> torch.Tensor:
-            return nn.functional.embedding(tokens.to(device), weight)
+            rows = nn.functional.embedding(tokens.to(device), weight)
+            return rows if scale is None else rows * scale
     else:
         # speclm's PackedEmbedding (a table kept as GGUF blocks) has a device but no parameters
         base, source = frozen.embed, getattr(embed, "device", torch.device("cpu"))
