@@ -553,10 +553,11 @@ def _demo(args) -> int:
           file=sys.stderr)
     engine = SpecEngine(load_model(args.target, quantize=quantize, progress=_progress()),
                         draft=load_model(args.draft, quantize=draft_mode, progress=_progress()))
-    common = dict(max_new_tokens=args.max_new_tokens, chat=True)
+    # the target's chat template where it has one; a base model's (gemma3-270m) reads the prompt raw
+    common = dict(max_new_tokens=args.max_new_tokens, chat=bool(getattr(engine.target.tokenizer, "chat_template", None)))
     k = args.k or GenerationOptions(method="draft").draft_length(quantize, draft_mode)
     for method in ("none", "draft"):  # warm-up of both runs' paths: first-call allocations
-        engine.generate("Hi", method=method, k=k, max_new_tokens=4, chat=True)
+        engine.generate("Hi", method=method, k=k, max_new_tokens=4, chat=common["chat"])
     print(f"\n== prompt\n{args.prompt}\n\n== speculative (draft model {args.draft}, k={k}), streamed")
     engine.prefix.clear()  # both runs read the prompt whole: neither inherits the other's (or the warm-up's) prefill
     stream = engine.stream(args.prompt, method="draft", k=k, **common)
@@ -589,7 +590,7 @@ def _demo_heads(engine, args, common: dict, plain) -> bool:
     print("\n== trained heads on the target itself (no draft model)")
     same = True
     for kind in methods:
-        engine.generate("Hi", method=kind, max_new_tokens=4, chat=True)  # loads the heads; warm-up
+        engine.generate("Hi", method=kind, max_new_tokens=4, chat=common["chat"])  # loads the heads; warm-up
         engine.prefix.clear()
         out = engine.generate(args.prompt, method=kind, **common)
         ok = out.token_ids == plain.token_ids

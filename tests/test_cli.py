@@ -146,6 +146,20 @@ def test_demo_runs_both_methods_and_reports_speedup(folders, capsys):
     assert "identical output: yes" in out
 
 
+def test_demo_reads_the_prompt_raw_for_a_model_without_a_chat_template(tmp_path, capsys):
+    """A base model (no chat template, as gemma3-270m) runs the demo on its raw prompt."""
+    from conftest import save
+    from tiny import byte_tokenizer, tiny_model
+
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    folder = save(tiny_model(len(tok), seed=0), tok, tmp_path / "base")
+    code, out, err = run(["demo", "--target", folder, "--draft", folder, "--max-new-tokens", "8", "--prompt", "hello"],
+                         capsys)
+    assert code == 0, err
+    assert "identical output: yes" in out
+
+
 def test_generate_int8(folders, capsys):
     """--quantize int8: speculative ids equal plain ids of the same int8 model."""
     base = ["generate", "--target", folders["target"], "--prompt", "int8 int8 int8", "--max-new-tokens", "12",
