@@ -81,6 +81,8 @@ def _side_by_side(modules: list[nn.Module]) -> Rows:
             first.fused.kernel.out_features):
         return first.fused.kernel.rows
     projections = [_projection(m) for m in modules]
+    if len(projections) == 1:  # already one layer (Phi-3's qkv_proj)
+        return projections[0]
     return lambda x: torch.cat([p(x) for p in projections], dim=-1)
 
 
