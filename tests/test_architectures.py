@@ -34,13 +34,18 @@ PROMPTS = ["ab ab ba aab x", "a lean forward, a lean forward", "[1,2,3] [4,5"]
 TEXT = "a lean forward over a prompt longer than any window"  # 51 byte tokens
 
 
+def _in_pieces(kv: StaticKV, ids: list[int]) -> torch.Tensor:
+    """Every token's logits, fed as a prefill of 20, a 3-token forward, then one token at a time."""
+    pieces = [kv.forward([ids[:20]], 20), kv.forward([ids[20:23]], 3)] + [kv.forward([[t]], 1) for t in ids[23:]]
+    return torch.cat(pieces, dim=1)
+
+
 def _feed(model, ids: list[int], compiled: bool) -> torch.Tensor:
     kv = StaticKV(model, 1, 128)
     assert kv.lean is not None, "the lean forward runs this architecture"
     if not compiled:
         kv.lean.compiled = None
-    pieces = [kv.forward([ids[:20]], 20), kv.forward([ids[20:23]], 3)] + [kv.forward([[t]], 1) for t in ids[23:]]
-    return torch.cat(pieces, dim=1)
+    return _in_pieces(kv, ids)
 
 
 def _reference(model, ids: list[int]) -> torch.Tensor:
@@ -105,8 +110,7 @@ def test_transformers_forward_over_speclms_cache_keeps_windows_and_soft_caps(tok
     ref = _reference(model, ids)  # eager attention
     kv = StaticKV(model, 1, 128)
     assert kv.lean is None
-    got = torch.cat([kv.forward([ids[:20]], 20), kv.forward([ids[20:23]], 3)] + [kv.forward([[t]], 1) for t in ids[23:]], dim=1)
-    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), arch
+    assert torch.allclose(_in_pieces(kv, ids), ref, atol=1e-4, rtol=1e-4), arch
     # and transformers' own forward outside speclm's (its `generate`), on speclm's attention now
     assert torch.allclose(_reference(model, ids), ref, atol=1e-4, rtol=1e-4), arch
     StaticKV(model, 1, 16)

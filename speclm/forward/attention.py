@@ -84,11 +84,15 @@ def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None, softcap: float | None = None,
             mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """softmax(q k^T * scaling [soft-capped] [masked]) v for q (B, H_kv, G or M, D) and k, v (B, H_kv, S, D):
-    SDPA, or where scores are soft-capped (which SDPA cannot do) the same formula as transformers'
-    eager attention."""
+    """softmax(q k^T * scaling [soft-capped] [masked]) v for q (B, H, M, D) and k, v (B, H_kv, S, D),
+    query head h reading kv head h // (H / H_kv): SDPA, or where scores are soft-capped (which
+    SDPA cannot do) the same formula as transformers' eager attention."""
+    gqa = q.shape[1] > k.shape[1]
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scaling)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scaling,
+                                              enable_gqa=gqa)
+    if gqa:  # the eager formula reads one kv head per query head
+        k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // k.shape[1], 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
@@ -98,24 +102,23 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | 
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def _within_window(queries: int, keys: int, window: int, device) -> torch.Tensor:
+    """(queries, keys) bool: key j within query i's sliding window (transformers' kv > q - window),
+    a prefill's queries and keys both counted from position 0."""
+    at = torch.arange(max(queries, keys), device=device)
+    return at[None, :keys] > at[:queries, None] - window
+
+
 def attend_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None, window: int = 0,
                    softcap: float | None = None) -> torch.Tensor:
     """A batched prefill: q (B, M, H, D), every row from slot 0, left-aligned; keys, values
     (B, H_kv, M, D) -> (B, M, H, D). Its mask is the causal one (which lets SDPA skip the blocks
     above the diagonal), within the sliding window where there is one."""
-    heads, kv_heads, width = q.shape[2], keys.shape[1], q.shape[1]
+    width = q.shape[1]
     mask = None
     if window and window < width:
-        at = torch.arange(width, device=q.device)
-        mask = (at[None, :] <= at[:, None]) & (at[None, :] > at[:, None] - window)  # (M, M): key j for query i
-    if heads > kv_heads and softcap is not None:  # the eager formula reads one kv head per query head
-        keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
-    if softcap is None:
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
-                                           scale=scaling, enable_gqa=heads > kv_heads)
-    else:
-        o = _attend(q.transpose(1, 2), keys, values, scaling, softcap, mask, causal=True)
-    return o.transpose(1, 2)
+        mask = torch.ones(width, width, dtype=torch.bool, device=q.device).tril() & _within_window(width, width, window, q.device)
+    return _attend(q.transpose(1, 2), keys, values, scaling, softcap, mask, causal=True).transpose(1, 2)
 
 
 def exact_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -127,15 +130,13 @@ def exact_attention(module, query, key, value, attention_mask, dropout: float = 
     window, softcap = kwargs.pop("sliding_window", None) or 0, kwargs.pop("softcap", None)
     if plan is None or is_prefill(plan[0]):
         if plan is not None and window and attention_mask is not None and attention_mask.dtype == torch.bool:
-            at = torch.arange(max(query.shape[2], key.shape[2]), device=query.device)  # a prefill: slots are positions
-            attention_mask = attention_mask & (at[None, : key.shape[2]] > at[: query.shape[2], None] - window)
+            # speclm's prefill (slots are positions): its causal mask, within the window
+            attention_mask = attention_mask & _within_window(query.shape[2], key.shape[2], window, query.device)
         if softcap is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                           **kwargs)
-        groups = query.shape[1] // key.shape[1]
         mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask == 0
-        out = _attend(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), scaling, softcap,
-                      None if mask is None else mask[:, :, :, : key.shape[2]],
+        out = _attend(query, key, value, scaling, softcap, None if mask is None else mask[:, :, :, : key.shape[2]],
                       causal=mask is None and query.shape[2] > 1)  # as SDPA's is_causal where transformers gives no mask
         return out.transpose(1, 2), None
     return attend_each_query(query.transpose(1, 2), key, value, plan[0], plan[1], scaling, plan[2],

@@ -518,8 +518,7 @@ constexpr int64_t QUERY_TILE = SPECLM_QUERY_TILE;  // speclm.defaults.ATTENTION_
 // written to the cache at each row's slots, and each query attending on its own over exactly
 // the slots before it (a tree node: the shared prefix, its ancestors' slots, its own slot; common.h's
 // visible_of; within a sliding `window` where one is given: windowed; scores soft-capped where
-// `softcap` > 0), every query's arithmetic its
-// own and in slot order. Returns (B M, H D).
+// `softcap` > 0), every query's arithmetic its own and in slot order. Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
