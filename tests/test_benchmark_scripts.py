@@ -103,6 +103,8 @@ SCRIPTS = {
                            re.compile(r"\| none \| \d+ \| .* \| 2/2 \|"), re.compile(r"\| draft\+pld \| .* \| 2/2 \|")],
                           False),
     "hf_dtype.py": (["--target", "{target}"], ["| dtype | tokens | seconds | tokens/s |", "| fp32 | ", "| bf16 | "], False),
+    "sliding_cache.py": (["--target", "{target}"], ["| context | layout | KV MiB | KV MiB at 8192 |", "| 40 | every slot | ",
+                                                    re.compile(r"\| 40 \| rings \| .* \| yes \|")], False),
     "typical_quality.py": (["--target", "{target}", "--heads", "{medusa}", "--methods", "medusa"],
                            ["| method | acceptance | tokens | target log-likelihood per token | tokens/s | speed vs exact |",
                             "| medusa | exact | ", "| medusa | typical | "], False),

@@ -20,7 +20,7 @@ class _Forward:
     so every sample sees the same cache length."""
 
     def __init__(self, model, prompt_ids: list[int], k: int, head=None):
-        self.kv = StaticKV(model, 1, len(prompt_ids) + k + 1)
+        self.kv = StaticKV(model, 1, len(prompt_ids) + k + 1, spare=k)  # every sample is rolled back
         self.kv.forward([prompt_ids], 1, head)
         self.base = self.kv.lengths_list()[0]
         self.tokens = (prompt_ids * (k // len(prompt_ids) + 1))[:k]

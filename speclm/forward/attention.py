@@ -48,14 +48,16 @@ def per_query(starts: list[int], counts: list[int], tree: Tree | None = None):
 
 def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: list[int],
                       counts: list[int], scaling: float | None, tree: Tree | None = None,
-                      cache_rows: list[int] | None = None, window: int = 0, softcap: float | None = None) -> torch.Tensor:
+                      cache_rows: list[int] | None = None, window: int = 0, softcap: float | None = None,
+                      ring: int = 0) -> torch.Tensor:
     """q (B, M, H, D); keys, values (P, H_kv, >= W, D) -> (B, M, H, D): row b's query i attends
     alone over slots [0, starts[b] + i] of cache row cache_rows[b] (None: row b, P = B); padding
     columns (i >= counts[b]) stay zero. tree: where a row holds a tree (speclm.forward.cache.StaticKV.forward's
     parents), query i attends slots [0, reach) and then `apart`: the slots and order of a plain
     step at its position. window: a sliding window's keys (0: none), a query at position p sees
     the keys of positions p - window + 1 .. p (transformers' sliding mask); softcap: scores
-    cap * tanh(s / cap) before the softmax (Gemma 2)."""
+    cap * tanh(s / cap) before the softmax (Gemma 2); ring: the cache rows are rings of this many
+    slots, slot s at s mod ring (a sliding layer's, speclm.forward.cache; 0: slot s at s)."""
     batch, width, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads  # query head h reads kv head h // groups, as repeat_kv lays them out
@@ -65,6 +67,8 @@ def attend_each_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         low = max(0, reach + len(apart) - window) if window else 0  # the first position seen
         if low > reach:  # leading slots hold their positions, those apart positions reach, reach + 1, ...
             apart, reach = apart[low - reach:], low
+        if ring:
+            return t[:, :, torch.cat([torch.arange(low, reach), torch.tensor(apart, dtype=torch.long)]).to(t.device) % ring]
         if not apart:
             return t[:, :, low:reach]
         return torch.cat([t[:, :, low:reach], t[:, :, apart]], dim=2)

@@ -18,6 +18,17 @@ into slots past the row's length (hidden by the mask, never read), and the logit
 needs are gathered from its own last columns. The lean forward runs only attention over that
 layout (skipping the padding columns) and every other op on the real tokens packed, so rows of
 different lengths cost their own tokens (speclm.forward.lean.LeanForward).
+
+A sliding-window layer (Mistral, Gemma 2/3, Qwen2 with use_sliding_window) keeps only the keys its
+queries can still see: a ring of window + `spare` slots per cache row, slot s at s mod its size,
+where that is smaller than the capacity (full-attention layers keep every slot). A query reads at
+most `window` slots back, so while at most `spare` tokens are fed past a row's last committed one
+(a round: its draft steps and its verification forward), no write overwrites a key that a query of
+theirs, or one after a roll back, reads; callers with wider rounds say so through `reserve`. A
+forward wider than that (a long prompt read at once, always committed whole) attends over a copy
+of the layer laid out flat and leaves the ring its last slots. The prefix cache keeps what a
+sliding layer's ring holds of a prompt, so a later prompt reuses it from up to `spare` tokens
+before its end.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import os
 
 import torch
 
+from speclm.forward import decoders, lean as lean_forward
 from speclm.forward.attention import is_prefill
 from speclm.errors import UsageError
 from speclm.forward.lean import Stack
@@ -69,11 +81,30 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1024:.1f} KiB"
 
 
-def _check_rows(shape: tuple[int, ...], layers: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Keys and values of `layers` layers, each (rows, H_kv, capacity, D), fit in memory (check_memory)."""
-    rows, heads, capacity, dim = shape
-    check_memory(layers * 2 * rows * heads * capacity * dim * dtype.itemsize, device,
-                 f"{rows} row(s) x {capacity} tokens x {layers} layers")
+# Slots a sliding layer's ring holds beyond its window: the most tokens fed past a row's last
+# committed one (a round's draft and verification; callers with wider rounds say so through
+# StaticKV.reserve). 256 covers every proposer with room (MAX_K = 64 drafts a chain of 128 nodes at most).
+RING_SPARE = 256
+
+
+def _windows(model) -> tuple[int, ...]:
+    """Each layer's sliding window where speclm's lean forward runs the model (0: full attention);
+    transformers' own forward (another architecture) keeps every slot of every layer."""
+    cfg = _layout(model)[0]
+    decoder = decoders.describe(model) if lean_forward.supports(model) else None
+    return decoder.windows if decoder is not None else (0,) * cfg.num_hidden_layers
+
+
+def _sizes(windows: tuple[int, ...], capacity: int, spare: int) -> list[int]:
+    """Slots per cache row of each layer: a sliding layer's ring (window + spare) where that is
+    smaller than the capacity, else the capacity."""
+    return [min(capacity, w + spare) if w else capacity for w in windows]
+
+
+def _check_rows(rows: int, heads: int, dim: int, sizes: list[int], dtype: torch.dtype, device: torch.device) -> None:
+    """Keys and values of layers of `sizes` slots, each (rows, H_kv, size, D), fit in memory (check_memory)."""
+    check_memory(2 * rows * heads * sum(sizes) * dim * dtype.itemsize, device,
+                 f"{rows} row(s) x {max(sizes)} tokens x {len(sizes)} layers")
 
 
 def _layout(model) -> tuple:
@@ -87,9 +118,9 @@ def _layout(model) -> tuple:
 def check_fits(model, rows: int, capacity: int) -> None:
     """A StaticKV of `rows` rows of `capacity` tokens fits in memory (UsageError where it does not):
     checked before work that comes first (measuring costs, a calibration) rather than after it."""
-    cfg, heads, head_dim = _layout(model)
+    _, heads, head_dim = _layout(model)
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-    _check_rows((max(rows, 1), heads, capacity, head_dim), cfg.num_hidden_layers, dtype, model.device)
+    _check_rows(max(rows, 1), heads, head_dim, _sizes(_windows(model), capacity, RING_SPARE), dtype, model.device)
 
 
 class StaticKV:
@@ -97,9 +128,10 @@ class StaticKV:
     # inside a forward (inference mode) holds inference tensors, which torch lets only inference
     # mode write, so all writes go through it alike.
     @torch.inference_mode()
-    def __init__(self, model, batch_size: int, capacity: int, pool: int = 0):
+    def __init__(self, model, batch_size: int, capacity: int, pool: int = 0, spare: int | None = None):
         """batch_size rows now, each up to `capacity` tokens; `pool`: cache rows to allocate for rows
-        that join later (at least batch_size). Decode forwards attend per query
+        that join later (at least batch_size); spare: a sliding layer's ring slots past its window
+        (the widest forward that may be rolled back; None: RING_SPARE; see the module docstring). Decode forwards attend per query
         (speclm.forward.attention), so that a token's logits do not depend on the other tokens of a
         forward. The target needs it; a draft model gets it too, at no measurable cost (its
         forwards are 1-2 tokens), so that a draft identical to the target is accepted in full."""
@@ -111,11 +143,13 @@ class StaticKV:
         # zeros, not empty: a masked slot still enters q.k before masking, and garbage NaNs would
         # survive it (NaN + -inf = NaN)
         pool = max(batch_size, pool, 1)
-        shape = (pool, heads, capacity, head_dim)
+        self.windows = _windows(model) if self.runner.lean is not None else (0,) * cfg.num_hidden_layers
+        self.spare = spare = RING_SPARE if spare is None else spare
+        sizes = _sizes(self.windows, capacity, spare)
         dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-        _check_rows(shape, cfg.num_hidden_layers, dtype, self.device)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        _check_rows(pool, heads, head_dim, sizes, dtype, self.device)
+        self.keys = [torch.zeros(pool, heads, n, head_dim, dtype=dtype, device=self.device) for n in sizes]
+        self.values = [torch.zeros(pool, heads, n, head_dim, dtype=dtype, device=self.device) for n in sizes]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) valid slots per row
         self._slots = torch.arange(capacity, device=self.device)  # built once
         self._rows = torch.arange(batch_size, device=self.device)  # (B,) each batch row's cache row
@@ -123,6 +157,9 @@ class StaticKV:
         # per row: slot -> its parent's slot, for the tree slots past the committed tokens whose
         # parent is not the slot before them (forward's `parents`); emptied as they are rolled back
         self._links: list[dict[int, int]] = [{} for _ in range(batch_size)]
+        # per row: one past the last slot any forward wrote (rolled back or not): a ring holds a row
+        # of length n from slot max(n, reach) - its size on (later slots written since overwrite earlier ones)
+        self._reach = [0] * batch_size
 
     @property
     def lean(self):
@@ -144,20 +181,89 @@ class StaticKV:
         prefix's may come from another prompt's forward (speclm.forward.prefix_cache)."""
         return self.runner.chunk_invariant
 
+    def ring(self, layer: int) -> int:
+        """Layer `layer`'s ring size (slot s at s mod it), or 0 where it keeps every slot at its own index."""
+        size = self.keys[layer].shape[2]
+        return size if self.windows[layer] and size < self.capacity else 0
+
+    def _held(self, layer: int, row: int, n: int) -> int:
+        """The first of slots 0 .. n - 1 of batch row `row` that layer `layer` still holds."""
+        ring = self.ring(layer)
+        return max(0, max(n, self._reach[row]) - ring) if ring else 0
+
+    def loadable(self, keys: list[torch.Tensor], total: int, n: int) -> bool:
+        """Whether `export`'s keys of a prompt of `total` tokens hold what a row of its first n needs:
+        every slot of a full layer, a sliding layer's last `window` slots."""
+        return all(max(0, n - w) >= total - k.shape[1] if w else k.shape[1] >= n for w, k in zip(self.windows, keys))
+
     @torch.inference_mode()
-    def load_prefix(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
-        """Row `row` starts with n slots copied from keys, values (per layer (H_kv, >= n, D))."""
+    def load_prefix(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], n: int,
+                    total: int | None = None) -> None:
+        """Row `row` starts with the first n slots of a prompt of `total` tokens (None: n) whose
+        keys and values `export` gave (per layer (H_kv, held, D), its last `held` slots)."""
+        total = n if total is None else total
+        assert self.loadable(keys, total, n), "the prefix's keys do not reach back far enough"
         self.reserve(n)
         at = int(self._rows[row])
-        for store, source in ((self.keys, keys), (self.values, values)):
-            for t, s in zip(store, source):
-                t[at, :, :n] = s[:, :n]
+        for i in range(len(self.keys)):
+            first = total - keys[i].shape[1]  # the slot of the source's first column
+            low = max(0, n - self.windows[i]) if self.windows[i] else 0
+            place = self._place(i, torch.arange(low, n, device=self.device))
+            self.keys[i][at, :, place] = keys[i][:, low - first : n - first]
+            self.values[i][at, :, place] = values[i][:, low - first : n - first]
         self.lengths[row] = n
+        self._reach[row] = n
 
     def export(self, row: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of row `row`'s first n slots, per layer (H_kv, n, D)."""
+        """Copies of what each layer holds of row `row`'s first n slots, per layer (H_kv, held, D): every
+        slot of a full layer, the last ones a sliding layer's ring holds (`loadable`, `load_prefix`)."""
         at = int(self._rows[row])
-        return ([t[at, :, :n].clone() for t in self.keys], [t[at, :, :n].clone() for t in self.values])
+        places = [self._place(i, torch.arange(self._held(i, row, n), n, device=self.device)) for i in range(len(self.keys))]
+        return ([t[at][:, p] for t, p in zip(self.keys, places)], [t[at][:, p] for t, p in zip(self.values, places)])
+
+    def flat(self, layer: int, starts: list[int], width: int) -> bool:
+        """Whether a forward of `width` tokens after `starts` attends layer `layer` over a flat copy
+        (`flat_copy`, `settle`): its ring would wrap onto keys the forward reads."""
+        ring = self.ring(layer)
+        return bool(ring) and width > ring - self.windows[layer] and max(starts) + width > ring
+
+    @torch.inference_mode()
+    def flat_copy(self, layer: int, starts: list[int], width: int,
+                  cache_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values for a wide forward, laid out flat: (B, H_kv, max(starts) +
+        width, D), row b's last `window` slots before starts[b] in place (the slots before them are
+        never read: left unset)."""
+        keys, values, window, ring = self.keys[layer], self.values[layer], self.windows[layer], self.ring(layer)
+        shape = (len(starts), keys.shape[1], max(starts) + width, keys.shape[3])
+        flat_keys, flat_values = keys.new_empty(shape), values.new_empty(shape)
+        for b, (at, start) in enumerate(zip(cache_rows, starts)):
+            low = max(0, start - window)
+            if low < start:
+                place = torch.arange(low, start, device=self.device) % ring
+                flat_keys[b, :, low:start] = keys[at, :, place]
+                flat_values[b, :, low:start] = values[at, :, place]
+        return flat_keys, flat_values
+
+    @torch.inference_mode()
+    def settle(self, layer: int, flat_keys: torch.Tensor, flat_values: torch.Tensor, starts: list[int],
+               counts: list[int], cache_rows: list[int]) -> None:
+        """After a wide forward over `flat_copy`'s tensors: each row's new slots that its ring holds
+        (its last ring-size ones) go to their places."""
+        ring = self.ring(layer)
+        for b, (at, start, n) in enumerate(zip(cache_rows, starts, counts)):
+            slots = torch.arange(max(start, start + n - ring), start + n, device=self.device)
+            self.keys[layer][at, :, slots % ring] = flat_keys[b, :, slots]
+            self.values[layer][at, :, slots % ring] = flat_values[b, :, slots]
+
+    def _place(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Where slots live along layer `layer`'s capacity (a ring's: mod its size)."""
+        ring = self.ring(layer)
+        return slots % ring if ring else slots
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the keys and values of every layer and cache row hold."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     @property
     def batch_size(self) -> int:
@@ -177,12 +283,14 @@ class StaticKV:
         self._rows = torch.cat([self._rows, torch.tensor(taken, dtype=torch.long, device=self.device)])
         self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long, device=self.device)])
         self._links += [{} for _ in range(count)]
+        self._reach += [0] * count
         return list(range(first, first + count))
 
     @torch.inference_mode()
     def _grow_pool(self, size: int) -> None:
         old = self.pool_size
-        _check_rows((size - old, *self.keys[0].shape[1:]), len(self.keys), self.keys[0].dtype, self.device)
+        _check_rows(size - old, self.keys[0].shape[1], self.keys[0].shape[3], [t.shape[2] for t in self.keys],
+                    self.keys[0].dtype, self.device)
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 store[i] = torch.cat([t, t.new_zeros(size - old, *t.shape[1:])])
@@ -191,21 +299,37 @@ class StaticKV:
     def lengths_list(self) -> list[int]:
         return self.lengths.tolist()
 
-    def reserve(self, tokens: int) -> None:
-        """Every row may hold `tokens` tokens (a copy where it is more than the capacity)."""
-        if tokens > self.capacity:
-            self._grow(tokens)
+    def reserve(self, tokens: int, width: int = 0) -> None:
+        """Every row may hold `tokens` tokens (a copy where it is more than the capacity), and a
+        forward of `width` tokens may be rolled back (a sliding layer's ring grows to window + width
+        where that is more than it holds)."""
+        if tokens > self.capacity or width > self.spare:
+            self._grow(max(tokens, self.capacity), max(width, self.spare))
 
     @torch.inference_mode()
-    def _grow(self, needed: int) -> None:
-        """Only when a caller under-estimated a request's length: one copy, doubling."""
-        new_cap = max(needed, 2 * self.capacity)
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                bigger = torch.zeros(*t.shape[:2], new_cap, t.shape[3], dtype=t.dtype, device=t.device)
-                bigger[:, :, : self.capacity] = t
+    def _grow(self, needed: int, spare: int) -> None:
+        """Only when a caller under-estimated a request's length or its widest forward: one copy,
+        doubling. A ring's slots move to their places in the larger one."""
+        new_cap = max(needed, 2 * self.capacity) if needed > self.capacity else self.capacity
+        sizes = _sizes(self.windows, new_cap, spare)
+        lengths = self.lengths.tolist()
+        rows = self._rows.tolist()
+        for i, size in enumerate(sizes):
+            old = self.keys[i].shape[2]
+            if size == old:
+                continue
+            ring = self.ring(i)
+            for store in (self.keys, self.values):
+                t = store[i]
+                bigger = torch.zeros(*t.shape[:2], size, t.shape[3], dtype=t.dtype, device=t.device)
+                if not ring:
+                    bigger[:, :, :old] = t
+                else:  # each row's slots the ring holds, to their places in the new one
+                    for b, (at, n) in enumerate(zip(rows, lengths)):
+                        slots = torch.arange(self._held(i, b, n), n, device=self.device)
+                        bigger[at, :, slots % size] = t[at, :, slots % ring]
                 store[i] = bigger
-        self.capacity = new_cap
+        self.capacity, self.spare = new_cap, spare
         self._slots = torch.arange(new_cap, device=self.device)
 
     @torch.inference_mode()
@@ -275,6 +399,8 @@ class StaticKV:
         plan = Plan(ids, slots, starts, counts, window, cache_rows, positions, tree, logits_to_keep, cols, hidden_all,
                     layers, kept_mask)
         logits = self.runner.run(self, plan, head, tuple(hidden_layers))
+        for b, start in zip(batch, starts):  # padding columns are written too
+            self._reach[b] = max(self._reach[b], start + width)
         if whole:
             self.lengths = self.lengths + n
         else:
@@ -313,9 +439,10 @@ class StaticKV:
             src = torch.tensor([s for s, _ in pairs], device=self.device)
             dst = torch.tensor([t for _, t in pairs], device=self.device)
             at = int(self._rows[row])
-            for store in (self.keys, self.values):
-                for t in store:
-                    t[at, :, dst] = t[at, :, src]
+            for i in range(len(self.keys)):
+                s, d = self._place(i, src), self._place(i, dst)
+                for store in (self.keys, self.values):
+                    store[i][at, :, d] = store[i][at, :, s]
         self._links[row] = {s: p for s, p in self._links[row].items() if s < start}
 
     def truncate(self, keep: torch.Tensor | list[int]) -> None:
@@ -334,4 +461,5 @@ class StaticKV:
         self._free += [int(self._rows[b]) for b in range(self.batch_size) if b not in kept]
         self.lengths = self.lengths[rows]
         self._links = [self._links[r] for r in rows.tolist()]
+        self._reach = [self._reach[r] for r in rows.tolist()]
         self._rows = self._rows[rows]

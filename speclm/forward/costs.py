@@ -144,7 +144,7 @@ def sample(model, sizes=SIZES, passes: int = REPEATS + 1, desc: str = "verificat
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(0, min(cfg.vocab_size, 30000), (length,), generator=gen).tolist()
     context = (context * (max(sizes) // length + 1))[: max(length, max(sizes))]
-    kv = StaticKV(model, 1, len(context) + max(sizes) + 1)
+    kv = StaticKV(model, 1, len(context) + max(sizes) + 1, spare=max(sizes))  # every forward is rolled back
     kv.forward([context[:length]], 1)
     device = _device(model)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -333,7 +333,7 @@ class LeanForward:
         cache_list = cache_rows.tolist()
         at_rows = cache_rows[:, None]  # (B, 1) where each row's keys and values live
         one_row = batch == 1
-        start, first = starts[0], cache_list[0]
+        start = starts[0]
         # a decode forward: rotary, cache writes and attention in one compiled call per layer
         compiled = self.compiled if (per_query and h.dtype == torch.float32 and dim % 32 == 0 and self.kernel_attention
                                      and kv.keys[0].dtype == torch.float32) else None
@@ -385,11 +385,21 @@ class LeanForward:
                     laid_out = qkv.new_zeros(batch * width, qkv.shape[1])
                 laid_out[real] = qkv
                 qkv = laid_out
+            # this layer's cache: its keys and values (P, H_kv, capacity or ring size, D), which cache row
+            # each batch row reads, and its ring size (0: none); a forward too wide for the ring runs
+            # over a flat copy of the rows it reads (speclm.forward.cache's module docstring)
+            ring = kv.ring(i)
+            keys, values, layer_rows, layer_at = kv.keys[i], kv.values[i], cache_list, at_rows
+            wide = ring and kv.flat(i, starts, width)
+            if wide:
+                keys, values = kv.flat_copy(i, starts, width, cache_list)
+                layer_rows, layer_at, ring = list(range(batch)), rows, 0
             if compiled is not None:
                 _, cos, sin = self._tables[layer.rope]
-                out = compiled.decode_attention(qkv, cos, sin, kv.keys[i], kv.values[i], starts, counts,
+                out = compiled.decode_attention(qkv, cos, sin, keys, values, starts, counts,
                                                 heads, kv_heads, self.scaling, flat,
-                                                cache_rows=cache_list, window=layer.window, softcap=softcap or 0.0)  # (R, H D)
+                                                cache_rows=layer_rows, window=layer.window, softcap=softcap or 0.0,
+                                                ring=bool(ring))  # (R, H D)
             else:
                 cos, sin = rotary[layer.rope]
                 qk = qkv[:, :split].view(-1, heads + kv_heads, dim)
@@ -401,22 +411,24 @@ class LeanForward:
                 q = qk[:, :heads].view(batch, width, heads, dim)
                 k = qk[:, heads:].view(batch, width, kv_heads, dim)
                 v = qkv[:, split:].view(batch, width, kv_heads, dim)
-                keys, values = kv.keys[i], kv.values[i]  # (B, H_kv, capacity, D)
-                if one_row:  # the usual case: a slice copy, no scatter
-                    keys[first, :, start : start + width] = k[0].transpose(0, 1)
-                    values[first, :, start : start + width] = v[0].transpose(0, 1)
+                if one_row and not ring:  # the usual case: a slice copy, no scatter
+                    keys[layer_rows[0], :, start : start + width] = k[0].transpose(0, 1)
+                    values[layer_rows[0], :, start : start + width] = v[0].transpose(0, 1)
                 else:
-                    keys[at_rows, :, slots] = k.to(keys.dtype)
-                    values[at_rows, :, slots] = v.to(values.dtype)
+                    places = slots % ring if ring else slots
+                    keys[layer_at, :, places] = k.to(keys.dtype)
+                    values[layer_at, :, places] = v.to(values.dtype)
                 if per_query:
-                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, tree, cache_list,
-                                            window=layer.window, softcap=softcap)  # (B, M, H, D)
-                else:
-                    if cache_list != list(range(keys.shape[0])):  # the batch's own rows of the pool
-                        keys, values = keys[cache_rows], values[cache_rows]
+                    out = attend_each_query(q, keys, values, starts, counts, self.scaling, tree, layer_rows,
+                                            window=layer.window, softcap=softcap, ring=ring)  # (B, M, H, D)
+                else:  # a prefill from slot 0: a ring holds it unwrapped (a wider one runs flat)
+                    if layer_rows != list(range(keys.shape[0])):  # the batch's own rows of the pool
+                        keys, values = keys[layer_at[:, 0]], values[layer_at[:, 0]]
                     out = attend_prefill(q, keys[:, :, :window], values[:, :, :window], self.scaling,
                                          window=layer.window, softcap=softcap)  # (B, M, H, D)
                 out = out.reshape(batch * width, heads * dim)
+            if wide:
+                kv.settle(i, keys, values, starts, counts, cache_list)
             if real is not None:
                 out = out[real]  # (T, H D)
             if i == last and kept_rows is not None and not hidden_all:

@@ -14,7 +14,9 @@ whole, and speculative output still equals plain output whatever either found he
 
 Entries are whole prompts (at most `max_tokens` tokens in all, least recently used dropped
 first); a prompt that extends an entry replaces it. Matching is a scan over the entries'
-tokens: at most `max_tokens` comparisons.
+tokens: at most `max_tokens` comparisons. A sliding-window layer's keys are kept from its ring
+(speclm.forward.cache): an entry longer than the ring serves prefixes that reach within the ring's
+spare slots of its end (a conversation's next turn extends the whole previous prompt).
 
 An entry may also hold the target's hidden states of its prompt at the layers an EAGLE head reads
 (a proposer with prompt_hidden "all"): a request whose head reads every prompt token's features
@@ -56,15 +58,17 @@ class PrefixCache:
     def clear(self) -> None:
         self.entries.clear()
 
-    def _longest(self, ids: list[int], layers: tuple[int, ...] = ()) -> tuple[_Entry | None, int]:
+    def _longest(self, ids: list[int], layers: tuple[int, ...] = (), kv=None, limit: int | None = None) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with `ids` (at most `limit` tokens), and its length;
+        with a cache `kv`, only entries whose keys it can start a row of that length from."""
         best, most = None, 0
         for entry in self.entries:
             if any(layer not in entry.hidden for layer in layers):
                 continue
-            n, stop = 0, min(len(entry.tokens), len(ids))
+            n, stop = 0, min(len(entry.tokens), len(ids), len(ids) if limit is None else limit)
             while n < stop and entry.tokens[n] == ids[n]:
                 n += 1
-            if n > most:
+            if n > most and (kv is None or kv.loadable(entry.keys, len(entry.tokens), n)):
                 best, most = entry, n
         return best, most
 
@@ -79,13 +83,12 @@ class PrefixCache:
         the prefix's states (n, E))."""
         if self.max_tokens <= 0 or limit <= 0 or not kv.chunk_invariant:
             return 0, {}
-        entry, n = self._longest(ids, layers)
-        n = min(n, limit)
+        entry, n = self._longest(ids, layers, kv, limit)
         if entry is None or n == 0:
             return 0, {}
         self.entries.remove(entry)
         self.entries.append(entry)  # most recently used
-        kv.load_prefix(row, entry.keys, entry.values, n)
+        kv.load_prefix(row, entry.keys, entry.values, n, len(entry.tokens))
         return n, {layer: entry.hidden[layer][:n] for layer in layers}
 
     def add(self, kv, row: int, ids: list[int], hidden: dict[int, torch.Tensor] | None = None) -> None:
@@ -94,7 +97,7 @@ class PrefixCache:
         n, hidden = len(ids), hidden or {}
         if self.max_tokens <= 0 or n == 0 or n > self.max_tokens or not kv.chunk_invariant:
             return
-        entry, common = self._longest(ids, tuple(hidden))
+        entry, common = self._longest(ids, tuple(hidden), kv)
         if entry is not None and common == n:  # already held (as itself or inside a longer prompt)
             self.entries.remove(entry)
             self.entries.append(entry)

@@ -56,7 +56,9 @@ class DraftModelProposer(Proposer):
         self._prefill_seconds = 0.0
 
     def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None, pool: int = 0) -> None:
+        # a round rolls back every draft token it fed (a sliding layer's ring keeps them all)
         self.kv = StaticKV(self.model, 0, capacity, pool=max(batch_size, pool))
+        self.kv.reserve(capacity, width=self.max_nodes + 2)
         self.vocabs = RowVocabs(self.model, self.vocab, self.always)
         self._prefill_seconds = 0.0
         self.add(batch_size, prompt_lengths, max_new_tokens)

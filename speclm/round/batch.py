@@ -182,7 +182,8 @@ class Batch:
         capacity = self._capacity(joining)
         if self.kv is None:
             self.kv = StaticKV(self.engine.target.model, 0, capacity, pool=self.rows)
-        self.kv.reserve(capacity)  # a longer request than those before: one copy
+        widest = max((g.proposer.max_nodes for g in self.groups.values() if g.proposer), default=0) + 1
+        self.kv.reserve(capacity, widest)  # a longer request or a wider round than those before: one copy
         rows = self.kv.add(len(joining))
         cache = self.engine.prefix.target
         for b, r in zip(rows, joining):

@@ -130,6 +130,22 @@ struct AttentionShape {
   int64_t batch, rows, width, dim, capacity;
 };
 
+// Where slot s lives along a cache row's capacity: at s itself, or in a ring (a sliding layer's cache,
+// speclm.forward.cache) at s mod capacity.
+inline int64_t place(int64_t slot, int64_t capacity, bool ring) { return ring ? slot % capacity : slot; }
+
+// Calls f(j0', j1', first) for the pieces of a query's leading slots j0 <= j < j1 (slot base + j)
+// that lie in one run along the cache: `first` is where slot base + j0' lives. One piece, or two
+// where a ring wraps past its end.
+template <typename F>
+inline void runs(int64_t base, int64_t j0, int64_t j1, int64_t capacity, bool ring, F&& f) {
+  if (j0 >= j1) return;
+  const int64_t at = place(base + j0, capacity, ring);
+  const int64_t split = ring ? std::min(j1, j0 + capacity - at) : j1;
+  f(j0, split, at);
+  if (split < j1) f(split, j1, int64_t(0));
+}
+
 // decode_attention's `cache_rows`: the cache row (first index of keys and values) of batch row b;
 // empty: row b.
 inline int64_t cache_row(const std::vector<int64_t>& cache_rows, int64_t b) {
@@ -140,7 +156,7 @@ inline AttentionShape check_attention(const at::Tensor& qkv, const at::Tensor& c
                                       const at::Tensor& keys, const at::Tensor& values, const std::vector<int64_t>& starts,
                                       const std::vector<int64_t>& counts, int64_t heads, int64_t kv_heads,
                                       const std::vector<int64_t>& tree, int64_t query_tile,
-                                      const std::vector<int64_t>& cache_rows) {
+                                      const std::vector<int64_t>& cache_rows, bool ring = false) {
   AttentionShape s{};
   s.batch = static_cast<int64_t>(starts.size());
   TORCH_CHECK(query_tile >= 1, "query_tile must be >= 1");
@@ -164,7 +180,7 @@ inline AttentionShape check_attention(const at::Tensor& qkv, const at::Tensor& c
   const int64_t last = *std::max_element(starts.begin(), starts.end()) + s.width;
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.size(1) == s.dim && cos.size(0) >= last && sin.size(0) >= last &&
-              last <= s.capacity, "rotary tables or cache too short");
+              (ring ? s.width <= s.capacity : last <= s.capacity), "rotary tables or cache too short");
   for (int64_t b = 0; b < s.batch; ++b)
     TORCH_CHECK(starts[b] >= 0 && counts[b] >= 0 && counts[b] <= s.width, "bad count");
   if (tree.empty()) return s;

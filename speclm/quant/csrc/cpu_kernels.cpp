@@ -692,6 +692,19 @@ inline void score16(const float* q, const float* k, int64_t dim, int64_t s0, int
   _mm512_mask_storeu_ps(out + s0, m, _mm512_mul_ps(dots16(q, rows, dim), _mm512_set1_ps(scale)));
 }
 
+// score16 for the leading slots s0 .. s0 + valid - 1 of a query whose first is slot `base`, each in the
+// lane it has there (u = its index - s0), read where the cache holds them (common.h's place: in a ring
+// a block may wrap past the end).
+inline void score16_at(const float* q, const float* kg, int64_t dim, int64_t base, int64_t s0, int64_t valid,
+                       int64_t capacity, bool ring, float scale, float* out) {
+  const int64_t at = speclm_common::place(base + s0, capacity, ring);
+  if (!ring || at + valid <= capacity) return score16(q, kg + at * dim, dim, 0, valid, scale, out + s0);
+  const float* rows[16];
+  for (int u = 0; u < 16; ++u) rows[u] = kg + speclm_common::place(base + s0 + (u < valid ? u : 0), capacity, ring) * dim;
+  const __mmask16 m = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  _mm512_mask_storeu_ps(out + s0, m, _mm512_mul_ps(dots16(q, rows, dim), _mm512_set1_ps(scale)));
+}
+
 // out[index] = (q . k) * scale for one key row k, computed in lane index % 16 of a 16-slot block,
 // where a plain step computes the slot at that index: the same operations, so the same bits.
 inline void score_apart(const float* q, const float* k, int64_t dim, int64_t index, float scale, float* out) {
@@ -741,14 +754,16 @@ inline void weigh_values(const float* p, const float* v, int64_t dim, int64_t j0
 // its own, and is rotated at its depth's position: the slots, values and order of a plain step at
 // that position, so its bits are that step's. window: a sliding window's keys (0: none; common.h's
 // windowed): a query attends only the slots of its last `window` positions. softcap: scores become
-// cap * tanh(s / cap) before the softmax (0: none).
+// cap * tanh(s / cap) before the softmax (0: none). ring: the cache is a ring of `capacity` slots
+// (a sliding layer's, speclm.forward.cache): slot s lives at s mod capacity.
 // Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
-                            int64_t query_tile, const std::vector<int64_t>& cache_rows, int64_t window, double softcap) {
+                            int64_t query_tile, const std::vector<int64_t>& cache_rows, int64_t window, double softcap,
+                            bool ring) {
   const speclm_common::AttentionShape shape = speclm_common::check_attention(
-      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile, cache_rows);
+      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile, cache_rows, ring);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
   const int64_t capacity = shape.capacity, half = dim / 2;
   auto visible = [&](int64_t b, int64_t i) { return speclm_common::visible_of(tree, b * width + i, starts[b] + i); };
@@ -772,7 +787,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     float* kb = kp + speclm_common::cache_row(cache_rows, b) * kv_heads * capacity * dim;
     float* vb = vp + speclm_common::cache_row(cache_rows, b) * kv_heads * capacity * dim;
     for (int64_t i = 0; i < width; ++i) {
-      const int64_t r = b * width + i, slot = starts[b] + i, at = visible(b, i).position();
+      const int64_t r = b * width + i, slot = speclm_common::place(starts[b] + i, capacity, ring);
+      const int64_t at = visible(b, i).position();
       const float* row = src + r * stride;
       const float* c = cp + at * dim;
       const float* sn = sp + at * dim;
@@ -832,12 +848,13 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
           for (int64_t n = n0; n < n1; ++n) {
             const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].lead());
             for (int64_t s0 = j0; s0 < j1; s0 += 16)
-              score16(q.data() + who[n] * dim, kg + sees[n].base * dim, dim, s0, std::min<int64_t>(16, j1 - s0), sc, scores.data() + (n - n0) * most);
+              score16_at(q.data() + who[n] * dim, kg, dim, sees[n].base, s0, std::min<int64_t>(16, j1 - s0), capacity, ring,
+                         sc, scores.data() + (n - n0) * most);
           }
         }
         for (int64_t n = n0; n < n1; ++n)  // slots apart, each scored in the lane a plain step's slot has
           for (int64_t e = 0; e < sees[n].count; ++e)
-            score_apart(q.data() + who[n] * dim, kg + sees[n].apart[e] * dim, dim, sees[n].lead() + e, sc,
+            score_apart(q.data() + who[n] * dim, kg + speclm_common::place(sees[n].apart[e], capacity, ring) * dim, dim, sees[n].lead() + e, sc,
                         scores.data() + (n - n0) * most);
         if (softcap > 0) {  // Gemma 2's soft-capped scores: cap * tanh(s / cap), each score on its own
           const float cap = static_cast<float>(softcap);
@@ -874,12 +891,16 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
           for (int64_t n = n0; n < n1; ++n) {
             const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].lead());
-            if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg + sees[n].base * dim, dim, j0, j1, acc.data() + (n - n0) * dim);
+            const float* pn = scores.data() + (n - n0) * most;
+            speclm_common::runs(sees[n].base, j0, j1, capacity, ring, [&](int64_t a, int64_t e, int64_t at) {
+              weigh_values(pn + a, vg + at * dim, dim, 0, e - a, acc.data() + (n - n0) * dim);
+            });
           }
         }
         for (int64_t n = n0; n < n1; ++n)  // slots apart after, in order, as a plain step's last slots
           for (int64_t e = 0; e < sees[n].count; ++e)
-            weigh_values(scores.data() + (n - n0) * most + sees[n].lead() + e, vg + sees[n].apart[e] * dim, dim, 0, 1,
+            weigh_values(scores.data() + (n - n0) * most + sees[n].lead() + e,
+                         vg + speclm_common::place(sees[n].apart[e], capacity, ring) * dim, dim, 0, 1,
                          acc.data() + (n - n0) * dim);
         for (int64_t n = n0; n < n1; ++n) {
           float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
@@ -919,5 +940,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
         py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE,
         py::arg("cache_rows") = std::vector<int64_t>(), py::arg("window") = 0,
-        py::arg("softcap") = 0.0);
+        py::arg("softcap") = 0.0, py::arg("ring") = false);
 }

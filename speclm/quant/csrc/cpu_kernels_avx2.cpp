@@ -518,13 +518,15 @@ constexpr int64_t QUERY_TILE = SPECLM_QUERY_TILE;  // speclm.defaults.ATTENTION_
 // written to the cache at each row's slots, and each query attending on its own over exactly
 // the slots before it (a tree node: the shared prefix, its ancestors' slots, its own slot; common.h's
 // visible_of; within a sliding `window` where one is given: windowed; scores soft-capped where
-// `softcap` > 0), every query's arithmetic its own and in slot order. Returns (B M, H D).
+// `softcap` > 0; the cache a ring of `capacity` slots where `ring`), every query's arithmetic its own
+// and in slot order. Returns (B M, H D).
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                             at::Tensor values, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                             int64_t heads, int64_t kv_heads, double scale, const std::vector<int64_t>& tree,
-                            int64_t query_tile, const std::vector<int64_t>& cache_rows, int64_t window, double softcap) {
+                            int64_t query_tile, const std::vector<int64_t>& cache_rows, int64_t window, double softcap,
+                            bool ring) {
   const speclm_common::AttentionShape shape = speclm_common::check_attention(
-      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile, cache_rows);
+      qkv, cos, sin, keys, values, starts, counts, heads, kv_heads, tree, query_tile, cache_rows, ring);
   const int64_t batch = shape.batch, rows = shape.rows, width = shape.width, dim = shape.dim;
   const int64_t capacity = shape.capacity, half = dim / 2;
   auto visible = [&](int64_t b, int64_t i) { return speclm_common::visible_of(tree, b * width + i, starts[b] + i); };
@@ -548,7 +550,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     float* kb = kp + speclm_common::cache_row(cache_rows, b) * kv_heads * capacity * dim;
     float* vb = vp + speclm_common::cache_row(cache_rows, b) * kv_heads * capacity * dim;
     for (int64_t i = 0; i < width; ++i) {
-      const int64_t r = b * width + i, slot = starts[b] + i, at = visible(b, i).position();
+      const int64_t r = b * width + i, slot = speclm_common::place(starts[b] + i, capacity, ring);
+      const int64_t at = visible(b, i).position();
       const float* row = src + r * stride;
       for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, cp + at * dim, sp + at * dim, q.data() + (r * heads + h) * dim);
       for (int64_t g = 0; g < kv_heads; ++g) {
@@ -604,17 +607,20 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
           for (int64_t n = n0; n < n1; ++n) {
             const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].lead());
             const float* qh = q.data() + who[n] * dim;
-            const float* kb0 = kg + sees[n].base * dim;
             float* sn = scores.data() + (n - n0) * most;
-            int64_t j = j0;
-            for (; j + 4 <= j1; j += 4) dots<4>(qh, kb0 + j * dim, dim, dim, sn + j);
-            for (; j < j1; ++j) sn[j] = dot(qh, kb0 + j * dim, dim);
-            for (j = j0; j < j1; ++j) sn[j] *= sc;
+            speclm_common::runs(sees[n].base, j0, j1, capacity, ring, [&](int64_t a, int64_t e, int64_t at) {
+              const float* k0 = kg + at * dim;  // slot base + a; base + j at k0 + (j - a) * dim
+              int64_t j = a;
+              for (; j + 4 <= e; j += 4) dots<4>(qh, k0 + (j - a) * dim, dim, dim, sn + j);
+              for (; j < e; ++j) sn[j] = dot(qh, k0 + (j - a) * dim, dim);
+            });
+            for (int64_t j = j0; j < j1; ++j) sn[j] *= sc;
           }
         }
         for (int64_t n = n0; n < n1; ++n)  // slots apart after the leading ones, in order
           for (int64_t e = 0; e < sees[n].count; ++e)
-            scores[(n - n0) * most + sees[n].lead() + e] = dot(q.data() + who[n] * dim, kg + sees[n].apart[e] * dim, dim) * sc;
+            scores[(n - n0) * most + sees[n].lead() + e] =
+                dot(q.data() + who[n] * dim, kg + speclm_common::place(sees[n].apart[e], capacity, ring) * dim, dim) * sc;
         if (softcap > 0) {  // Gemma 2's soft-capped scores: cap * tanh(s / cap), each score on its own
           const float cap = static_cast<float>(softcap);
           for (int64_t n = n0; n < n1; ++n) {
@@ -640,12 +646,16 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
         for (int64_t j0 = 0; j0 < most; j0 += SLOT_BLOCK) {  // out = sum_j p_j v_j in slot order, per feature
           for (int64_t n = n0; n < n1; ++n) {
             const int64_t j1 = std::min(j0 + SLOT_BLOCK, sees[n].lead());
-            if (j1 > j0) weigh_values(scores.data() + (n - n0) * most, vg + sees[n].base * dim, dim, j0, j1, acc.data() + (n - n0) * dim);
+            const float* pn = scores.data() + (n - n0) * most;
+            speclm_common::runs(sees[n].base, j0, j1, capacity, ring, [&](int64_t a, int64_t e, int64_t at) {
+              weigh_values(pn + a, vg + at * dim, dim, 0, e - a, acc.data() + (n - n0) * dim);
+            });
           }
         }
         for (int64_t n = n0; n < n1; ++n)  // slots apart after, in order, as a plain step's last slots
           for (int64_t e = 0; e < sees[n].count; ++e)
-            weigh_values(scores.data() + (n - n0) * most + sees[n].lead() + e, vg + sees[n].apart[e] * dim, dim, 0, 1,
+            weigh_values(scores.data() + (n - n0) * most + sees[n].lead() + e,
+                         vg + speclm_common::place(sees[n].apart[e], capacity, ring) * dim, dim, 0, 1,
                          acc.data() + (n - n0) * dim);
         for (int64_t n = n0; n < n1; ++n) {
           float* oh = op + (who[n] / heads) * heads * dim + (who[n] % heads) * dim;
@@ -675,5 +685,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("counts"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"),
         py::arg("tree") = std::vector<int64_t>(), py::arg("query_tile") = QUERY_TILE,
         py::arg("cache_rows") = std::vector<int64_t>(), py::arg("window") = 0,
-        py::arg("softcap") = 0.0);
+        py::arg("softcap") = 0.0, py::arg("ring") = false);
 }
