@@ -221,13 +221,21 @@ def test_gemma3_int8_drafting_for_itself_reproduces_plain(gemma):
         assert out.stats.acceptance_rate == 1.0, out.stats.accepted_per_position
 
 
-def test_gemma3_past_its_sliding_window(gemma):
-    """A prompt longer than Gemma 3's sliding window (512): its sliding layers attend the last 512
-    positions; `pld` and the model drafting for itself still give plain decoding's tokens on int8."""
+def test_gemma3_past_its_sliding_window(gemma, monkeypatch):
+    """A prompt longer than Gemma 3's sliding window (512) and its sliding layers' rings (512 + 256
+    slots): those layers attend the last 512 positions; plain decoding over the rings gives the
+    tokens it gives with every slot kept, and `pld` and the model drafting for itself give plain
+    decoding's tokens on int8."""
+    import speclm.forward.cache as cache
+
     model, _ = gemma("int8")
-    prompt = " ".join(f"Item {i}: the {i % 7}th colour of the list is {['red', 'blue', 'green'][i % 3]}." for i in range(60))
-    assert len(model.tokenizer(prompt).input_ids) > 600
+    prompt = " ".join(f"Item {i}: the {i % 7}th colour of the list is {['red', 'blue', 'green'][i % 3]}." for i in range(90))
+    assert len(model.tokenizer(prompt).input_ids) > 900
+    kv = cache.StaticKV(model.model, 1, 1024)
+    assert {k.shape[2] for k, w in zip(kv.keys, kv.windows) if w} == {512 + cache.RING_SPARE}
     engine = SpecEngine(model, draft=model)
     ref = engine.generate(prompt, method="none", max_new_tokens=24, chat=False)
     for method in ("pld", "draft"):
         assert engine.generate(prompt, method=method, k=4, max_new_tokens=24, chat=False).token_ids == ref.token_ids, method
+    monkeypatch.setattr(cache, "RING_SPARE", 1 << 20)  # every layer keeps every slot
+    assert SpecEngine(model).generate(prompt, method="none", max_new_tokens=24, chat=False).token_ids == ref.token_ids

@@ -169,8 +169,9 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     the only one transformers builds: it reads no key_length for qwen3); phi3 (q, k, v fused in
     attn_qkv, gate and up stacked in ffn_up, a padding id inside the vocabulary: Phi3Config's
     default 32000 is not); gemma2 (norms after attention and after the MLP, the attention and
-    final logit softcapping keys, a sliding window; key_length = head_dim); gemma3 (gemma2's
-    norms, per-head q and k norms, a sliding window, no softcapping). A gemma file is tied (no
+    final logit softcapping keys at 20 and 15, a sliding window; key_length = head_dim); gemma3
+    (gemma2's norms, per-head q and k norms, a sliding window, no softcapping, linear rotary
+    scaling by 8). A gemma file is tied (no
     output.weight) only if `tied`, as for the others."""
     import gguf
     import numpy as np
@@ -197,9 +198,12 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_sliding_window(16)
-    if arch == "gemma2":
-        w.add_attn_logit_softcapping(50.0)
-        w.add_final_logit_softcapping(30.0)
+    if arch == "gemma2":  # not Gemma 2's usual 50 and 30, which transformers' config holds by default
+        w.add_attn_logit_softcapping(20.0)
+        w.add_final_logit_softcapping(15.0)
+    if arch == "gemma3":  # the global layers' rotary scaling of Gemma 3 4B and larger
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(8.0)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -273,15 +277,18 @@ def test_tiny_gguf_of_each_architecture_loads_as_transformers_loads_it(tmp_path,
     loads it tensor by tensor (no fallback to from_pretrained), to transformers' own model of the
     file: the same model_type, every weight and the logits bit for bit."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from speclm.models import weights
     from speclm.models.loading import load_model
+    from speclm.models.store import complete_gemma_config
 
     monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
     path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", quantized=True, layers=2, arch=arch,
                            tied=arch.startswith("gemma"))
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    complete_gemma_config(config, path)  # what transformers' reader leaves out (the next test)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, config=config, dtype=torch.float32).eval()
     got = load_model(str(path), progress=False).model
     assert got.config.model_type == ref.config.model_type == TINY_MODEL_TYPES[arch]
     (folder,) = (tmp_path / "home" / "models").glob(f"gguf-tiny-{arch}-*")
@@ -294,6 +301,43 @@ def test_tiny_gguf_of_each_architecture_loads_as_transformers_loads_it(tmp_path,
     ids = torch.tensor([[3, 100, 7, 256, 42, 42, 9]])
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_keeps_what_transformers_reader_leaves_out(tmp_path, monkeypatch, arch):
+    """Gemma 2's soft-caps and Gemma 3's rotary scaling come from the file, and queries are scaled
+    as llama.cpp scales them (by head_dim, or hidden / heads in the 27B sizes), not by transformers'
+    default; the logits then differ from transformers' own reading of the file."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from speclm.models import store
+    from speclm.models.loading import load_model
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", layers=2, arch=arch, tied=True)
+    theirs = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    got = load_model(str(path), progress=False).model
+    cfg = got.config
+    assert theirs.query_pre_attn_scalar == 256 and cfg.query_pre_attn_scalar == cfg.head_dim == 32
+    if arch == "gemma2":
+        assert (theirs.attn_logit_softcapping, theirs.final_logit_softcapping) == (50.0, 30.0)
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (20.0, 15.0)
+    else:
+        assert theirs.rope_parameters["full_attention"]["rope_type"] == "default"
+        assert cfg.rope_parameters["full_attention"]["rope_type"] == "linear"
+        assert cfg.rope_parameters["full_attention"]["factor"] == 8.0
+        assert cfg.rope_parameters["sliding_attention"] == theirs.rope_parameters["sliding_attention"]
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 100, 7, 256, 42, 42, 9]])
+    with torch.no_grad():
+        assert (got(ids).logits - ref(ids).logits).abs().max() > 1e-3
+    theirs.head_dim = 16  # apart from hidden / heads (32), as in Gemma 2 27B (128 against 144)
+    store.complete_gemma_config(theirs, path)
+    assert theirs.query_pre_attn_scalar == 16
+    monkeypatch.setitem(store._GEMMA_27B_LAYERS, cfg.model_type, 2)  # as if these were the 27B's layers
+    store.complete_gemma_config(theirs, path)
+    assert theirs.query_pre_attn_scalar == theirs.hidden_size // theirs.num_attention_heads == 32
 
 
 @pytest.fixture

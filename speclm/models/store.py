@@ -360,6 +360,7 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
     folder.mkdir(parents=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    complete_gemma_config(config, gguf)
     config.dtype = "float32"  # what a GGUF de-quantizes to
     config.save_pretrained(folder)
     gen = GenerationConfig.from_model_config(config)
@@ -375,6 +376,43 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
     else:
         gguf.rename(folder / GGUF_FILE)
     write_index(folder / GGUF_FILE)
+
+
+# a Gemma's layer count in its 27B size, where llama.cpp scales queries by hidden / heads, not head_dim
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def complete_gemma_config(config, gguf: Path) -> None:
+    """What transformers' GGUF reader (5.24) leaves at its config's defaults for a Gemma though the
+    file, or llama.cpp's reading of it, says otherwise: Gemma 2's attention and final logit
+    soft-caps (`{arch}.attn_logit_softcapping`, `final_logit_softcapping`), Gemma 3's linear rotary
+    scaling of its global layers (`{arch}.rope.scaling.type` / `.factor`: the 4B, 12B and 27B), and
+    the query scaling llama.cpp uses (1 / sqrt(head_dim), 1 / sqrt(hidden / heads) in the 27B
+    sizes), which GGUF files do not store. Other architectures are left as read."""
+    kind = getattr(config, "model_type", None)
+    if kind not in _GEMMA_27B_LAYERS:
+        return
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    reader = GGUFReader(str(gguf))
+    arch = "gemma2" if kind == "gemma2" else "gemma3"
+
+    def field(key: str):
+        found = read_field(reader, f"{arch}.{key}")
+        return found[0] if found else None
+
+    if kind == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if field(key) is not None:
+                setattr(config, key, float(field(key)))
+    scaling, factor = field("rope.scaling.type"), field("rope.scaling.factor")
+    if kind == "gemma3_text" and scaling == "linear" and factor:
+        full = dict(config.rope_parameters.get("full_attention") or {})
+        full.update(rope_type="linear", factor=float(factor))
+        config.rope_parameters = {**config.rope_parameters, "full_attention": full}
+    big = config.num_hidden_layers == _GEMMA_27B_LAYERS[kind]
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else config.head_dim
 
 
 def _as_list(x) -> list[int]:
