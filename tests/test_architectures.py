@@ -186,3 +186,55 @@ def test_heads_train_on_the_models_own_embedding(tok, arch):
     ids = torch.tensor([3, 5, 7])
     frozen = _frozen_on(loaded(model, tok), torch.arange(len(tok)), torch.device("cpu"))
     assert torch.equal(frozen.embed(ids), model.get_input_embeddings()(ids).float()), arch
+
+
+def model_switch(config) -> int:
+    return config.rope_parameters["original_max_position_embeddings"]
+
+
+def test_longrope_switches_to_its_long_factors_where_transformers_decoding_does(tok):
+    """Phi-3.5/Phi-4-mini's LongRoPE: transformers rotates a token with the short factors while its
+    forward's length is within original_max_position_embeddings and with the long ones past it. A
+    token decoded alone at position p therefore gets the long factors from p = original on: the
+    lean forward's table switches there, and its logits equal transformers' token-by-token
+    decoding within 1e-4 on both sides of the switch; a table of short factors only (the planted
+    bug) does not."""
+    import dataclasses as dc
+
+    import transformers as tf
+
+    dim = 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(dim // 2)], "long_factor": [2.0 + 0.5 * i for i in range(dim // 2)]}
+    config = tf.Phi3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                           original_max_position_embeddings=16, tie_word_embeddings=False, rope_parameters=rope)
+    assert model_switch(config) == 16
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.Phi3ForCausalLM(config).eval()
+    ids = tok(TEXT).input_ids[:40]
+    with torch.inference_mode():  # transformers' own decoding: a prefill of 8, then a token per forward
+        out = model(torch.tensor([ids[:8]]), use_cache=True)
+        ref, cache = [out.logits], out.past_key_values
+        for t in ids[8:]:
+            out = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            ref.append(out.logits)
+            cache = out.past_key_values
+    ref = torch.cat(ref, dim=1)
+
+    def lean_logits(compiled):
+        kv = StaticKV(model, 1, 64)
+        if not compiled:
+            kv.lean.compiled = None
+        return torch.cat([kv.forward([ids[:8]], 8)] + [kv.forward([[t]], 1) for t in ids[8:]], dim=1)
+
+    for compiled in (True, False):
+        got = lean_logits(compiled)
+        assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (compiled, (got - ref).abs().max().item())
+    real = decoders._longrope
+    try:
+        decoders._longrope = lambda model, rope: dc.replace(rope, long_inv_freq=None)
+        assert (lean_logits(True)[:, 16:] - ref[:, 16:]).abs().max() > 1e-3  # 10x the tolerance
+    finally:
+        decoders._longrope = real

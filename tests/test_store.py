@@ -168,7 +168,7 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     llama); qwen3 (per-head q and k RMSNorms, attn_q_norm / attn_k_norm, and a head_dim of 128,
     the only one transformers builds: it reads no key_length for qwen3); phi3 (q, k, v fused in
     attn_qkv, gate and up stacked in ffn_up, a padding id inside the vocabulary: Phi3Config's
-    default 32000 is not); gemma2 (norms after attention and after the MLP, the attention and
+    default 32000 is not; LongRoPE's factors, original length 16 and attention factor); gemma2 (norms after attention and after the MLP, the attention and
     final logit softcapping keys at 20 and 15, a sliding window; key_length = head_dim); gemma3
     (gemma2's norms, per-head q and k norms, a sliding window, no softcapping, linear rotary
     scaling by 8). A gemma file is tied (no
@@ -217,6 +217,8 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     w.add_bos_token_id(vocab - 1)
     if arch == "phi3":
         w.add_pad_token_id(vocab - 1)
+        w.add_rope_scaling_orig_ctx_len(16)  # LongRoPE (Phi-3.5, Phi-4-mini), its factors as tensors below
+        w.add_rope_scaling_attn_factors(1.25)
 
     def tensor(name, *shape, qtype="Q8_0"):
         values = (rng.standard_normal(shape) * 0.2).astype(np.float32)
@@ -227,6 +229,9 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
             w.add_tensor(name, values)
 
     tensor("token_embd.weight", vocab, hidden, qtype="Q5_0")
+    if arch == "phi3":
+        w.add_tensor("rope_factors_long.weight", (2.0 + 0.5 * np.arange(head_dim // 2)).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", (1.0 + 0.1 * np.arange(head_dim // 2)).astype(np.float32))
     tensor("output_norm.weight", hidden)
     if not tied:
         tensor("output.weight", vocab, hidden)
@@ -281,13 +286,13 @@ def test_tiny_gguf_of_each_architecture_loads_as_transformers_loads_it(tmp_path,
 
     from speclm.models import weights
     from speclm.models.loading import load_model
-    from speclm.models.store import complete_gemma_config
+    from speclm.models.store import complete_config
 
     monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
     path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", quantized=True, layers=2, arch=arch,
                            tied=arch.startswith("gemma"))
     config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
-    complete_gemma_config(config, path)  # what transformers' reader leaves out (the next test)
+    complete_config(config, path)  # what transformers' reader leaves out (the next test)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, config=config, dtype=torch.float32).eval()
     got = load_model(str(path), progress=False).model
     assert got.config.model_type == ref.config.model_type == TINY_MODEL_TYPES[arch]
@@ -301,6 +306,23 @@ def test_tiny_gguf_of_each_architecture_loads_as_transformers_loads_it(tmp_path,
     ids = torch.tensor([[3, 100, 7, 256, 42, 42, 9]])
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)
+
+
+def test_a_phi3_gguf_keeps_its_longrope(tmp_path, monkeypatch):
+    """Phi-3.5 / Phi-4-mini's LongRoPE factors are tensors of the file, its original length and
+    attention factor keys: transformers' reader drops them (plain rotary); the store keeps them."""
+    from transformers import AutoConfig
+
+    from speclm.models.loading import load_model
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
+    path = write_tiny_gguf(tmp_path / "tiny-phi3.gguf", layers=2, arch="phi3")
+    assert AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).rope_parameters["rope_type"] == "default"
+    cfg = load_model(str(path), progress=False).model.config
+    rope = cfg.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 16 == cfg.original_max_position_embeddings
+    assert rope["long_factor"] == [2.0 + 0.5 * i for i in range(16)] and rope["short_factor"][1] == pytest.approx(1.1)
+    assert rope["attention_factor"] == 1.25
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
@@ -333,10 +355,10 @@ def test_a_gemma_gguf_keeps_what_transformers_reader_leaves_out(tmp_path, monkey
     with torch.no_grad():
         assert (got(ids).logits - ref(ids).logits).abs().max() > 1e-3
     theirs.head_dim = 16  # apart from hidden / heads (32), as in Gemma 2 27B (128 against 144)
-    store.complete_gemma_config(theirs, path)
+    store.complete_config(theirs, path)
     assert theirs.query_pre_attn_scalar == 16
     monkeypatch.setitem(store._GEMMA_27B_LAYERS, cfg.model_type, 2)  # as if these were the 27B's layers
-    store.complete_gemma_config(theirs, path)
+    store.complete_config(theirs, path)
     assert theirs.query_pre_attn_scalar == theirs.hidden_size // theirs.num_attention_heads == 32
 
 

@@ -26,14 +26,14 @@ def home(tmp_path, monkeypatch):
 
 def _reference(folder: Path, **kw):
     """transformers' model of a folder or of its GGUF (`gguf_file`), with the config the store
-    completes from a Gemma file (speclm.models.store.complete_gemma_config)."""
+    completes from a Gemma file (speclm.models.store.complete_config)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from speclm.models.store import complete_gemma_config
+    from speclm.models.store import complete_config
 
     if "gguf_file" in kw:
         kw["config"] = AutoConfig.from_pretrained(folder, gguf_file=kw["gguf_file"])
-        complete_gemma_config(kw["config"], folder / kw["gguf_file"])
+        complete_config(kw["config"], folder / kw["gguf_file"])
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
 
 

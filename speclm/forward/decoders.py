@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# Rotary types whose frequencies do not change with the sequence length: the forward reads them
-# once ("dynamic" rescales as a sequence grows, which a table computed once cannot follow).
+# Rotary types the forward reads once ("dynamic" rescales as a sequence grows, which a table
+# computed once cannot follow; "longrope" switches at one position: Rope.long_inv_freq).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -54,6 +54,11 @@ FAMILIES: dict[str, Family] = {
 class Rope:
     inv_freq: torch.Tensor  # (D_rot / 2,) fp32
     scale: float  # transformers' attention_scaling: cos and sin are multiplied by it
+    # LongRoPE (Phi-3.5, Phi-4-mini): the long factors' frequencies from position `switch`
+    # (original_max_position_embeddings) on, the short ones before it: what transformers' rotary
+    # gives a token decoded at each position (its forward's length past `switch` or not)
+    long_inv_freq: torch.Tensor | None = None
+    switch: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,13 +95,28 @@ def _ropes(model, types: list[str]) -> tuple[dict[str, Rope], tuple[str, ...]] |
     if kinds is None:
         if not hasattr(rotary, "inv_freq") or getattr(rotary, "rope_type", "default") not in STATIC_ROPE:
             return None
-        return {"": Rope(rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0)))}, ("",) * len(types)
+        rope = Rope(rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0)))
+        if getattr(rotary, "rope_type", None) == "longrope":
+            rope = _longrope(model, rope)
+        return {"": rope}, ("",) * len(types)
     tables = {}
     for kind in set(types):
         if kinds.get(kind) not in STATIC_ROPE or not hasattr(rotary, f"{kind}_inv_freq"):
             return None
         tables[kind] = Rope(getattr(rotary, f"{kind}_inv_freq").float(), float(getattr(rotary, f"{kind}_attention_scaling", 1.0)))
     return tables, tuple(types)
+
+
+def _longrope(model, rope: Rope) -> Rope:
+    """LongRoPE's two tables: the short factors' frequencies, the long ones' from the original length
+    on (computed afresh: transformers' rotary holds whichever its last forward switched to)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init, device = ROPE_INIT_FUNCTIONS["longrope"], rope.inv_freq.device
+    switch = int(model.config.rope_parameters["original_max_position_embeddings"])
+    short, scale = init(model.config, device)
+    long, _ = init(model.config, device, seq_len=switch + 1)
+    return Rope(short.float(), float(scale), long.float(), switch)
 
 
 def describe(model) -> Decoder | None:

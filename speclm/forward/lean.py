@@ -279,7 +279,10 @@ class LeanForward:
         for name, (rope, cos, sin) in self._tables.items():
             if window > cos.shape[0]:
                 length = max(window, 2 * cos.shape[0])
-                freqs = torch.arange(length, dtype=torch.float32, device=rope.inv_freq.device)[:, None] * rope.inv_freq
+                at = torch.arange(length, dtype=torch.float32, device=rope.inv_freq.device)[:, None]
+                freqs = at * rope.inv_freq
+                if rope.long_inv_freq is not None and length > rope.switch:  # LongRoPE past its original length
+                    freqs[rope.switch :] = at[rope.switch :] * rope.long_inv_freq
                 cos = torch.cat((freqs, freqs), dim=-1).cos() * rope.scale  # (P, D_rot)
                 half = freqs.sin() * rope.scale
                 self._tables[name] = (rope, cos, torch.cat((-half, half), dim=-1))

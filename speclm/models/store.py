@@ -360,7 +360,7 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
     folder.mkdir(parents=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    complete_gemma_config(config, gguf)
+    complete_config(config, gguf)
     config.dtype = "float32"  # what a GGUF de-quantizes to
     config.save_pretrained(folder)
     gen = GenerationConfig.from_model_config(config)
@@ -382,25 +382,40 @@ def convert_gguf(gguf: Path, folder: Path, *, extra_eos_tokens: tuple[str, ...] 
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 
-def complete_gemma_config(config, gguf: Path) -> None:
-    """What transformers' GGUF reader (5.24) leaves at its config's defaults for a Gemma though the
-    file, or llama.cpp's reading of it, says otherwise: Gemma 2's attention and final logit
-    soft-caps (`{arch}.attn_logit_softcapping`, `final_logit_softcapping`), Gemma 3's linear rotary
-    scaling of its global layers (`{arch}.rope.scaling.type` / `.factor`: the 4B, 12B and 27B), and
-    the query scaling llama.cpp uses (1 / sqrt(head_dim), 1 / sqrt(hidden / heads) in the 27B
-    sizes), which GGUF files do not store. Other architectures are left as read."""
+def complete_config(config, gguf: Path) -> None:
+    """What transformers' GGUF reader (5.24) leaves at its config's defaults though the file, or
+    llama.cpp's reading of it, says otherwise: Gemma 2's attention and final logit soft-caps
+    (`{arch}.attn_logit_softcapping`, `final_logit_softcapping`), Gemma 3's linear rotary scaling
+    of its global layers (`{arch}.rope.scaling.type` / `.factor`: the 4B, 12B and 27B), a Gemma's
+    query scaling as llama.cpp takes it (1 / sqrt(head_dim), 1 / sqrt(hidden / heads) in the 27B
+    sizes; no GGUF key holds it), and Phi-3's LongRoPE (Phi-3.5, Phi-4-mini: its `rope_factors_long`
+    and `rope_factors_short` tensors, `{arch}.rope.scaling.original_context_length` and
+    `attn_factor`). Other architectures are left as read."""
     kind = getattr(config, "model_type", None)
-    if kind not in _GEMMA_27B_LAYERS:
+    if kind not in (*_GEMMA_27B_LAYERS, "phi3"):
         return
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import read_field
 
     reader = GGUFReader(str(gguf))
-    arch = "gemma2" if kind == "gemma2" else "gemma3"
+    arch = {"gemma3_text": "gemma3"}.get(kind, kind)
 
     def field(key: str):
         found = read_field(reader, f"{arch}.{key}")
         return found[0] if found else None
+
+    if kind == "phi3":
+        factors = {t.name: [float(x) for x in t.data] for t in reader.tensors
+                   if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+        original = field("rope.scaling.original_context_length")
+        if len(factors) == 2 and original:
+            config.original_max_position_embeddings = int(original)
+            rope = {**config.rope_parameters, "rope_type": "longrope", "original_max_position_embeddings": int(original),
+                    "long_factor": factors["rope_factors_long.weight"], "short_factor": factors["rope_factors_short.weight"]}
+            if field("rope.scaling.attn_factor") is not None:
+                rope["attention_factor"] = float(field("rope.scaling.attn_factor"))
+            config.rope_parameters = rope
+        return
 
     if kind == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
