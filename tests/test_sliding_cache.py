@@ -165,6 +165,7 @@ def test_a_ring_grows_for_a_wider_forward_and_keeps_its_keys(tok):
     kv.forward([ids[:40]], 1)
     kv.reserve(128, width=9)  # a round of 9 tokens may now be rolled back
     assert kv.spare == 9 and {k.shape[2] for k, w in zip(kv.keys, kv.windows) if w} == {WINDOW + 9}
+    assert {k.shape[1] for k in kv.export(0, 40)[0]} == {WINDOW + 2}  # what was moved, not the larger ring
     logits = [kv.forward([ids[40:49]], 9)]  # fits the grown ring: written straight into it
     assert not kv.flat(0, [40], 9)
     kv.truncate([43])  # a round rolled back into

@@ -314,21 +314,26 @@ class StaticKV:
         sizes = _sizes(self.windows, new_cap, spare)
         lengths = self.lengths.tolist()
         rows = self._rows.tolist()
+        reach = list(self._reach)
         for i, size in enumerate(sizes):
             old = self.keys[i].shape[2]
             if size == old:
                 continue
             ring = self.ring(i)
+            held = [self._held(i, b, n) for b, n in enumerate(lengths)]
             for store in (self.keys, self.values):
                 t = store[i]
                 bigger = torch.zeros(*t.shape[:2], size, t.shape[3], dtype=t.dtype, device=t.device)
                 if not ring:
                     bigger[:, :, :old] = t
                 else:  # each row's slots the ring holds, to their places in the new one
-                    for b, (at, n) in enumerate(zip(rows, lengths)):
-                        slots = torch.arange(self._held(i, b, n), n, device=self.device)
+                    for at, n, first in zip(rows, lengths, held):
+                        slots = torch.arange(first, n, device=self.device)
                         bigger[at, :, slots % size] = t[at, :, slots % ring]
                 store[i] = bigger
+            if ring:  # the larger ring holds no more of a row than was moved into it
+                reach = [max(r, first + size) for r, first in zip(reach, held)]
+        self._reach = reach
         self.capacity, self.spare = new_cap, spare
         self._slots = torch.arange(new_cap, device=self.device)
 
