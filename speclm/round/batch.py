@@ -165,12 +165,15 @@ class Batch:
                 proposer.start(0, self._capacity(joining), pool=self.rows)
         return group
 
+    def _widest_round(self) -> int:
+        """The most tokens a round feeds a row: its proposer's widest draft and the token before it."""
+        return max((g.proposer.max_nodes for g in self.groups.values() if g.proposer), default=0) + 1
+
     def _capacity(self, requests: list[Request]) -> int:
         """Tokens per cache row: the longest request, and one round past its last token (a final
         round may feed a whole draft beyond it). A longer one later grows the caches (a copy)."""
-        headroom = max((g.proposer.max_nodes for g in self.groups.values() if g.proposer), default=0)
         longest = max([self.capacity] + [r.prompt_len + r.max_new for r in requests])
-        return longest + headroom + 1
+        return longest + self._widest_round()
 
     def _admit(self) -> None:
         """Requests that joined take cache rows (after those of the others) and start from the
@@ -182,8 +185,7 @@ class Batch:
         capacity = self._capacity(joining)
         if self.kv is None:
             self.kv = StaticKV(self.engine.target.model, 0, capacity, pool=self.rows)
-        widest = max((g.proposer.max_nodes for g in self.groups.values() if g.proposer), default=0) + 1
-        self.kv.reserve(capacity, widest)  # a longer request or a wider round than those before: one copy
+        self.kv.reserve(capacity, self._widest_round())  # a longer request or a wider round than before: one copy
         rows = self.kv.add(len(joining))
         cache = self.engine.prefix.target
         for b, r in zip(rows, joining):
