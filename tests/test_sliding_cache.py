@@ -24,6 +24,7 @@ from speclm import SpecEngine
 from speclm.forward.cache import StaticKV
 from speclm.forward.prefix_cache import PrefixCache
 from speclm.quant.weights import quantize_model
+from test_architectures import _reference
 from tiny import WINDOW, loaded, random_heads, require_compiled_kernels, tiny_arch
 
 SLIDING = ("mistral", "qwen2-sliding", "gemma2", "gemma3")
@@ -34,11 +35,6 @@ def _pieces(kv: StaticKV, ids: list[int]) -> torch.Tensor:
     """Every token's logits: a prefill of 30 (wider than any ring here), a forward of 9, then one at a time."""
     parts = [kv.forward([ids[:30]], 30), kv.forward([ids[30:39]], 9)] + [kv.forward([[t]], 1) for t in ids[39:]]
     return torch.cat(parts, dim=1)
-
-
-def _reference(model, ids):
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits.float()
 
 
 def _ringed(model, spare: int, compiled: bool) -> StaticKV:
