@@ -234,7 +234,7 @@ def test_longrope_switches_to_its_long_factors_where_transformers_decoding_does(
         assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (compiled, (got - ref).abs().max().item())
     real = decoders._longrope
     try:
-        decoders._longrope = lambda model, rope: dc.replace(rope, long_inv_freq=None)
+        decoders._longrope = lambda model, device: dc.replace(real(model, device), long_inv_freq=None)
         assert (lean_logits(True)[:, 16:] - ref[:, 16:]).abs().max() > 1e-3  # 10x the tolerance
     finally:
         decoders._longrope = real

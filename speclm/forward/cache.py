@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from speclm.forward import decoders, lean as lean_forward
+from speclm.forward import decoders
 from speclm.forward.attention import is_prefill
 from speclm.errors import UsageError
 from speclm.forward.lean import Stack
@@ -90,9 +90,8 @@ RING_SPARE = 256
 def _windows(model) -> tuple[int, ...]:
     """Each layer's sliding window where speclm's lean forward runs the model (0: full attention);
     transformers' own forward (another architecture) keeps every slot of every layer."""
-    cfg = _layout(model)[0]
-    decoder = decoders.describe(model) if lean_forward.supports(model) else None
-    return decoder.windows if decoder is not None else (0,) * cfg.num_hidden_layers
+    decoder = decoders.describe(model)
+    return decoder.windows if decoder is not None else (0,) * _layout(model)[0].num_hidden_layers
 
 
 def _sizes(windows: tuple[int, ...], capacity: int, spare: int) -> list[int]:
@@ -143,7 +142,8 @@ class StaticKV:
         # zeros, not empty: a masked slot still enters q.k before masking, and garbage NaNs would
         # survive it (NaN + -inf = NaN)
         pool = max(batch_size, pool, 1)
-        self.windows = _windows(model) if self.runner.lean is not None else (0,) * cfg.num_hidden_layers
+        # the lean forward's own description (described once, with the runner)
+        self.windows = self.runner.lean.decoder.windows if self.runner.lean is not None else (0,) * cfg.num_hidden_layers
         self.spare = spare = RING_SPARE if spare is None else spare
         sizes = _sizes(self.windows, capacity, spare)
         dtype = model.dtype if model.dtype.is_floating_point else torch.float32

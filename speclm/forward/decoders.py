@@ -95,9 +95,8 @@ def _ropes(model, types: list[str]) -> tuple[dict[str, Rope], tuple[str, ...]] |
     if kinds is None:
         if not hasattr(rotary, "inv_freq") or getattr(rotary, "rope_type", "default") not in STATIC_ROPE:
             return None
-        rope = Rope(rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0)))
-        if getattr(rotary, "rope_type", None) == "longrope":
-            rope = _longrope(model, rope)
+        rope = (_longrope(model, rotary.inv_freq.device) if getattr(rotary, "rope_type", None) == "longrope"
+                else Rope(rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))))
         return {"": rope}, ("",) * len(types)
     tables = {}
     for kind in set(types):
@@ -107,12 +106,12 @@ def _ropes(model, types: list[str]) -> tuple[dict[str, Rope], tuple[str, ...]] |
     return tables, tuple(types)
 
 
-def _longrope(model, rope: Rope) -> Rope:
+def _longrope(model, device) -> Rope:
     """LongRoPE's two tables: the short factors' frequencies, the long ones' from the original length
-    on (computed afresh: transformers' rotary holds whichever its last forward switched to)."""
+    on (computed from the config: transformers' rotary holds whichever its last forward switched to)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    init, device = ROPE_INIT_FUNCTIONS["longrope"], rope.inv_freq.device
+    init = ROPE_INIT_FUNCTIONS["longrope"]
     switch = int(model.config.rope_parameters["original_max_position_embeddings"])
     short, scale = init(model.config, device)
     long, _ = init(model.config, device, seq_len=switch + 1)

@@ -412,15 +412,17 @@ def complete_config(config, gguf: Path) -> None:
             config.original_max_position_embeddings = int(original)
             rope = {**config.rope_parameters, "rope_type": "longrope", "original_max_position_embeddings": int(original),
                     "long_factor": factors["rope_factors_long.weight"], "short_factor": factors["rope_factors_short.weight"]}
-            if field("rope.scaling.attn_factor") is not None:
-                rope["attention_factor"] = float(field("rope.scaling.attn_factor"))
+            attention = field("rope.scaling.attn_factor")
+            if attention is not None:
+                rope["attention_factor"] = float(attention)
             config.rope_parameters = rope
         return
 
     if kind == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if field(key) is not None:
-                setattr(config, key, float(field(key)))
+            value = field(key)
+            if value is not None:
+                setattr(config, key, float(value))
     scaling, factor = field("rope.scaling.type"), field("rope.scaling.factor")
     if kind == "gemma3_text" and scaling == "linear" and factor:
         full = dict(config.rope_parameters.get("full_attention") or {})
