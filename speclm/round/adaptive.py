@@ -273,8 +273,8 @@ class Adaptive:
         # auto: (request, child) -> _Rate via a per-request dict
         self._child_rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Rate}
         self._own_curves: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {chain child: _Curve}
-        self._chains: dict = {}  # (id(request), child, k) -> _chain's answer, until the next observe or plan
-        self._rows: dict = {}  # (id(request), child, k) -> _row's answer, until the next observe or plan
+        self._chains: dict = {}  # (request, child, k) -> _chain's answer, until the next observe or plan
+        self._rows: dict = {}  # (request, child, k) -> _row's answer, until the next observe or plan
         self._steps: dict = {}  # (group key, child, rows) -> _step_seconds' answer, until the next observe or plan
         self._ratio_memo: dict = {}  # (rows, drafting) -> ratio's answer, until the next round is timed
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
@@ -573,7 +573,8 @@ class Adaptive:
         """(accepted tokens, drafted positions) expected of row r's chain `choice`, position by
         position: the row's own rounds with that child (_Curve, decayed by the policy's decay),
         their prior the child's before them (_prior_chain), its acceptance times the row's ease."""
-        memo = (id(r), choice.child, choice.k)  # a request is in one group: its key is implied
+        memo = (r, choice.child, choice.k)  # a request is in one group: its key is implied; keyed by the
+        # request itself, not its id(), which a request freed since the last clear may hand to a new one
         if memo in self._chains:  # a round prices each choice many times over (every row's move)
             return self._chains[memo]
         own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
@@ -637,7 +638,7 @@ class Adaptive:
         """Row r's part of a round with `choice`: (tokens it commits, tokens it feeds the target's
         forward, its child's draft forwards, its share of the child's reading of tokens it has not
         read), kept for the round (a round prices each choice many times over: every row's move)."""
-        memo = (id(r), choice.child, choice.k)
+        memo = (r, choice.child, choice.k)  # the request itself (see _chain)
         got = self._rows.get(memo)
         if got is not None:
             return got
