@@ -37,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
-    g.add_argument("--target", required=True, help="catalog name, hub id, model folder or .gguf file")
-    g.add_argument("--method", choices=list(METHODS), default="auto", help="default auto; " + help_text())
+    g.add_argument("--target", help="catalog name, hub id, model folder or .gguf file (required unless --verifier)")
+    g.add_argument("--verifier", metavar="URL", help="a `speclm serve` whose model is the target: drafts here with "
+                   "--draft (and --method draft, pld or draft+pld; default draft), the server verifies each round")
+    g.add_argument("--api-key", default=None, help="--verifier's key (default: env SPECLM_API_KEY)")
+    g.add_argument("--method", choices=list(METHODS), default=None, help="default auto (with --verifier: draft); " + help_text())
     g.add_argument("--draft", help=f"draft model for --method {', '.join(using(DRAFT_MODEL))} (same tokenizer as the target)"
                    + DRAFT_NONE_HELP)
     _add_decoding_options(g)
@@ -345,6 +348,10 @@ def _generate(args) -> int:
     from speclm.models.loading import check_model_name, load_model
     from speclm.prompts import read_prompt_file
 
+    if args.method is None:
+        from speclm.remote import METHOD
+
+        args.method = METHOD if args.verifier else "auto"
     opts = GenerationOptions(
         method=args.method, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), chat=args.chat,
@@ -359,6 +366,10 @@ def _generate(args) -> int:
         raise UsageError(f"prefix-cache must be >= 0 tokens, got {args.prefix_cache}")
     if opts.spec.needs == DRAFT_MODEL and args.draft in (None, NO_DRAFT):  # never the catalog's: only auto takes it
         raise UsageError(f"--method {args.method} needs --draft MODEL")
+    if args.verifier:
+        return _generate_remote(args, opts)
+    if args.target is None:
+        raise UsageError("--target MODEL is required (or --verifier URL: a server's model verifies)")
     args.draft = family_draft(args.target, args.method, args.draft)
     uses_draft = bool(args.draft) and args.method in using(DRAFT_MODEL)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
@@ -387,6 +398,69 @@ def _generate(args) -> int:
         else:
             print(r.text)
             _print_stats(r.stats, weights, sys.stderr)
+    return 0
+
+
+def _generate_remote(args, opts) -> int:
+    """`generate --verifier URL`: the draft (and the proposer) here, the target on the server."""
+    import secrets
+    from dataclasses import replace
+
+    from speclm.engine import SpecEngine
+    from speclm.models.loading import check_model_name, load_model
+    from speclm.prompts import read_prompt_file
+    from speclm.remote import Verifier, remote_stream
+    from speclm.text import final_text
+
+    for flag, given in (("--target", args.target is not None), ("--batch-size", args.batch_size != 1),
+                        ("--quantize", args.quantize != "auto"), ("--tree", args.tree is not None),
+                        ("--alternatives", args.alternatives is not None),
+                        ("--acceptance", args.acceptance not in (None, "exact")),
+                        ("a constraint", opts.constraint is not None)):
+        if given:
+            raise UsageError(f"{flag}: not with --verifier (the server's model is the target; a round verifies "
+                             "one prompt's chain, exactly)")
+    if args.draft in (None, NO_DRAFT) and opts.spec.needs == DRAFT_MODEL:
+        raise UsageError(f"--method {args.method} needs --draft MODEL")
+    prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
+    if args.draft not in (None, NO_DRAFT):
+        check_model_name(args.draft)
+    else:
+        raise UsageError("--verifier needs --draft MODEL (its tokenizer reads the prompts; it drafts with "
+                         "--method draft or draft+pld)")
+    verifier = Verifier(args.verifier, args.api_key if args.api_key is not None else os.environ.get("SPECLM_API_KEY"))
+    _, draft_quantize = weights_for("auto", args.draft_quantize)
+    draft = load_model(args.draft, quantize=draft_quantize, progress=_progress())
+    model = verifier.check(draft.tokenizer)  # the first call: a speclm server, the draft's tokenizer
+    engine = SpecEngine(draft, draft=draft, prefix_cache=args.prefix_cache)  # the draft's proposer builder
+    encoded = engine.encode(prompts, opts.chat)
+    seed = opts.seed if opts.seed is not None else secrets.randbits(62)
+    for i, ids in enumerate(encoded):
+        stream = remote_stream(engine, verifier, ids, opts if opts.seed is None else replace(opts, seed=opts.seed + i),
+                               seed + i)
+        while True:
+            try:
+                delta = next(stream)
+            except StopIteration as end:
+                request, remote = end.value
+                break
+            if not args.json:
+                print(delta, end="", flush=True)
+        s = request.stats
+        if args.json:
+            tok = draft.tokenizer
+            out = {"prompt_index": i, "text": final_text(tok, request.generated, opts.stop), "token_ids": request.generated,
+                   "finish_reason": request.finish_reason, "stats": s.to_dict(), "verifier": model["id"],
+                   "draft_lengths": list(remote.lengths)}
+            print(json.dumps(out, ensure_ascii=False), flush=True)
+        else:
+            print()
+            print(f"[{s.new_tokens} tokens, {s.tokens_per_second:.2f} tok/s, verified by {model['id']} at {args.verifier}: "
+                  f"{s.round_trips} round trips ({s.round_trip_seconds:.2f}s), {s.target_forwards} target forwards, "
+                  f"mean draft length {sum(remote.lengths) / max(1, len(remote.lengths)):.1f}, acceptance "
+                  f"{s.acceptance_rate:.2f}" + (f", {s.resumed_sessions} sessions resumed" if s.resumed_sessions else "")
+                  + "]", file=sys.stderr)
+    verifier.close()
     return 0
 
 

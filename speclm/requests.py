@@ -25,6 +25,17 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token, log-probability), most likely first
 
 
+@dataclass
+class Given:
+    """A draft that came with a request (remote verification: speclm.serve.remote): the last
+    len(tokens) tokens of its prompt. The request's prefill forward scores them as a round's would,
+    the one verifier decides, the request commits the accepted ones and one token of the target's
+    and ends ("verified" where its length and stops did not end it first)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # (K, V): the distribution each token was drawn from (sampling); None: one-hot
+
+
 @dataclass(eq=False)  # compared by identity: two requests are never the same one
 class Request:
     index: int  # the caller's number for it (generate: its position in the prompt list)
@@ -44,6 +55,7 @@ class Request:
     # its constraint's parser (speclm.constraint.Matcher), at its committed tokens; None: unconstrained
     matcher: "Matcher | None" = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, where options.logprobs is set
+    given: Given | None = None  # a draft its prompt ends with, verified at its prefill (remote verification)
 
     @property
     def seeded(self) -> bool:
@@ -67,6 +79,11 @@ class Request:
     @property
     def generated(self) -> list[int]:
         return self.context[self.prompt_len :]
+
+    @property
+    def tail(self) -> int:
+        """The prompt's last tokens whose logits its prefill keeps: its given draft's and the one before it."""
+        return 1 + (len(self.given.tokens) if self.given is not None else 0)
 
     @property
     def done(self) -> bool:

@@ -29,6 +29,9 @@ class RequestStats:
     lookup_rounds: int = 0  # `+pld` methods: rounds prompt lookup drafted this request's row
     pool_hits: int = 0  # lookahead: rounds whose verification branch held a pooled n-gram
     pool_tokens: int = 0  # lookahead: accepted tokens of pooled n-grams (per hit: the accepted n-gram length)
+    round_trips: int = 0  # --verifier: rounds sent to the remote verifier (target_forwards: the server's)
+    round_trip_seconds: float = 0.0  # --verifier: their time, from sending a draft to reading the reply
+    resumed_sessions: int = 0  # --verifier: sessions started again (a dropped connection, a restarted server)
     planned: dict[str, int] = field(default_factory=dict)  # auto: rounds each child drafted ("none": no draft)
     plan_switches: list[str] = field(default_factory=list)  # auto: the planner's last 16 moves between children, and why
 

@@ -3,6 +3,23 @@
 from __future__ import annotations
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary (token -> id, special tokens included): two models
+    whose token ids mean the same text have the same one (a remote draft and its verifier)."""
+    import hashlib
+    import json
+
+    cached = getattr(tokenizer, "_speclm_fingerprint", None)
+    if cached is None:
+        vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+        cached = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+        try:
+            tokenizer._speclm_fingerprint = cached
+        except AttributeError:
+            pass
+    return cached
+
+
 def find_stop(text: str, stops: tuple[str, ...]) -> int:
     """Index where the earliest stop string starts in text, or -1."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]

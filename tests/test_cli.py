@@ -18,7 +18,7 @@ STAT_KEYS = {
     "wall_seconds", "new_tokens", "tokens_per_second", "forward_seconds", "overhead_share",
     "prefill_seconds", "decode_tokens_per_second", "alternatives", "accepted_alternatives",
     "draft_prefill_seconds", "cached_tokens", "verified_nodes", "lookup_rounds", "pool_hits", "pool_tokens",
-    "planned", "plan_switches", "constraint_seconds",
+    "planned", "plan_switches", "constraint_seconds", "round_trips", "round_trip_seconds", "resumed_sessions",
 }
 
 

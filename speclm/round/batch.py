@@ -27,6 +27,9 @@ A step is one of:
   the forward is chunk-invariant (speclm's kernels on quantized weights: a token's keys and
   values are the same bits however its prompt is split); elsewhere a prompt is read whole;
 - a round for every other request (`_round`): propose -> score -> verify -> commit.
+A request may come with its draft (speclm.requests.Given: remote verification, speclm.serve.remote):
+its prefill forward keeps the logits of the draft and the token before it, the same verifier
+decides, and the request commits the accepted tokens and the target's one and leaves.
 A round's draft length may be capped per group by a `speculation` policy
 (speclm.round.adaptive.Adaptive: from the batch's size, the measured forward costs and the rows'
 acceptance; 0 is plain decoding for that round); greedy output does not depend on it.
@@ -192,7 +195,7 @@ class Batch:
             r.joined_at = now
             proposer = self.groups[r.options.proposer_key()].proposer
             layers = proposer.hidden_layers if proposer is not None and proposer.prompt_hidden == "all" else ()
-            r.stats.cached_tokens, hidden = cache.reuse_states(self.kv, b, r.prompt, r.prompt_len - 1, tuple(layers))
+            r.stats.cached_tokens, hidden = cache.reuse_states(self.kv, b, r.prompt, r.prompt_len - r.tail, tuple(layers))
             if hidden:  # the head reads the cached prefix's features as if it had read them
                 self._prompt_hidden[id(r)] = {layer: [h] for layer, h in hidden.items()}
         self.reading += joining
@@ -206,13 +209,14 @@ class Batch:
         # chunks only while others decode (they are what chunks are for), and only where the split
         # changes no bit
         chunk = self.prefill_chunk if self.prefill_chunk and kv.chunk_invariant and self.requests else None
-        ends = [r.prompt_len if chunk is None else min(r.prompt_len, have[b] + chunk) for b, r in zip(rows, reading)]
+        ends = [r.prompt_len if chunk is None else _chunk_end(have[b], chunk, r) for b, r in zip(rows, reading)]
+        kept = [r.tail if end == r.prompt_len else 1 for r, end in zip(reading, ends)]  # a given draft's logits too
         seen = kv.forward_seconds
         proposers = [self.groups[r.options.proposer_key()].proposer for r in reading]
         wanted = tuple(sorted({layer for p in proposers if p is not None and p.prompt_hidden for layer in p.hidden_layers}))
         every = any(p is not None and p.prompt_hidden == "all" for p in proposers)
-        logits = kv.forward([r.context[have[b]:end] for b, r, end in zip(rows, reading, ends)], 1, only=rows,
-                            hidden_layers=wanted, hidden_all=every)  # (R, 1, V)
+        logits = kv.forward([r.context[have[b]:end] for b, r, end in zip(rows, reading, ends)], max(kept), only=rows,
+                            hidden_layers=wanted, hidden_all=every, kept=kept if max(kept) > 1 else None)  # (R, T, V)
         if wanted:
             self._keep_prompt_hidden(reading, proposers, [end - have[b] for b, end in zip(rows, ends)], every)
         spent = kv.forward_seconds - seen
@@ -230,7 +234,10 @@ class Batch:
             states[id(r)] = {layer: torch.cat(parts) for layer, parts in self._prompt_hidden.pop(id(r), {}).items()}
             whole = states[id(r)] and proposers[i].prompt_hidden == "all" and all(
                 len(h) == r.prompt_len for h in states[id(r)].values())
-            cache.add(kv, rows[i], r.prompt, states[id(r)] if whole else None)
+            if r.given is not None:  # its draft, verified: what it commits and what the cache keeps
+                self._verify_given(r, rows[i], logits[i, : r.tail])
+            else:
+                cache.add(kv, rows[i], r.prompt, states[id(r)] if whole else None)
         # the read requests decode from now on: their rows move up behind the decoding ones (a
         # permutation of the batch's rows; no keys or values move)
         still = [i for i, end in enumerate(ends) if end < reading[i].prompt_len]
@@ -249,9 +256,10 @@ class Batch:
         self.requests += read
         by_sampling: dict = {}  # each one's first token, drawn with its own options
         for j, i in enumerate(done):
-            by_sampling.setdefault(reading[i].options.sampling, []).append((j, i))
+            if reading[i].given is None:
+                by_sampling.setdefault(reading[i].options.sampling, []).append((j, i))
         for i in done:  # a constrained request's first token: its constraint's mask at the start
-            matcher = reading[i].matcher
+            matcher = reading[i].matcher if reading[i].given is None else None
             if matcher is not None:
                 forbid(logits[i, :1], matcher.mask())
         for params, at in by_sampling.items():
@@ -266,6 +274,31 @@ class Batch:
             s.new_tokens = len(r.generated)
         self._leave()
         return read
+
+    def _verify_given(self, r: Request, row: int, logits: torch.Tensor) -> None:
+        """r's prompt ends with a given draft (remote verification); logits (1 + K, V): the target's
+        at the token before it and at each of its tokens. The one verifier decides, as in a round;
+        r's prompt loses the draft, r commits the accepted tokens and the target's one, and ends;
+        the prefix cache keeps the context with the accepted tokens (what the next call reuses)."""
+        given, k = r.given, len(r.given.tokens)
+        r.prompt_len -= k
+        base = r.prompt_len
+        del r.context[base:]
+        draft = Draft.from_rows([given.tokens], given.probs[None] if given.probs is not None else None)
+        verdict = verify_tree(logits[None], draft.tree(), r.options.sampling, [r.generator],
+                              coupled=[(r.coupled, base) if r.coupled is not None else None])
+        new = verdict.committed(0)
+        accepted = len(new) - 1
+        self.engine.prefix.target.add(self.kv, row, r.context + new[:-1])
+        s = r.stats
+        s.drafted_tokens, s.verified_nodes, s.accepted_tokens = s.drafted_tokens + k, s.verified_nodes + k, s.accepted_tokens + accepted
+        for counts, n in ((s.drafted_per_position, k), (s.accepted_per_position, accepted)):
+            counts += [0] * (n - len(counts))
+            for j in range(n):
+                counts[j] += 1
+        self._commit(r, new, logits)
+        if r.finish_reason is None:
+            r.finish_reason = "verified"
 
     def _keep_prompt_hidden(self, reading: list[Request], proposers: list, fed: list[int], every: bool) -> None:
         """Keep what each reading request's proposer asked of this prefill forward's hidden states
@@ -555,6 +588,15 @@ def _fence(group: _Group, tree: DraftTree) -> tuple[DraftTree, list[torch.Tensor
             if n not in ends and not (sampled and n in forbidden):
                 parents[b, n] = PAD
     return DraftTree(tree.tokens, parents, tree.probs), masks
+
+
+def _chunk_end(have: int, chunk: int, r: Request) -> int:
+    """Where the chunk of r's prompt read this step ends: `chunk` tokens on, but never leaving a last
+    chunk shorter than the tail whose logits it keeps (a given draft and the token before it)."""
+    end = min(r.prompt_len, have + chunk)
+    if end < r.prompt_len and r.prompt_len - end < r.tail:
+        end = r.prompt_len - r.tail if r.prompt_len - r.tail > have else r.prompt_len
+    return end
 
 
 def _coupled(r: Request):

@@ -23,7 +23,9 @@ from speclm.errors import UsageError
 from speclm.options import GenerationOptions
 from speclm.text import token_pieces
 from speclm.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from speclm.serve.remote import ROUTE as VERIFY_ROUTE, Sessions, add_routes
 from speclm.serve.scheduler import Scheduler, Ticket
+from speclm.text import tokenizer_fingerprint
 
 PAGE = Path(__file__).parent / "static" / "index.html"
 OPEN_ROUTES = ("/health", "/")  # no API key: the page is static (it asks for the key to call the API)
@@ -36,6 +38,8 @@ class ServerConfig:
     api_key: str | None = None
     max_tokens_cap: int = 4096  # a request's max_tokens at most (400 beyond it)
     max_body_bytes: int = 4 << 20  # a request body at most (413 beyond it)
+    max_sessions: int = 64  # remote verification sessions at most (speclm.serve.remote; 429 beyond it)
+    session_ttl: float = 600.0  # seconds a verification session waits for its next call before it is dropped
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
@@ -43,6 +47,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     engine, metrics = scheduler.engine, scheduler.metrics
     key = config.api_key.encode() if config.api_key else None
     app.state.scheduler = scheduler
+    app.state.sessions = sessions = Sessions(config.max_sessions, config.session_ttl)
 
     app.add_middleware(_Guard, key=key, metrics=metrics)
 
@@ -77,7 +82,10 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
         k = o.draft_length(engine.target.quantize, engine.draft.quantize if engine.draft is not None else None)
         own = {"method": o.method, "k": None if o.spec.plans else k, "speculation": "adaptive" if scheduler.speculation is not None else "fixed",
                "max_batch": scheduler.max_batch, "max_tokens": config.max_tokens_cap,
-               "context": engine.target.max_context, "draft": engine.draft.name if engine.draft is not None else None}
+               "context": engine.target.max_context, "draft": engine.draft.name if engine.draft is not None else None,
+               "tokenizer": tokenizer_fingerprint(engine.target.tokenizer), "vocab_size": engine.target.vocab_size,
+               "verify": VERIFY_ROUTE,
+               "sessions": len(sessions)}
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "speclm", "speclm": own}]}
 
@@ -88,6 +96,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     @app.get("/")
     async def page():
         return HTMLResponse(PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", config.model_name))
+
+    add_routes(app, scheduler, config, sessions, lambda request: _json(request, config.max_body_bytes))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -195,7 +205,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     return app
 
 
-ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", VERIFY_ROUTE)
 
 
 class _Guard:

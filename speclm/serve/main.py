@@ -23,11 +23,14 @@ def check(args) -> str:
     for name, value, low in (("max-batch", args.max_batch, 1), ("max-queue", args.max_queue, 0),
                              ("max-tokens", args.max_tokens, 1), ("prefill-chunk", args.prefill_chunk, 1),
                              ("prefix-cache", args.prefix_cache, 0), ("port", args.port, 0),
-                             ("replicas", args.replicas, 1), ("max-body-bytes", args.max_body_bytes, 1)):
+                             ("replicas", args.replicas, 1), ("max-body-bytes", args.max_body_bytes, 1),
+                             ("max-sessions", args.max_sessions, 0)):
         if value < low:
             raise UsageError(f"--{name} must be >= {low}, got {value}")
     if not args.grace >= 0:
         raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
+    if not args.session_ttl >= 0:
+        raise UsageError(f"--session-ttl must be >= 0 seconds, got {args.session_ttl}")
     return method
 
 
@@ -62,7 +65,7 @@ def build(args, progress: bool = False):
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
                           prefill_chunk=args.prefill_chunk, speculation=policy, metrics=Metrics())
     config = ServerConfig(args.served_model_name or args.target, options, api_key, args.max_tokens,
-                          args.max_body_bytes)
+                          args.max_body_bytes, args.max_sessions, args.session_ttl)
     return scheduler, config, create_app(scheduler, config)
 
 

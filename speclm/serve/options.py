@@ -11,6 +11,8 @@ PREFILL_CHUNK = 256  # prompt tokens per step: a 2k-token prompt delays running 
 MAX_TOKENS_CAP = 4096
 MAX_BODY_BYTES = 4 << 20  # a 32k-token prompt is about 128 KB of text: room for long contexts, not for abuse
 GRACE_SECONDS = 30.0
+MAX_SESSIONS = 64  # remote verification sessions: one per remote client's generation, each a prefix-cache entry
+SESSION_TTL = 600.0
 
 
 def add_serve_parser(sub, add_draft_options, prefix_cache_help: str, draft_quantize_help: str) -> None:
@@ -45,6 +47,11 @@ def add_serve_parser(sub, add_draft_options, prefix_cache_help: str, draft_quant
                    help="a request's max_tokens at most, and its default in chat (default %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="a request body at most; larger ones get 413 (default %(default)s)")
+    s.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
+                   help="remote verification sessions (`generate --verifier`) at once; more get 429 (default %(default)s)")
+    s.add_argument("--session-ttl", type=float, default=SESSION_TTL,
+                   help="seconds a verification session waits for its next round before it is dropped (the client "
+                        "then resumes it from its text; default %(default)g)")
     s.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                    help="prompt tokens read per step while other requests decode (default %(default)s; on int8/int4 "
                         "CPU weights, where chunks give the same bits; elsewhere a prompt is read whole)")
