@@ -96,6 +96,24 @@ def test_the_draft_length_follows_the_link_and_the_acceptance():
     assert fixed.choose() == 5
 
 
+@pytest.mark.parametrize("method", ["pld", "draft+pld"])
+def test_every_chain_method_drafts_for_the_server(server, models, capsys, monkeypatch, method):
+    out = _remote(capsys, monkeypatch, server.url, models, PROMPTS[2], "--max-new-tokens", "40", "--method", method)
+    assert out["text"] == _plain(server, PROMPTS[2], 40)
+    assert out["stats"]["drafted_tokens"] > 0 and out["stats"]["target_forwards"] == out["stats"]["round_trips"]
+
+
+def test_unseeded_sampling_runs_to_its_length_and_is_counted(server, models, capsys, monkeypatch):
+    """Sampled without a seed (the draft's distributions travel with it; their exactness: the
+    chi-square test below): it generates, and the server counts the remote rounds."""
+    drafts = server.metric("speclm:spec_decode_num_draft_tokens_total", 'method="remote"')
+    out = _remote(capsys, monkeypatch, server.url, models, PROMPTS[0], "--max-new-tokens", "30", "--temperature", "1.0")
+    s = out["stats"]
+    assert s["drafted_tokens"] > 0 and s["new_tokens"] == len(out["token_ids"]) >= 1
+    assert server.metric("speclm:spec_decode_num_draft_tokens_total", 'method="remote"') >= drafts + s["drafted_tokens"]
+    assert server.metric("speclm:verify_sessions") == 0  # ended with its generation
+
+
 def test_seeded_sampling_draws_as_the_server_s_seeded_decoding(server, models, capsys, monkeypatch):
     for seed in (3, 11):
         out = _remote(capsys, monkeypatch, server.url, models, PROMPTS[0], "--max-new-tokens", "40",

@@ -32,6 +32,8 @@ class Metrics:
                              registry=r)
         self.cache_rows = Gauge("speclm:kv_cache_rows_used", "Rows of the target's KV cache pool held by requests",
                                 registry=r)
+        self.sessions = Gauge("speclm:verify_sessions", "Remote verification sessions held (speclm.serve.remote)",
+                              registry=r)
         self.failures = Counter("speclm:engine_failures", "Engine steps that raised (their requests failed with "
                                 "a 500; the server went on with fresh caches)", registry=r)
         self.steps = Counter("speclm:engine_steps", "Target forwards by kind (prefill or round)", ["kind"], registry=r)

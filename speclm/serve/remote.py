@@ -169,6 +169,7 @@ def add_routes(app, scheduler, config, sessions: Sessions, read_json) -> None:
             reason = "length"
         if reason is not None:
             sessions.end(session)
+        scheduler.metrics.sessions.set(len(sessions))
         accepted = min(r.stats.accepted_tokens, len(session.generated) - first)
         return {"object": "speclm.verification", "session": session.id, "accepted": accepted,
                 "tokens": session.generated[first:], "finish_reason": reason,

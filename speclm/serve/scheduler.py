@@ -213,7 +213,7 @@ class Scheduler:
         s = r.stats
         drafted0, accepted0, per_pos0 = t._seen
         accepted = s.accepted_tokens - accepted0
-        method = r.options.method
+        method = "remote" if r.given is not None else r.options.method  # a remote client's draft: its own label
         if s.drafted_tokens > drafted0:
             m.drafts.labels(method).inc()
             m.draft_tokens.labels(method).inc(s.drafted_tokens - drafted0)
