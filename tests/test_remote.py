@@ -183,6 +183,10 @@ def test_verify_calls_are_checked(server):
     assert post({"session": sid, "draft": [], "context_length": held}).status_code == 200
     sampled = post({"prompt": [72], "max_tokens": 4, "temperature": 1.0, "draft": [5], "draft_probs": [[[5, 0.5]]]})
     assert sampled.status_code == 400 and sampled.json()["error"]["param"] == "draft_probs"
+    # the key and the body limit, as on every route
+    assert httpx.post(server.url + "/v1/speclm/verify", json=dict(start, draft=[])).status_code == 401
+    huge = post(dict(start, draft=[], prompt=[72] * (1 << 21)))  # 8 MB of JSON, over the 4 MiB limit
+    assert huge.status_code == 413
 
 
 def test_a_server_that_cannot_verify_for_this_draft_is_refused(server, models, capsys, monkeypatch, tmp_path):
@@ -196,6 +200,9 @@ def test_a_server_that_cannot_verify_for_this_draft_is_refused(server, models, c
         code = main(["generate", "--verifier", url, "--draft", draft, "--prompt", "hi", "--draft-quantize", "int8"])
         out, err = capsys.readouterr()
         assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1, err
+    code = main(["generate", "--prompt", "hi"])  # neither a target nor a verifier
+    out, err = capsys.readouterr()
+    assert code == 2 and "--target MODEL is required" in err and len(err.strip().splitlines()) == 1
     for args, words in ((["--target", models["target"]], "--target"), (["--tree", "auto"], "--tree"),
                         (["--method", "lookahead"], "target's own states")):
         code = main(["generate", "--verifier", server.url, "--draft", models["draft"], "--prompt", "hi",
