@@ -13,7 +13,8 @@ The draft length each round (`DraftLength`) maximises the expected committed tok
 from what the client measured: the round trip (link and the server's forward), a draft step,
 and the chain's acceptance. A slow link drafts more per round.
 
-A dropped connection is tried again for PATIENCE seconds; a session the server no longer holds (expired, restarted) is
+A dropped connection is tried again for PATIENCE seconds (the server answers a call whose reply
+was lost again, the same: it keeps each session's last reply); a session the server no longer holds (expired, restarted) is
 resumed with the prompt and the tokens already committed; anything else fails with one line.
 """
 
@@ -200,7 +201,12 @@ def _verify(verifier: Verifier, body: dict, session: str | None, ids: list[int],
             remote: RemoteStats) -> dict:
     """One round at the server; a session it lost is started again from what the client holds."""
     if session is not None:
-        status, reply = verifier.call({**body, "session": session, "context_length": len(request.context)})
+        give_up = time.monotonic() + PATIENCE
+        while True:  # a call sent again after a dropped connection may find its first try still running
+            status, reply = verifier.call({**body, "session": session, "context_length": len(request.context)})
+            if status != 409 or _code(reply) != "session_busy" or time.monotonic() > give_up:
+                break
+            time.sleep(0.2)
         if status == 200:
             return reply
         if status != 404:
@@ -215,6 +221,10 @@ def _verify(verifier: Verifier, body: dict, session: str | None, ids: list[int],
     if status != 200:
         raise RemoteError(_message(verifier, status, reply))
     return reply
+
+
+def _code(reply) -> str | None:
+    return reply.get("error", {}).get("code") if isinstance(reply, dict) else None
 
 
 def _message(verifier: Verifier, status: int, reply) -> str:

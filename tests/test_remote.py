@@ -180,7 +180,11 @@ def test_verify_calls_are_checked(server):
     assert post({"session": sid, "draft": [], "temperature": 0.5}).json()["error"]["param"] == "temperature"
     held = 2 + len(first.json()["tokens"])
     assert post({"session": sid, "draft": [], "context_length": held + 1}).status_code == 409
-    assert post({"session": sid, "draft": [], "context_length": held}).status_code == 200
+    again = {"session": sid, "draft": [101, 102], "context_length": held}
+    reply = post(again)
+    assert reply.status_code == 200
+    assert post(again).json() == reply.json()  # a reply the client lost is given again, nothing committed twice
+    assert post({"session": sid, "draft": [], "context_length": held + len(reply.json()["tokens"])}).status_code == 200
     sampled = post({"prompt": [72], "max_tokens": 4, "temperature": 1.0, "draft": [5], "draft_probs": [[[5, 0.5]]]})
     assert sampled.status_code == 400 and sampled.json()["error"]["param"] == "draft_probs"
     # the key and the body limit, as on every route

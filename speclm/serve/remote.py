@@ -77,6 +77,9 @@ class Session:
     used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a call is being verified (one at a time)
     target_forwards: int = 0
+    # (the context's length before the last call, its reply): a client that lost the reply (a
+    # connection dropped after the server committed) sends that call again and gets the same reply
+    last: tuple[int, dict] | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -140,8 +143,11 @@ def add_routes(app, scheduler, config, sessions: Sessions, read_json) -> None:
             if any(not 0 <= t < vocab for t in ids):
                 raise ApiError(400, f"{name}: token ids must be in [0, {vocab})", param=name)
         session = _start(body) if body.session is None else _resume(body)
+        if session.last is not None and body.context_length == session.last[0]:
+            return session.last[1]  # the call whose reply the client lost, answered again
         if session.busy:
-            raise ApiError(409, f"session '{session.id}' is verifying another draft", param="session")
+            raise ApiError(409, f"session '{session.id}' is verifying another draft", param="session",
+                           code="session_busy")
         probs = _draft_probs(body, session, vocab)
         draft = body.draft[: max(0, session.max_new - len(session.generated) - 1)]  # no draft past its length
         session.busy = True
@@ -157,7 +163,7 @@ def add_routes(app, scheduler, config, sessions: Sessions, read_json) -> None:
                         raise ApiError(500, event[1], type="server_error")
         finally:
             session.busy, session.used = False, time.monotonic()
-        new, first = r.generated, len(session.generated)
+        new, first, before = r.generated, len(session.generated), len(session.context)
         session.context += new
         session.target_forwards += r.stats.target_forwards
         reason = None if r.finish_reason == "verified" else r.finish_reason
@@ -171,10 +177,12 @@ def add_routes(app, scheduler, config, sessions: Sessions, read_json) -> None:
             sessions.end(session)
         scheduler.metrics.sessions.set(len(sessions))
         accepted = min(r.stats.accepted_tokens, len(session.generated) - first)
-        return {"object": "speclm.verification", "session": session.id, "accepted": accepted,
-                "tokens": session.generated[first:], "finish_reason": reason,
-                "generated": len(session.generated), "target_forwards": session.target_forwards,
-                "cached_tokens": r.stats.cached_tokens}
+        reply = {"object": "speclm.verification", "session": session.id, "accepted": accepted,
+                 "tokens": session.generated[first:], "finish_reason": reason,
+                 "generated": len(session.generated), "target_forwards": session.target_forwards,
+                 "cached_tokens": r.stats.cached_tokens}
+        session.last = before, reply
+        return reply
 
     def _start(body: VerifyRequest) -> Session:
         if body.prompt is None:
@@ -208,6 +216,8 @@ def add_routes(app, scheduler, config, sessions: Sessions, read_json) -> None:
         if given:
             raise ApiError(400, f"{given[0]}: set when the session starts (with prompt), not per call", param=given[0])
         session = sessions.get(body.session)
+        if session.last is not None and body.context_length == session.last[0]:
+            return session
         if body.context_length is not None and body.context_length != len(session.context):
             raise ApiError(409, f"context_length: the client holds {body.context_length} tokens, the session "
                                 f"{len(session.context)}", param="context_length", code="session_out_of_sync")
