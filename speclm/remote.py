@@ -98,7 +98,7 @@ class DraftLength:
     """The draft length that maximises expected tokens per second of a round: a chain of k whose
     tokens each pass with probability a commits (1 - a^(k+1)) / (1 - a) tokens in k draft steps
     and one round trip. a: accepted / (accepted + rounds that stopped early), decayed; the times
-    measured, decayed. The server's forward grows little with k and is in the round trip."""
+    measured, decayed. The round trip holds the server's forward, priced as one number whatever k."""
 
     most: int = MAX_DRAFT
     accepted: float = 2.0  # the prior: a = 2 / 3
