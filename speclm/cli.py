@@ -420,14 +420,11 @@ def _generate_remote(args, opts) -> int:
         if given:
             raise UsageError(f"{flag}: not with --verifier (the server's model is the target; a round verifies "
                              "one prompt's chain, exactly)")
-    if args.draft in (None, NO_DRAFT) and opts.spec.needs == DRAFT_MODEL:
-        raise UsageError(f"--method {args.method} needs --draft MODEL")
-    prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
-    if args.draft not in (None, NO_DRAFT):
-        check_model_name(args.draft)
-    else:
+    if args.draft in (None, NO_DRAFT):  # _generate refused a method that needs one; pld needs it too here
         raise UsageError("--verifier needs --draft MODEL (its tokenizer reads the prompts; it drafts with "
                          "--method draft or draft+pld)")
+    prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
+    check_model_name(args.draft)
     verifier = Verifier(args.verifier, args.api_key if args.api_key is not None else os.environ.get("SPECLM_API_KEY"))
     _, draft_quantize = weights_for("auto", args.draft_quantize)
     draft = load_model(args.draft, quantize=draft_quantize, progress=_progress())

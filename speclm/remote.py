@@ -32,7 +32,6 @@ import torch
 from speclm.errors import SpeclmError, UsageError
 from speclm.proposers.base import Verified
 from speclm.requests import Request
-from speclm.sampling import Coupled
 from speclm.text import IncrementalText, tokenizer_fingerprint
 
 ROUTE = "/v1/speclm/verify"
