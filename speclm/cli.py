@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_layers_parser(hsub)
     add_train_parser(hsub)
 
+    dr = sub.add_parser("draft", help="draft models: distill one on the target for your prompts")
+    dsub = dr.add_subparsers(dest="draft_name", required=True, parser_class=_Parser)
+    from speclm.distill.cli import add_distill_parser
+
+    add_distill_parser(dsub)
+
     m = sub.add_parser("models", help="the model catalog and cache")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("list", help="catalog models and what is cached")
@@ -241,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve(args, progress=_progress())
         if args.command == "heads":
             return args.heads_command(args)
+        if args.command == "draft":
+            return args.draft_command(args)
         if args.command == "tune":
             return _tune(args)
         if args.command == "bench-serve":
@@ -317,6 +325,11 @@ def _models(args) -> int:
         for name, folder in cached.items():
             if name not in CATALOG:
                 print(f"{name:<22} {on_disk(folder):<9} converted from a .gguf file")
+        from speclm.models import adapters
+
+        for folder, record in adapters.registered().items():
+            print(f"{str(folder):<22} {on_disk(folder):<9} {record.get('adapter', '?')} draft distilled from "
+                  f"{record['base']} for {record.get('target', '?')} (--draft {folder})")
         print(f"cache: {store.models_dir()} (sizes include quantized weights, {qcache.cache_dir()})")
         return 0
     if args.models_command == "rm":
@@ -570,15 +583,21 @@ def _bench(args) -> int:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a folder")
     args.quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
-    engines = {}  # quantize mode -> engine over those weights; the default mode's first
+    for s in specs:
+        if s.draft_model:
+            check_model_name(s.draft_model)
+    engines = {}  # (quantize mode, a method's own draft or None) -> engine over those weights; the default's first
     for mode in dict.fromkeys([args.quantize] + [s.quantize for s in specs if s.quantize]):
-        needs_draft = args.draft and any(s.uses_draft and not s.is_peer and (s.quantize or args.quantize) == mode
-                                         for s in specs)
-        engines[mode] = SpecEngine(
+        needs_draft = args.draft and any(s.uses_draft and not s.is_peer and not s.draft_model
+                                         and (s.quantize or args.quantize) == mode for s in specs)
+        engines[mode, None] = SpecEngine(
             load_model(args.target, quantize=mode, progress=_progress()),
             draft=load_model(args.draft, quantize=weights_for(mode, args.draft_quantize)[1], progress=_progress())
             if needs_draft else None)
-    engine = engines[args.quantize]
+    for mode, own in dict.fromkeys((s.quantize or args.quantize, s.draft_model) for s in specs if s.draft_model):
+        engines[mode, own] = SpecEngine(engines[mode, None].target, draft=load_model(
+            own, quantize=weights_for(mode, args.draft_quantize)[1], progress=_progress()))
+    engine = engines[args.quantize, None]
     engine.encode([p.text for p in prompts], args.chat)  # every prompt fits and templates, before --out is made
     target, draft = engine.target, engine.draft
     config = BenchConfig(

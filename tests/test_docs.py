@@ -69,7 +69,7 @@ COMMANDS = dict(_commands(build_parser()))
 
 def test_every_command_is_documented():
     assert set(COMMANDS) == {"generate", "bench", "demo", "serve", "bench-serve", "tune", "models list", "models pull",
-                             "models rm", "models verify", "heads data", "heads layers", "heads train"}
+                             "models rm", "models verify", "heads data", "heads layers", "heads train", "draft distill"}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -27,7 +27,7 @@ from speclm.stats import RequestStats
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 OPTION_TYPES = {"k": int, "ngram_max": int, "ngram_min": int, "quantize": str, "confidence": float,
                 "alternatives": float, "vocab": int, "prompt_ratio": float, "tree": str, "heads": str,
-                "acceptance": str, "w": int, "n": int, "g": int, "layers": str, "self_weights": str,
+                "acceptance": str, "w": int, "n": int, "g": int, "layers": str, "self_weights": str, "draft_model": str,
                 **{key: str for key in peers.OPENVINO_OPTIONS}}
 
 
@@ -65,9 +65,14 @@ class MethodSpec:
         return self.options.get("quantize")
 
     @property
+    def draft_model(self) -> str | None:
+        """The draft this method drafts with; None: bench's --draft (to compare drafts in one run)."""
+        return self.options.get("draft_model")
+
+    @property
     def decoding_options(self) -> dict:
         names = {"vocab": "draft_vocab", "prompt_ratio": "draft_prompt_ratio"}  # the method option's short name -> GenerationOptions'
-        out = {names.get(k, k): v for k, v in self.options.items() if k not in ("quantize", "w", "n", "g")}
+        out = {names.get(k, k): v for k, v in self.options.items() if k not in ("quantize", "w", "n", "g", "draft_model")}
         shape = [self.options.get(key) for key in ("w", "n", "g")]
         if any(v is not None for v in shape):  # lookahead's W, N, G: each given, or its default
             from speclm.options import GenerationOptions
@@ -100,6 +105,9 @@ def parse_methods(text: str) -> list[MethodSpec]:
             peers.check(name, options)
         elif set(options) & set(peers.OPENVINO_OPTIONS):
             raise UsageError(f"weights= and draft_weights= are options of the openvino methods, not of '{label}'")
+        if "draft_model" in options and (name in HF_METHODS or name in peers.PEER_METHODS or name not in using(DRAFT_MODEL)
+                                         and name not in needing(DRAFT_MODEL)):
+            raise UsageError(f"draft_model= is an option of speclm's methods that draft with a model, not of '{label}'")
         if options.get("quantize", "none") not in QUANTIZE_MODES:
             raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_MODES)} in method '{label}'")
         if options.get("k", 1) < 1:

@@ -316,6 +316,11 @@ def markdown(results: dict, summary: dict) -> str:
     for m, cells in methods.items():
         if cells.get(ALL, {}).get("mean_accepted_tokens") is not None:
             lines.append(f"| {m} | " + " | ".join(_fmt(cells.get(c, {}).get("mean_accepted_tokens")) for c in cats) + " |")
+    lines += ["", "## Acceptance rate by category", "", "Accepted over drafted tokens (a tree's nodes count as drafted).",
+              "", "| method | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+    for m, cells in methods.items():
+        if cells.get(ALL, {}).get("acceptance_rate") is not None:
+            lines.append(f"| {m} | " + " | ".join(_fmt(cells.get(c, {}).get("acceptance_rate")) for c in cats) + " |")
     cost = results.get("cost_model")
     if cost:
         v = cost["v"]

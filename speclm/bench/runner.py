@@ -72,15 +72,20 @@ class BenchConfig:
 def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPrompt], config: BenchConfig,
               out_dir: Path, progress: bool = True, measure_cost_model: bool = True,
               engines: dict[str, SpecEngine] | None = None) -> dict:
-    """`engine` runs on config.quantize weights; `engines` maps other quantize modes that
-    methods ask for (`none:quantize=none`) to engines over those weights."""
-    engines = {**(engines or {}), config.quantize: engine}
-    missing = {s.quantize for s in specs if s.quantize} - set(engines)
+    """`engine` runs on config.quantize weights with config.draft; `engines` maps the other
+    (quantize mode, draft model) pairs that methods ask for (`none:quantize=none`,
+    `draft:draft_model=DIR`; a None draft: config.draft) to engines over those weights."""
+    engines = {**(engines or {}), (config.quantize, None): engine}
+
+    def key_of(spec: MethodSpec) -> tuple[str, str | None]:
+        return spec.quantize or config.quantize, spec.draft_model
+
+    missing = {key_of(s) for s in specs} - set(engines)
     if missing:
-        raise ValueError(f"no engine for quantize={', '.join(sorted(missing))}")
+        raise ValueError(f"no engine for {', '.join(f'quantize={q} draft_model={d}' for q, d in sorted(missing, key=str))}")
 
     def engine_of(spec: MethodSpec) -> SpecEngine:
-        return engines[spec.quantize or config.quantize]
+        return engines[key_of(spec)]
 
     caches: dict[str, PrefixCaches] = {}  # method label -> its own prefix caches
     encoded = engine.encode([p.text for p in prompts], config.chat)

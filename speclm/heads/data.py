@@ -70,7 +70,8 @@ NGRAM = 8  # a prompt sharing a word n-gram this long with an evaluation turn is
 NEAR_DUPLICATE = 0.5  # ... and one whose word trigrams overlap a turn's this much (Jaccard)
 # the manifest's fields a resumed build must agree on
 IDENTITY = ("format", "target", "quantize", "layer", "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "source")
-SOURCES = ("library", "assistant")  # speclm.heads.sources; speclm.heads.assistant (requests the target writes)
+# speclm.heads.sources; speclm.heads.assistant (requests the target writes); the caller's `candidates`
+SOURCES = ("library", "assistant", "given")
 
 
 # ---------------------------------------------------------------- evaluation overlap
@@ -127,14 +128,14 @@ class EvalIndex:
 
 
 @functools.lru_cache(maxsize=1)
-def _eval_index() -> EvalIndex:
+def eval_index() -> EvalIndex:
     return EvalIndex(eval_texts())
 
 
 def overlap(prompts: Iterable[Prompt], eval_texts_: Iterable[str] | None = None) -> set[str]:
     """The ids of the prompts that overlap the evaluation texts (default: Spec-Bench's turns;
     EvalIndex says how)."""
-    index = _eval_index() if eval_texts_ is None else EvalIndex(eval_texts_)
+    index = eval_index() if eval_texts_ is None else EvalIndex(eval_texts_)
     return {p.id for p in prompts if index.hits(p.text)}
 
 
@@ -205,11 +206,11 @@ def distill(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 2
 # ---------------------------------------------------------------- files
 
 
-def _shard_name(i: int) -> str:
+def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
 
 
-def _write_shard(path: Path, sequences: list[tuple[str, list[int], int, torch.Tensor]]) -> dict:
+def write_shard(path: Path, sequences: list[tuple[str, list[int], int, torch.Tensor]]) -> dict:
     """sequences: (prompt id, token ids, prompt length, hidden (n, E)); returns its manifest entry."""
     from safetensors.torch import save_file
 
@@ -231,14 +232,14 @@ def _write_shard(path: Path, sequences: list[tuple[str, list[int], int, torch.Te
             "response_tokens": sum(lengths) - prompt_tokens, "sha256": sha}
 
 
-def _shard_prompt_ids(path: Path) -> list[str]:
+def shard_prompt_ids(path: Path) -> list[str]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         return json.loads((f.metadata() or {}).get("prompt_ids", "[]"))
 
 
-def _datafile_sha256(shards: list[dict]) -> str:
+def datafile_sha256(shards: list[dict]) -> str:
     return hashlib.sha256("".join(s["sha256"] for s in shards).encode("ascii")).hexdigest()
 
 
@@ -286,7 +287,7 @@ def read_shards(out_dir, shards=None, verify: bool = False) -> Iterator[dict]:
         if verify and file_sha256(path) != entry["sha256"]:
             raise UsageError(f"{path} does not have the sha256 the manifest records; rebuild it")
         tensors = load_file(str(path))
-        yield {"file": entry["file"], "prompt_ids": _shard_prompt_ids(path), **tensors}
+        yield {"file": entry["file"], "prompt_ids": shard_prompt_ids(path), **tensors}
 
 
 def iter_sequences(out_dir, shards=None) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -333,7 +334,7 @@ def _plan(tokenizer, candidates: Iterable[Prompt], want: int | None, max_prompt_
 
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError("the target's tokenizer has no chat template; head data are built from chat prompts")
-    index = _eval_index()
+    index = eval_index()
     plan: list[tuple[Prompt, list[int]]] = []
     seen: set[str] = set()
     excluded = long = 0
@@ -371,9 +372,9 @@ def _kept(out: Path, old: dict | None, plan: list[tuple[Prompt, list[int]]], sha
     kept: list[dict] = []
     for i, entry in enumerate(old["shards"] if old else []):
         path = out / str(entry.get("file"))
-        if entry.get("file") != _shard_name(i) or not path.is_file() or file_sha256(path) != entry.get("sha256"):
+        if entry.get("file") != shard_name(i) or not path.is_file() or file_sha256(path) != entry.get("sha256"):
             break
-        ids = _shard_prompt_ids(path)
+        ids = shard_prompt_ids(path)
         wanted = [p.id for p, _ in plan[i * shard_size: (i + 1) * shard_size]]
         if ids != wanted[: len(ids)]:
             raise UsageError(f"{path} holds other prompts than this build's: the prompt sources changed since "
@@ -432,6 +433,8 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
         raise UsageError(f"seed must be an integer, got {seed!r}")
     if source not in SOURCES:
         raise UsageError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    if source == "given" and candidates is None:
+        raise UsageError("source 'given' needs the candidates")
     loaded = isinstance(target, LoadedModel)
     name, quantize = (target.name, target.quantize) if loaded else (str(target), "int8")
     out = Path(out_dir)
@@ -463,7 +466,7 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
     shards = _kept(out, old, plan, shard_size)
     manifest = {**identity, "hidden_size": size, "vocab_size": vocab, "prompts": len(plan),
                 "excluded_eval_overlap": excluded, "skipped_long_prompts": long, "sources": _sources(plan),
-                "shards": shards, "data_sha256": _datafile_sha256(shards)}
+                "shards": shards, "data_sha256": datafile_sha256(shards)}
     manifest = {k: manifest[k] for k in ("format", "target", "quantize", "layer", "hidden_size", "vocab_size",
                                          "max_new_tokens", "max_prompt_tokens", "seed", "shard_size", "source", "prompts",
                                          "excluded_eval_overlap", "skipped_long_prompts", "sources", "shards",
@@ -503,8 +506,8 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
                         response, hidden = finished.pop(i)
                         prompt, ids = plan[i]
                         sequences.append((prompt.id, ids + response, len(ids), hidden))
-                    shards.append(_write_shard(out / _shard_name(next_shard), sequences))
-                    manifest["shards"], manifest["data_sha256"] = shards, _datafile_sha256(shards)
+                    shards.append(write_shard(out / shard_name(next_shard), sequences))
+                    manifest["shards"], manifest["data_sha256"] = shards, datafile_sha256(shards)
                     atomic_write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
                     next_shard += 1
                     if minutes is not None and time.monotonic() - started >= 60 * minutes:

@@ -46,8 +46,10 @@ def _save(fig, path: Path) -> None:
     tmp.replace(path)
 
 
-def plot_run(out_dir) -> tuple[Path, Path]:
-    """Write out_dir/loss.png and out_dir/acceptance.png from out_dir/metrics.jsonl; returns their paths."""
+def plot_run(out_dir, acceptance: dict[str, str] | None = None) -> tuple[Path, Path]:
+    """Write out_dir/loss.png and out_dir/acceptance.png from out_dir/metrics.jsonl; returns their
+    paths. acceptance: the validation metrics to draw there, key -> label (default: every acc{i},
+    the heads' top-1 accuracy i + 1 tokens ahead)."""
     out = Path(out_dir)
     records = read_metrics(out / "metrics.jsonl")
     train = [r for r in records if r.get("split") == "train" and "loss" in r]
@@ -69,16 +71,21 @@ def plot_run(out_dir) -> tuple[Path, Path]:
     _save(fig, loss_path)
 
     fig, ax = _figure()
-    positions = sorted({int(m.group(1)) for r in valid for k in r if (m := re.fullmatch(r"acc(\d+)", k))})
-    for i in positions:
-        points = [(r["step"], r[f"acc{i}"]) for r in valid if f"acc{i}" in r]
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"token t+{i + 1} (acc{i})")
+    if acceptance is None:
+        positions = sorted({int(m.group(1)) for r in valid for k in r if (m := re.fullmatch(r"acc(\d+)", k))})
+        acceptance = {f"acc{i}": f"token t+{i + 1} (acc{i})" for i in positions}
+        ax.set_ylabel("validation top-1 accuracy")
+        ax.set_title("validation accuracy by position ahead")
+    else:
+        ax.set_ylabel("validation acceptance")
+        ax.set_title("held-out acceptance")
+    for key, label in acceptance.items():
+        points = [(r["step"], r[key]) for r in valid if key in r]
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("validation top-1 accuracy")
     ax.set_ylim(0, 1)
-    ax.set_title("validation accuracy by position ahead")
     ax.grid(alpha=0.3)
-    if positions:
+    if acceptance:
         ax.legend()
     acceptance_path = out / "acceptance.png"
     _save(fig, acceptance_path)

@@ -791,6 +791,20 @@ def stream(seed: int = 0, sources: list[Source] | None = None, limit: int = MAX_
             yield prompt
 
 
+def sentences(seed: int = 0, sources: list[Source] | None = None) -> Iterator[Prompt]:
+    """Plain English prose sentences from the sources (the units translation prompts are made of),
+    each as a Prompt of kind "sentence" whose text is the sentence, in a fixed order for `seed`,
+    none twice."""
+    take = _Taker([_Pool(s, seed) for s in (find_sources() if sources is None else sources)],
+                  random.Random(f"speclm-sentences/{seed}"))
+    seen: set[str] = set()
+    while (got := take("sentence")) is not None:
+        prompt = _from(got[0], "sentence", got[0].text)
+        if prompt.id not in seen:
+            seen.add(prompt.id)
+            yield prompt
+
+
 def collect(n: int | None = None, seed: int = 0, sources: list[Source] | None = None) -> list[Prompt]:
     """The first n prompts of `stream(seed)` (None: all of them, up to MAX_POOL)."""
     return list(islice(stream(seed, sources), n))

@@ -246,9 +246,14 @@ def _model(folder: Path, config, dtype, quantize: str, progress: bool, cache: bo
 def _from_checkpoint(folder: Path, config, dtype, quantize: str, progress: bool):
     import torch
 
-    from speclm.models import weights
+    from speclm.models import adapters, weights
     from speclm.quant.weights import mark_quantized, quantize_linears, quantize_model
 
+    base = adapters.lora_base(folder)
+    if base is not None:  # a distilled draft: its base in fp32, the adapter merged, then quantized
+        base_folder = _local_folder(base, resolve_model(base, progress=progress))
+        model = _from_checkpoint(base_folder, config, torch.float32, "none", progress)
+        return quantize_model(adapters.merge_lora(model, folder).to(dtype), quantize)
     _warn_fp32_store(folder)
     skel = weights.skeleton(config, dtype if quantize == "none" else torch.float32)
     source = weights.open_weights(folder, skel)

@@ -82,6 +82,12 @@ def _cpu_flags() -> tuple[str, ...]:
     return tuple(_cpuinfo("flags").split())
 
 
+def bf16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX): where it does, bf16
+    training runs faster than fp32; elsewhere torch emulates it, slower."""
+    return any(f in _cpu_flags() for f in ("avx512_bf16", "amx_bf16"))
+
+
 def isa() -> str | None:
     """Which build runs here: "avx512", "avx2", or None (SPECLM_KERNELS=torch, or a CPU with neither)."""
     choice = os.environ.get("SPECLM_KERNELS", "auto")
