@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from speclm.errors import UsageError
 from speclm.files import atomic_write
-from speclm.heads.train import Shards, _append, _checkpoint_dir, _factor, _keep_metrics_until
+from speclm.heads.train import (CHECKPOINT, Shards, _append, _checkpoint_dir, _factor, _keep_metrics_until,
+                                replace_checkpoint)
 
 ADAPTERS = ("auto", "lora", "full")
 LOSSES = ("kl", "tvd")
@@ -46,7 +47,6 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 FULL_BELOW = 200_000_000  # adapter "auto": full fine-tuning below this many parameters, LoRA above
 DEFAULT_LR = {"lora": 2e-4, "full": 2e-5}
 TEACHER_ROWS = 256  # the target's output head runs over this many positions at a time
-CHECKPOINT = "checkpoint"
 LOG_EVERY = 5  # training steps per line of metrics.jsonl
 
 
@@ -252,12 +252,7 @@ def train(out_dir, target, draft, folders: list[Path], *, adapter: str = "auto",
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         atomic_write(_state_file(tmp), json.dumps({"step": step, "seconds": seconds(), "plan": plan,
                                                    "data_sha256": data.data_sha256, "validation": last_eval}, indent=1))
-        current, old = out / CHECKPOINT, out / (CHECKPOINT + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if current.exists():
-            current.rename(old)
-        tmp.rename(current)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_checkpoint(out, tmp)
 
     if state is None:
         validate()  # step 0: the stock draft's held-out acceptance, the baseline of the plot

@@ -345,6 +345,17 @@ def _checkpoint_dir(out: Path) -> Path | None:
     return None
 
 
+def replace_checkpoint(out: Path, tmp: Path) -> None:
+    """Make the complete checkpoint folder `tmp` the run's checkpoint: the current one is renamed
+    to .old first and removed last, so a crash in between leaves one that _checkpoint_dir finds."""
+    current, old = out / CHECKPOINT, out / (CHECKPOINT + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if current.exists():
+        current.rename(old)
+    tmp.rename(current)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _keep_metrics_until(path: Path, step: int) -> None:
     """Drop the lines of steps after a resumed checkpoint's: the resumed run writes them again."""
     if not path.is_file():
@@ -595,12 +606,7 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
                       "seconds": seconds(), "vocab_file": VOCAB_FILE, "config": config.to_dict(),
                       "data_sha256": data.data_sha256, "plan": plan, "validation": last_eval}
             (tmp / "state.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
-            current, old = out / CHECKPOINT, out / (CHECKPOINT + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            if current.exists():
-                current.rename(old)
-            tmp.rename(current)
-            shutil.rmtree(old, ignore_errors=True)
+            replace_checkpoint(out, tmp)
         accelerator.wait_for_everyone()
 
     from tqdm.auto import tqdm
