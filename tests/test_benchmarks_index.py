@@ -126,7 +126,8 @@ def copy(tmp_path) -> Path:
 
 def test_an_uncited_run_fails(copy):
     (copy / "benchmarks" / "epyc" / "methods-int8-qwen1.5b-12-old").mkdir()
-    assert problems(copy) == [
+    # (with the index at MAX_ENTRIES the count is over too: that check has its own test)
+    assert [p for p in problems(copy) if "run folders and records files" not in p] == [
         "benchmarks/epyc/methods-int8-qwen1.5b-12-old: cited by no claim (README.md, docs/, speclm/defaults.py)",
         "benchmarks/epyc/methods-int8-qwen1.5b-12-old: missing from the index, benchmarks/README.md"]
 

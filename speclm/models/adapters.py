@@ -10,6 +10,7 @@ A registry in speclm's cache (REGISTRY) remembers every folder distill wrote, fo
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from speclm.errors import UsageError
@@ -51,7 +52,9 @@ def merge_lora(model, folder: Path):
     from peft import PeftModel
 
     try:
-        merged = PeftModel.from_pretrained(model, str(folder), is_trainable=False).merge_and_unload()
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing for the user
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            merged = PeftModel.from_pretrained(model, str(folder), is_trainable=False).merge_and_unload()
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
         text = str(exc).strip().splitlines()
         raise UsageError(f"cannot merge the adapter in {folder}: {text[0] if text else type(exc).__name__}") from exc
