@@ -567,7 +567,7 @@ def _bench(args) -> int:
     for s in specs:  # every method's options, before anything is loaded
         if not s.is_hf and not s.is_peer:
             GenerationOptions(method=s.name, **s.decoding_options)
-    if any(s.needs_draft for s in specs) and not args.draft:
+    if any(s.needs_draft and not s.draft_model for s in specs) and not args.draft:
         raise UsageError("methods draft, draft+pld, hf-assisted and openvino-draft need --draft MODEL")
     for name, value, low in (("max-new-tokens", args.max_new_tokens, 1), ("repeats", args.repeats, 1),
                              ("cost-repeats", args.cost_repeats, 0), ("prefix-cache", args.prefix_cache, 0)):

@@ -160,3 +160,15 @@ def test_evaluation_prompts_and_other_tokenizers_are_refused(tmp_path, folders, 
         from speclm.distill.data import prompts as prompt_source
 
         prompt_source("builtin:poetry")
+
+
+def test_a_method_with_its_own_draft_needs_no_bench_draft(tmp_path, folders):
+    dataset = tmp_path / "eval.jsonl"
+    dataset.write_text(json.dumps({"prompt": "alpha beta 3", "category": "qa"}) + "\n")
+    assert main(["bench", "--target", folders["target"], "--quantize", "none", "--methods",
+                 f"none,draft:k=2,draft_model={folders['target']}", "--dataset", str(dataset),
+                 "--max-new-tokens", "8", "--cost-repeats", "0", "--out", str(tmp_path / "b")]) == 0
+    runs = json.loads((tmp_path / "b" / "results.json").read_text())["runs"]
+    assert [r["lossless"] for r in runs if r["method"] != "none"] == [True]
+    assert main(["bench", "--target", folders["target"], "--quantize", "none", "--methods", "none,draft:k=2",
+                 "--dataset", str(dataset), "--out", str(tmp_path / "c")]) == 2
