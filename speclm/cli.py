@@ -329,7 +329,7 @@ def _models(args) -> int:
 
         for folder, record in adapters.registered().items():
             print(f"{str(folder):<22} {on_disk(folder):<9} {record.get('adapter', '?')} draft distilled from "
-                  f"{record['base']} for {record.get('target', '?')} (--draft {folder})")
+                  f"{record['base']} for {record.get('target', '?')} (`speclm draft distill`)")
         print(f"cache: {store.models_dir()} (sizes include quantized weights, {qcache.cache_dir()})")
         return 0
     if args.models_command == "rm":
