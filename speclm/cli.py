@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             return serve(args, progress=_progress())
         if args.command == "heads":
             return args.heads_command(args)
-        if args.command == "draft":
+        if hasattr(args, "draft_command"):  # speclm draft ...
             return args.draft_command(args)
         if args.command == "tune":
             return _tune(args)

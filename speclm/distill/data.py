@@ -36,6 +36,8 @@ BUILTIN = "builtin:"
 TARGET_DATA = "data/target"
 DRAFT_DATA = "data/draft"
 SAMPLE_TEMPERATURE = 1.0  # the draft's samples: its own distribution, untempered
+# --samples: which sequences train (the target's greedy responses, the draft's own samples)
+SAMPLES = {"both": (TARGET_DATA, DRAFT_DATA), "target": (TARGET_DATA,), "draft": (DRAFT_DATA,)}
 
 
 def prompts(spec: str, seed: int = 0) -> Iterable[Prompt]:
@@ -166,7 +168,8 @@ def build_draft(target, draft, out: Path, *, max_new_tokens: int, batch_size: in
 
 
 def data_folders(out: Path, samples: str) -> list[Path]:
-    """The data folders a run trains on: samples "target", "draft" or "both"."""
-    return [out / f for f, used in ((TARGET_DATA, samples in ("target", "both")), (DRAFT_DATA, samples in ("draft", "both")))
-            if used]
+    """The data folders a run trains on (SAMPLES[samples])."""
+    if samples not in SAMPLES:
+        raise UsageError(f"samples must be one of {', '.join(SAMPLES)}, not '{samples}'")
+    return [out / f for f in SAMPLES[samples]]
 

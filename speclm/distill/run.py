@@ -68,8 +68,7 @@ def distill(target: str, draft: str, prompt_spec: str, out, *, max_prompts: int 
 
     started = time.monotonic()
     out = Path(out)
-    if samples not in ("target", "draft", "both"):
-        raise UsageError(f"samples must be target, draft or both, not '{samples}'")
+    folders = data.data_folders(out, samples)  # checks `samples`
     for name, value in (("max-prompts", max_prompts), ("max-new-tokens", max_new_tokens),
                         ("max-prompt-tokens", max_prompt_tokens), ("batch-size", gen_batch_size),
                         ("shard-size", shard_size)):
@@ -88,14 +87,14 @@ def distill(target: str, draft: str, prompt_spec: str, out, *, max_prompts: int 
     manifest = data.build_target(teacher, out, candidates, prompts_wanted=max_prompts, max_new_tokens=max_new_tokens,
                                  max_prompt_tokens=max_prompt_tokens, batch_size=gen_batch_size,
                                  shard_size=shard_size, seed=seed, progress=progress)
-    if samples in ("draft", "both"):
+    if out / data.DRAFT_DATA in folders:
         _say(progress, "data: the draft's own samples, scored by the target")
         data.build_draft(teacher, sampler, out, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
                          shard_size=shard_size, seed=seed, progress=progress)
     del sampler
     student = load_model(draft, quantize="none", progress=progress)
     _say(progress, "training")
-    summary = train(out, teacher, student, data.data_folders(out, samples), seed=seed, progress=progress, **training)
+    summary = train(out, teacher, student, folders, seed=seed, progress=progress, **training)
     trained = summary.pop("student")
     export(out, trained, teacher.name, student, summary, command)
     return {**summary, "draft": str(out), "prompts": manifest["prompts"],
