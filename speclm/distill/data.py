@@ -29,7 +29,6 @@ from speclm.errors import UsageError
 from speclm.files import atomic_write
 from speclm.heads import data as heads_data
 from speclm.heads.sources import KIND_WEIGHTS, Prompt, stream
-from speclm.models.store import file_sha256
 from speclm.text import chat_ids
 
 BUILTIN = "builtin:"
@@ -112,22 +111,8 @@ def build_draft(target, draft, out: Path, *, max_new_tokens: int, batch_size: in
                 "layer": heads_data.LAYER, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": base["max_prompt_tokens"], "seed": seed, "shard_size": shard_size,
                 "source": f"draft-samples:{draft.name}"}
-    old = None
-    if (folder / "manifest.json").is_file():
-        old = heads_data.load_manifest(folder)
-        differ = [k for k in identity if old.get(k) != identity[k]]
-        if differ:
-            raise UsageError(f"{folder} holds samples made with other arguments ("
-                             + ", ".join(f"{k} {old.get(k)!r} vs {identity[k]!r}" for k in differ)
-                             + "): repeat them, or choose another --out")
-    shards = []
-    for i, entry in enumerate(old["shards"] if old else []):
-        path = folder / entry["file"]
-        wanted = [p.id for p, _ in plan[i * shard_size:(i + 1) * shard_size]]
-        if (not path.is_file() or file_sha256(path) != entry["sha256"]
-                or heads_data.shard_prompt_ids(path) != wanted):
-            break
-        shards.append(entry)
+    old = heads_data.existing_build(folder, identity)  # other arguments: a UsageError
+    shards = heads_data.kept_shards(folder, old, plan, shard_size)
     folder.mkdir(parents=True, exist_ok=True)
     manifest = {**identity, "hidden_size": base["hidden_size"], "vocab_size": base["vocab_size"],
                 "prompts": len(plan), "excluded_eval_overlap": base["excluded_eval_overlap"],

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from speclm.errors import UsageError
 from speclm.files import atomic_write
 from speclm.heads.train import (CHECKPOINT, Shards, _append, _checkpoint_dir, _factor, _keep_metrics_until,
-                                replace_checkpoint)
+                                checkpoint_state, replace_checkpoint)
 
 ADAPTERS = ("auto", "lora", "full")
 LOSSES = ("kl", "tvd")
@@ -124,10 +124,6 @@ class Student:
             return self.head(hidden[mask])
 
 
-def _state_file(folder: Path) -> Path:
-    return folder / "state.json"
-
-
 def train(out_dir, target, draft, folders: list[Path], *, adapter: str = "auto", rank: int = 16, loss: str = "kl",
           lr: float | None = None, batch_size: int = 4, steps: int | None = None, epochs: float | None = None,
           minutes: float | None = None, warmup: int = 10, eval_every: int = 50, save_every: int = 50,
@@ -179,17 +175,8 @@ def train(out_dir, target, draft, folders: list[Path], *, adapter: str = "auto",
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     checkpoint = _checkpoint_dir(out) if resume else None
-    state = None
-    if checkpoint is not None:
-        state = json.loads(_state_file(checkpoint).read_text(encoding="utf-8"))
-        if state.get("data_sha256") != data.data_sha256:
-            raise UsageError(f"the checkpoint in {out} was trained on other data: --no-resume to start over")
-        changed = [k for k in {**state["plan"], **plan} if state["plan"].get(k) != plan.get(k)]
-        if changed:
-            was = ", ".join(f"{k} {state['plan'].get(k)!r} -> {plan.get(k)!r}" for k in changed)
-            raise UsageError(f"the checkpoint in {out} was trained with other arguments ({was}): give the same "
-                             "ones to resume it, or --no-resume to start over")
-    else:
+    state = None if checkpoint is None else checkpoint_state(checkpoint, out, plan, data.data_sha256)
+    if state is None:  # a fresh run: nothing of an earlier one stays
         for name in (CHECKPOINT, CHECKPOINT + ".old", CHECKPOINT + ".tmp"):
             shutil.rmtree(out / name, ignore_errors=True)
         metrics_path.unlink(missing_ok=True)
@@ -250,7 +237,7 @@ def train(out_dir, target, draft, folders: list[Path], *, adapter: str = "auto",
         tmp.mkdir()
         save_file({n: p.detach().contiguous() for n, p in params.items()}, str(tmp / "trainable.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-        atomic_write(_state_file(tmp), json.dumps({"step": step, "seconds": seconds(), "plan": plan,
+        atomic_write(tmp / "state.json", json.dumps({"step": step, "seconds": seconds(), "plan": plan,
                                                    "data_sha256": data.data_sha256, "validation": last_eval}, indent=1))
         replace_checkpoint(out, tmp)
 

@@ -306,7 +306,7 @@ def _check(**values) -> None:
             raise UsageError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
 
 
-def _existing(out: Path, identity: dict) -> dict | None:
+def existing_build(out: Path, identity: dict) -> dict | None:
     """The manifest of the build already in `out` (None: none yet); UsageError where it was made
     with other arguments, or `out` is something else."""
     if out.exists() and not out.is_dir():
@@ -366,7 +366,7 @@ def _sources(plan: list[tuple[Prompt, list[int]]]) -> list[dict]:
             for (s, lic), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
-def _kept(out: Path, old: dict | None, plan: list[tuple[Prompt, list[int]]], shard_size: int) -> list[dict]:
+def kept_shards(out: Path, old: dict | None, plan: list[tuple[Prompt, list[int]]], shard_size: int) -> list[dict]:
     """The leading shards of an earlier build that stay: their file has the recorded sha256 and
     holds the plan's prompts for it, all of them."""
     kept: list[dict] = []
@@ -440,7 +440,7 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
     out = Path(out_dir)
     identity = {"format": FORMAT, "target": name, "quantize": quantize, "layer": LAYER, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "seed": seed, "shard_size": shard_size, "source": source}
-    old = _existing(out, identity)  # before loading: a mismatch fails at once
+    old = existing_build(out, identity)  # before loading: a mismatch fails at once
     if not loaded:
         target = load_model(name, quantize="int8", progress=progress)
     size, vocab = hidden_size(target.model), target.vocab_size
@@ -463,7 +463,7 @@ def build(target, out_dir, *, prompts: int | None = None, max_new_tokens: int = 
         raise UsageError(f"no prompts left to build from (overlapping the evaluation set: {excluded}, longer "
                          f"than {max_prompt_tokens} tokens: {long})")
     out.mkdir(parents=True, exist_ok=True)
-    shards = _kept(out, old, plan, shard_size)
+    shards = kept_shards(out, old, plan, shard_size)
     manifest = {**identity, "hidden_size": size, "vocab_size": vocab, "prompts": len(plan),
                 "excluded_eval_overlap": excluded, "skipped_long_prompts": long, "sources": _sources(plan),
                 "shards": shards, "data_sha256": datafile_sha256(shards)}

@@ -345,6 +345,21 @@ def _checkpoint_dir(out: Path) -> Path | None:
     return None
 
 
+def checkpoint_state(checkpoint: Path, out: Path, plan: dict, data_sha256: str) -> dict:
+    """The state.json of a run's checkpoint, which a resumed run continues; UsageError where it was
+    trained on other data or with another plan (every argument that changes the weights)."""
+    state = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
+    if state.get("data_sha256") != data_sha256:
+        raise UsageError(f"the checkpoint in {out} was trained on other data (data_sha256 {state.get('data_sha256')}, "
+                         f"this data's {data_sha256}): use another output folder, or --no-resume to start over")
+    changed = [k for k in {**state.get("plan", {}), **plan} if state.get("plan", {}).get(k) != plan.get(k)]
+    if changed:
+        was = ", ".join(f"{k} {state.get('plan', {}).get(k)!r} -> {plan.get(k)!r}" for k in changed)
+        raise UsageError(f"the checkpoint in {out} was trained with other arguments ({was}): give the same ones "
+                         "to resume it, or use another output folder, or --no-resume to start over")
+    return state
+
+
 def replace_checkpoint(out: Path, tmp: Path) -> None:
     """Make the complete checkpoint folder `tmp` the run's checkpoint: the current one is renamed
     to .old first and removed last, so a crash in between leaves one that _checkpoint_dir finds."""
@@ -477,17 +492,7 @@ def train(data_dir, out_dir, kind: str, target, *, vocab: int = 16384, heads: in
     out = Path(out_dir)
     metrics_path = out / "metrics.jsonl"
     checkpoint = _checkpoint_dir(out) if resume else None
-    state = None
-    if checkpoint is not None:
-        state = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
-        if state.get("data_sha256") != data.data_sha256:
-            raise UsageError(f"the checkpoint in {out} was trained on other data (data_sha256 {state.get('data_sha256')}, "
-                             f"this data's {data.data_sha256}): use another output folder, or --no-resume to start over")
-        changed = [k for k in {**state.get("plan", {}), **plan} if state.get("plan", {}).get(k) != plan.get(k)]
-        if changed:
-            was = ", ".join(f"{k} {state.get('plan', {}).get(k)!r} -> {plan.get(k)!r}" for k in changed)
-            raise UsageError(f"the checkpoint in {out} was trained with other arguments ({was}): give the same ones "
-                             "to resume it, or use another output folder, or --no-resume to start over")
+    state = None if checkpoint is None else checkpoint_state(checkpoint, out, plan, data.data_sha256)
     if main:
         out.mkdir(parents=True, exist_ok=True)
         if state is None:  # a fresh run: nothing of an earlier one stays
