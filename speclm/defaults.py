@@ -72,6 +72,9 @@ TABLE: tuple[Tuned, ...] = (
           "line per 256 bytes of weights this far ahead into L2; SPECLM_FAR_PREFETCH sets it",
           "benchmarks/amx/records.md#far-prefetch-ab", "int8 GEMMs 0.89-0.94x the time at 1-6 rows, 0.91-0.99x at 10-16 (3 runs), "
           "int4 0.92-0.96x (paired)"),
+    Tuned("KQ_FAR_PREFETCH_BYTES", 16384, "speclm/quant/csrc", "`--quantize gguf`: the GGUF-block kernel's passes also "
+          "prefetch their weight stream this far ahead into L2", "benchmarks/epyc/records.md#gguf-rows",
+          "6 rows / 1 row 1.18x and 1.04x (two runs) against 1.26x without; 32768: 1.31x (runs apart, not paired)"),
     Tuned("LOOKAHEAD_WINDOW", 1, "--lookahead", "`lookahead`: W, the window's guesses per Jacobi level",
           "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "W,N,G 1,2,1 0.98x none; 2,2,2 0.96x; 2,3,1 0.70x; 4,3,2 "
           "0.50x: a forward over their 3-13 tokens cost 1.24-3.64x a step, for 1.20-1.46 tokens"),
@@ -150,6 +153,7 @@ ATTENTION_SLOT_BLOCK: int = _BY_NAME["ATTENTION_SLOT_BLOCK"]
 WEIGHT_PREFETCH_BYTES: int = _BY_NAME["WEIGHT_PREFETCH_BYTES"]
 WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW: int = _BY_NAME["WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW"]
 FAR_PREFETCH_BYTES: int = _BY_NAME["FAR_PREFETCH_BYTES"]
+KQ_FAR_PREFETCH_BYTES: int = _BY_NAME["KQ_FAR_PREFETCH_BYTES"]
 
 # fp32 CPU weights: rows -> the rows a linear layer's GEMM runs over, zero rows added (speclm.forward.lean). MKL's
 # (W x^T)^T over 4 rows cost what 1 row does on the AVX2 machine, over 3 rows 1.45x; 13-15 rows 1.6-2.0x
@@ -167,6 +171,7 @@ KERNEL_MACROS = {
     "SPECLM_AMX_MIN_ROWS": AMX_MIN_ROWS,
     "SPECLM_AMX_MIN_ROWS_INT4": AMX_MIN_ROWS_INT4,
     "SPECLM_PREFETCH_ONE_ROW": WEIGHT_PREFETCH_BYTES_AVX2_ONE_ROW,
+    "SPECLM_KQ_FAR": KQ_FAR_PREFETCH_BYTES,
 }
 
 

@@ -10,11 +10,13 @@ import sys
 from speclm.errors import UsageError
 from speclm.memory import resident
 
-QUANTIZE_MODES = ("none", "int8", "int4")  # weights: as published, or speclm.quant.weights's int8 / int4
+# weights: as published, speclm.quant.weights's int8 / int4, or the GGUF's own blocks (speclm.quant.gguf)
+QUANTIZE_MODES = ("none", "int8", "int4", "gguf")
 QUANTIZE_CHOICES = ("auto",) + QUANTIZE_MODES  # the CLI's --quantize: auto resolves by `weights_for`
 QUANTIZE_HELP = ("the target's weights. auto (default): int8 where speclm's compiled CPU kernels run (the fast path, "
                  "and speculative output equals plain output bit for bit there), else the weights as loaded; "
-                 "none: the weights as loaded (fp32 for the catalog's models); int8, int4: speclm.quant.weights's")
+                 "none: the weights as loaded (fp32 for the catalog's models); int8, int4: speclm.quant.weights's; "
+                 "gguf: the GGUF file's own quantized blocks (Q4_K, Q6_K, Q8_0), not quantized again")
 
 
 def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, str]:
@@ -29,7 +31,7 @@ def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, 
     if quantize == "auto":
         quantize = "int8" if kernels.compiled() is not None else "none"
     if draft_quantize in (None, "auto"):  # `none` asks nothing of the kernels (their first build takes a minute)
-        draft_quantize = "int4" if quantize == "int8" and kernels.compiled() is not None else quantize
+        draft_quantize = "int4" if quantize in ("int8", "gguf") and kernels.compiled() is not None else quantize
     return quantize, draft_quantize
 
 

@@ -154,7 +154,7 @@ TINY_ARCHITECTURES = ("qwen2", "llama", "mistral", "qwen3", "phi3", "gemma2", "g
 
 def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1, heads: int = 2, kv_heads: int = 1,
                     ff: int = 128, quantized: bool = False, tied: bool = False, merges: tuple[str, ...] = (),
-                    arch: str = "qwen2") -> Path:
+                    arch: str = "qwen2", kquants: bool = False) -> Path:
     """A GGUF of a few hundred KB (a byte-level vocabulary of 257 tokens) that transformers'
     GGUF loader converts in a second: the store's real conversion path, without a download. fp32
     tensors, or with `quantized` GGUF blocks as a Q4/Q5/Q8 file mixes them (the embedding Q5_0,
@@ -172,7 +172,9 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     final logit softcapping keys at 20 and 15, a sliding window; key_length = head_dim); gemma3
     (gemma2's norms, per-head q and k norms, a sliding window, no softcapping, linear rotary
     scaling by 8). A gemma file is tied (no
-    output.weight) only if `tied`, as for the others."""
+    output.weight) only if `tied`, as for the others. `kquants`: as a Q4_K_M file holds them, every
+    matrix whose rows are whole 256-feature blocks random Q4_K blocks (attn_v, ffn_down and the output
+    head Q6_K, the embedding Q8_0; speclm.quant.gguf reads them), the rest Q8_0."""
     import gguf
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -222,7 +224,11 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
 
     def tensor(name, *shape, qtype="Q8_0"):
         values = (rng.standard_normal(shape) * 0.2).astype(np.float32)
-        if quantized and len(shape) == 2:
+        if kquants and len(shape) == 2:
+            kind = ("Q8_0" if name.startswith("token_embd") or shape[1] % 256 else
+                    "Q6_K" if any(p in name for p in ("attn_v", "ffn_down", "output.")) else "Q4_K")
+            w.add_tensor(name, random_kquant_blocks(rng, kind, *shape), raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif quantized and len(shape) == 2:
             kind = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
@@ -266,6 +272,33 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 1
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def random_kquant_blocks(rng, kind: str, rows: int, cols: int):
+    """(rows, row bytes) uint8: random blocks of a GGML type (Q4_K, Q6_K, Q8_0; gguf's package has no
+    k-quant encoder; also Q5_0), every byte random but the fp16 scales, drawn so that weights stay
+    below about 0.2 (Q4_K's d and dmin in [0, 2e-4], Q6_K's d in +-5e-5, Q5_0's +-1.2e-2, Q8_0's
+    +-1.5e-3)."""
+    import numpy as np
+
+    from speclm.quant.gguf import _BLOCK_BYTES
+
+    per = 32 if kind in ("Q8_0", "Q5_0") else 256
+    blocks = rng.integers(0, 256, (rows, cols // per, _BLOCK_BYTES[kind]), dtype=np.uint8)
+
+    def fp16(offset: int, low: float, high: float) -> None:
+        values = rng.uniform(low, high, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
+
+    if kind == "Q4_K":
+        fp16(0, 0.0, 2e-4), fp16(2, 0.0, 2e-4)
+    elif kind == "Q6_K":
+        fp16(208, -5e-5, 5e-5)
+    elif kind == "Q5_0":
+        fp16(0, -1.2e-2, 1.2e-2)
+    else:
+        fp16(0, -1.5e-3, 1.5e-3)
+    return blocks.reshape(rows, -1)
 
 
 # the model_type transformers gives each tiny architecture's file

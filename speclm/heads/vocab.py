@@ -36,8 +36,10 @@ def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
             else:
                 q = head.qweight_t.t()
             return q[ids].float() * head.wscale[ids, None]
+        if callable(getattr(head, "decoded", None)):  # the GGUF's own blocks (speclm.quant.gguf)
+            return head.outputs(ids).decoded().values()
         if isinstance(head, QuantLinear):
-            raise ValueError("heads read a target with fp32, bf16 or int8 weights, not int4")
+            raise ValueError("heads read a target with fp32, bf16, int8 or GGUF weights, not int4")
         if isinstance(head, nn.Linear):
             return head.weight[ids].detach().float().clone()
     raise ValueError(f"unsupported output head {type(head).__name__}")

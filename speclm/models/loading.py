@@ -20,7 +20,7 @@ class LoadedModel:
     model: object  # a transformers PreTrainedModel (causal LM), in eval mode
     tokenizer: object  # its transformers tokenizer
     eos_token_ids: tuple[int, ...]  # every id that ends generation
-    quantize: str = "none"  # none | int8 | int4 (speclm.quant.weights)
+    quantize: str = "none"  # none | int8 | int4 (speclm.quant.weights) | gguf (speclm.quant.gguf)
 
     @property
     def vocab_size(self) -> int:
@@ -123,7 +123,8 @@ def load_model(name, *, tokenizer=None, dtype: str = "float32", device: str = "c
     loaded (then `tokenizer` is its tokenizer, and the model is used as it is: its dtype, its
     device unless `device` names another; quantize converts its linear layers in place, without
     the cache). quantize="int8" gives every linear layer, output head included, int8 weights
-    (speclm.quant.weights); quantize="int4" int4 ones (grouped scales; meant for draft models). A
+    (speclm.quant.weights); quantize="int4" int4 ones (grouped scales; meant for draft models);
+    quantize="gguf" the GGUF file's own quantized blocks (speclm.quant.gguf; a model from a GGUF). A
     quantized model is written once to the quantized-weights cache (speclm.models.qcache;
     `cache=False`: neither read nor written) and later loads read it; the first quantization
     reads the weights one decoder layer at a time (speclm.models.weights), so the fp32 model is
@@ -255,11 +256,17 @@ def _from_checkpoint(folder: Path, config, dtype, quantize: str, progress: bool)
         model = _from_checkpoint(base_folder, config, torch.float32, "none", progress)
         return quantize_model(adapters.merge_lora(model, folder).to(dtype), quantize)
     _warn_fp32_store(folder)
+    if quantize == "gguf" and not (folder / weights.GGUF_FILE).is_file():
+        raise UsageError("quantize=gguf computes with a GGUF file's own blocks: load the model from a GGUF "
+                         "(a catalog name or a .gguf file), not from other weights")
     skel = weights.skeleton(config, dtype if quantize == "none" else torch.float32)
     source = weights.open_weights(folder, skel)
     if source is None:  # transformers' own loader, then quantize in memory
         from transformers import AutoModelForCausalLM
 
+        if quantize == "gguf":
+            raise UsageError("quantize=gguf: speclm cannot read this GGUF's tensors one by one (its architecture "
+                             "renames or splits them); use --quantize int8 or int4")
         gguf = {"gguf_file": weights.GGUF_FILE} if (folder / weights.GGUF_FILE).is_file() else {}
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
                                                      attn_implementation=weights.attention_implementation(config), **gguf)

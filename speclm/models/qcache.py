@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from speclm.forward.embedding import PackedEmbedding
+from speclm.quant.gguf import GGUFLinear
 from speclm.quant.weights import INT4_GROUP, Int4Linear, Int8Linear, Int8Slice, QuantLinear, _Fused, mark_quantized
 
 # Bump when a stored tensor's layout or meaning changes: older files are then ignored, not misread.
 LAYOUT_VERSION = 1
-_KINDS = {"int8": Int8Linear, "int4": Int4Linear}
+_KINDS = {"int8": Int8Linear, "int4": Int4Linear, "gguf": GGUFLinear}
 
 
 def cache_dir() -> Path:
@@ -64,7 +65,7 @@ def _metadata(path: Path) -> dict:
 
 
 def _kind(layer: QuantLinear) -> str:
-    return "int4" if isinstance(layer, Int4Linear) else "int8"
+    return next(kind for kind, cls in _KINDS.items() if isinstance(layer, cls))
 
 
 def save(model: nn.Module, mode: str, path: Path, folder: Path) -> None:

@@ -66,6 +66,23 @@ class GGUFWeights:
                                         tensor_key_mapping=self.gguf_to_hf, parsed_parameters={"tensors": {}, "config": {}})
         return torch.from_numpy(np.asarray(result.weights, dtype=np.float32))
 
+    def blocks(self, name: str):
+        """The tensor's GGUF blocks (speclm.quant.gguf.Blocks, a copy: rows in the Hugging Face
+        order, where the architecture's processor permutes them) where speclm's kernel takes its
+        type, else None."""
+        from speclm.quant.gguf import FORMATS, Blocks
+
+        t = self.tensors[name]
+        if t.tensor_type.name not in FORMATS:
+            return None
+        data = np.asarray(t.data, dtype=np.uint8)
+        rows = np.arange(data.shape[0], dtype=np.float64)[:, None]
+        order = np.asarray(self.processor.process(weights=rows, name=t.name, tensor_key_mapping=self.gguf_to_hf,
+                                                  parsed_parameters={"tensors": {}, "config": {}}).weights)
+        if order.shape != rows.shape or not np.array_equal(np.sort(order[:, 0]), rows[:, 0]):
+            return None  # the processor does more than reorder rows
+        return Blocks(t.tensor_type.name, np.ascontiguousarray(data[order[:, 0].astype(np.int64)]))
+
     def embedding(self, name: str, dim: int) -> PackedEmbedding | None:
         """The table as its GGUF blocks (a copy, not a view of the map), or None for a float table."""
         from gguf import GGMLQuantizationType
@@ -267,9 +284,11 @@ def build(model: nn.Module, weights, dtype: torch.dtype, quantize: str,
                 if name == embed_name:
                     continue  # below
                 set_tensor(model, name, weights.get(name).to(dtype if not quantized else torch.float32))
+                if quantize == "gguf":
+                    _attach_blocks(model, name, weights, name)
             if layer is not None and quantized:
                 quantize_tree(layer)
-        _embedding_and_head(model, weights, embed_name, head_name, dtype, quantized, quantize_tree)
+        _embedding_and_head(model, weights, embed_name, head_name, dtype, quantize, quantize_tree)
     finally:
         weights.close()
     left = [n for n, p in model.named_parameters() if p.is_meta]
@@ -278,8 +297,9 @@ def build(model: nn.Module, weights, dtype: torch.dtype, quantize: str,
     return model
 
 
-def _embedding_and_head(model, weights, embed_name, head_name, dtype, quantized, quantize_tree) -> None:
+def _embedding_and_head(model, weights, embed_name, head_name, dtype, quantize, quantize_tree) -> None:
     table = model.get_input_embeddings()
+    quantized = quantize != "none"
     tied = head_name not in weights.names()
     if not quantized:
         set_tensor(model, embed_name, weights.get(embed_name).to(dtype))
@@ -291,9 +311,22 @@ def _embedding_and_head(model, weights, embed_name, head_name, dtype, quantized,
     if tied:  # the head gets its own quantized copy of the table
         head = model.get_output_embeddings()
         head._parameters["weight"] = nn.Parameter(full, requires_grad=False)
+        if quantize == "gguf":
+            _attach_blocks(model, head_name, weights, embed_name)
     quantize_tree(model)  # the output head, and any projection outside the decoder layers
     if packed is None:
         set_tensor(model, embed_name, full)
     else:
         model.set_submodule(embed_name.rpartition(".")[0], packed.scaled_as(table))  # Gemma's sqrt(hidden) kept
     del full
+
+
+def _attach_blocks(model: nn.Module, name: str, weights, source: str) -> None:
+    """quantize=gguf: give the linear layer owning parameter `name` the GGUF blocks of tensor
+    `source` (speclm.quant.gguf.attach), where the file has them."""
+    from speclm.quant import gguf
+
+    module_name, _, attr = name.rpartition(".")
+    blocks = getattr(weights, "blocks", None)
+    if attr == "weight" and blocks is not None:
+        gguf.attach(model.get_submodule(module_name), blocks(source))

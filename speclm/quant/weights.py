@@ -157,13 +157,13 @@ def _compiled_kernel():
 _GROUP = 64  # output columns the kernel packs side by side (speclm/quant/csrc/cpu_kernels.cpp)
 
 
-def _gather_columns(layout: torch.Tensor, ids: torch.Tensor, pad: int) -> torch.Tensor:
-    """Output columns `ids` of a (N_pad / 64, X, 64, ...) layout, whose column c sits at
-    [c // 64, :, c % 64], in a new layout of the same kind (len(ids) columns, padded with `pad`)."""
-    picked = layout[ids // _GROUP, :, ids % _GROUP]  # (S, X, ...)
-    padded = picked.new_full((-(-len(ids) // _GROUP) * _GROUP, *picked.shape[1:]), pad)
+def _gather_columns(layout: torch.Tensor, ids: torch.Tensor, pad: int, group: int = _GROUP) -> torch.Tensor:
+    """Output columns `ids` of a (N_pad / group, X, group, ...) layout, whose column c sits at
+    [c // group, :, c % group], in a new layout of the same kind (len(ids) columns, padded with `pad`)."""
+    picked = layout[ids // group, :, ids % group]  # (S, X, ...)
+    padded = picked.new_full((-(-len(ids) // group) * group, *picked.shape[1:]), pad)
     padded[: len(ids)] = picked
-    return padded.view(-1, _GROUP, *picked.shape[1:]).transpose(1, 2).contiguous()
+    return padded.view(-1, group, *picked.shape[1:]).transpose(1, 2).contiguous()
 
 
 def from_vnni_layout(layout: torch.Tensor, out_f: int, in_f: int) -> torch.Tensor:
@@ -474,10 +474,27 @@ class Int4Linear(QuantLinear):
 
 
 def _quantized_linear(mode: str, *linears: nn.Linear) -> QuantLinear:
-    """int4 where the input features split into groups, else int8."""
+    """int4 where the input features split into groups; the file's own blocks (gguf) where every
+    layer carries blocks of one type the kernel takes (speclm.quant.gguf); else int8."""
     if mode == "int4" and linears[0].in_features % INT4_GROUP == 0:
         return Int4Linear(*linears)
+    if mode == "gguf":
+        from speclm.quant import gguf
+
+        kinds = {gguf.kind_of(lin) for lin in linears}
+        if None not in kinds and len(kinds) == 1:
+            return gguf.GGUFLinear(*linears)
     return Int8Linear(*linears)
+
+
+def _fusable(mode: str, mods: list[nn.Module]) -> bool:
+    """Whether sibling projections share one quantized layer: always, except on gguf weights of
+    different types (or some on their blocks, some not), which each keep their own."""
+    if mode != "gguf":
+        return True
+    from speclm.quant import gguf
+
+    return len({gguf.kind_of(m) for m in mods}) == 1
 
 
 class Int8Slice(nn.Module):
@@ -523,6 +540,8 @@ def dense(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = (from_vnni_layout(module.vnni_weight, module.out_features, module.in_features)
              if module.compiled is not None else module.qweight_t.t())
         return q.float() * module.wscale[:, None], module.bias
+    if callable(getattr(module, "decoded", None)):  # a GGUF layer: its blocks' values (speclm.quant.gguf)
+        return module.decoded().values(), module.bias
     raise ValueError(f"no fp32 weights to copy from a {type(module).__name__}")
 
 
@@ -559,6 +578,9 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         return model
     if getattr(model, "speclm_quantize", "none") == mode:
         return model
+    if mode == "gguf" and not any(getattr(m, "speclm_blocks", None) is not None for m in model.modules()):
+        raise UsageError("quantize=gguf computes with a GGUF file's own blocks: load the model from a GGUF "
+                         "(a catalog name or a .gguf file), not from other weights")
     quantize_linears(model, mode)
     mark_quantized(model, mode)
     return model
@@ -579,7 +601,8 @@ def quantize_linears(model: nn.Module, mode: str) -> None:
         for parent in list(model.modules()):
             for names in SIBLINGS:
                 mods = [getattr(parent, n, None) for n in names]
-                if all(isinstance(m, nn.Linear) for m in mods) and len({m.in_features for m in mods}) == 1:
+                if (all(isinstance(m, nn.Linear) for m in mods) and len({m.in_features for m in mods}) == 1
+                        and _fusable(mode, mods)):
                     fused, start = _Fused(_quantized_linear(mode, *mods)), 0
                     for n, m in zip(names, mods):
                         setattr(parent, n, Int8Slice(fused, start, start + m.out_features))

@@ -14,6 +14,7 @@
 namespace speclm_common {
 
 constexpr int64_t COLUMNS = 64;  // output columns packed together in both weight layouts
+constexpr int64_t KQ_COLUMNS = 16;  // and in linear_rows_kq's (a GGUF's own blocks)
 
 // An optional fp32 bias (n,) or residual (rows, n): its data, or nullptr when absent.
 inline const float* optional_rows(const c10::optional<at::Tensor>& t, int64_t rows, int64_t n, bool per_row) {
@@ -37,6 +38,34 @@ inline void check_w4(const at::Tensor& packed, const at::Tensor& scales, int64_t
               scales.size(2) == COLUMNS && scales.is_contiguous() && k % scales.size(1) == 0 &&
               (k / scales.size(1)) % 8 == 0, "scales must be fp16 (N/64, K/G, 64), G a multiple of 8");
   TORCH_CHECK(n <= packed.size(0) * COLUMNS && n > packed.size(0) * COLUMNS - COLUMNS, "n does not match packed");
+}
+
+// linear_rows_kq's weights for x of k features and n outputs (cpu_kernels.cpp's layouts, by blocks of
+// 16 columns): qs uint8 (N/16, K/8, 16, 4) for bits 4, (N/16, K/16 * 3, 16, 4) for 6, (N/16, K/4, 16,
+// 4) for 8; sc int8 (N/16, K/block, 16), block a multiple of the layout's k-step (8, 16, 4 features);
+// d fp32 (N/16, K/super, 16), super a multiple of block; mn and dmin (as sc and d) given exactly when
+// zero is 0.
+inline void check_kq(const at::Tensor& qs, int64_t bits, int64_t zero, const at::Tensor& sc, const at::Tensor& d,
+                     const at::Tensor* mn, const at::Tensor* dmin, int64_t k, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
+  const int64_t step = bits == 4 ? 8 : bits == 6 ? 16 : 4;
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(0) > 0 && k % step == 0 &&
+              qs.dim() == 4 && qs.numel() == qs.size(0) * KQ_COLUMNS * k * bits / 8 && qs.size(2) == KQ_COLUMNS &&
+              qs.size(3) == 4,
+              "qs must be uint8 in the layout of ", bits, " bits for ", k, " features");
+  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.dim() == 3 && sc.size(0) == qs.size(0) &&
+              sc.size(2) == KQ_COLUMNS && sc.is_contiguous() && sc.size(1) > 0 && k % sc.size(1) == 0 &&
+              (k / sc.size(1)) % step == 0, "sc must be int8 (N/16, K/block, 16)");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 3 && d.size(0) == qs.size(0) && d.size(2) == KQ_COLUMNS &&
+              d.is_contiguous() && d.size(1) > 0 && sc.size(1) % d.size(1) == 0, "d must be fp32 (N/16, K/super, 16)");
+  TORCH_CHECK((zero == 0) == (mn != nullptr && dmin != nullptr), "mn and dmin go with zero 0, and only with it");
+  TORCH_CHECK(zero >= 0 && zero <= 255, "zero must be 0 .. 255");
+  if (mn != nullptr) {
+    TORCH_CHECK(mn->scalar_type() == at::kChar && mn->sizes() == sc.sizes() && mn->is_contiguous(), "mn must be as sc");
+    TORCH_CHECK(dmin->scalar_type() == at::kFloat && dmin->sizes() == d.sizes() && dmin->is_contiguous(),
+                "dmin must be as d");
+  }
+  TORCH_CHECK(n <= qs.size(0) * KQ_COLUMNS && n > qs.size(0) * KQ_COLUMNS - KQ_COLUMNS, "n does not match qs");
 }
 
 // fn(r) for every row r: serially where `serial` (a decode step's few rows: threads would cost more

@@ -24,6 +24,7 @@
 #include "common.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -571,6 +572,181 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   return y;
 }
 
+// linear_rows_kq: a GGUF file's own quantized blocks (Q4_K, Q6_K, Q5_0, Q8_0; speclm.quant.gguf), not
+// quantized again. Weight (column c, feature i), b = i / block, s = i / super:
+//   with mins (Q4_K):       d[c, s] * sc[c, b] * u[c, i] - dmin[c, s] * mn[c, b]
+//   with a zero point z:    d[c, s] * sc[c, b] * (u[c, i] - z)          (Q6_K 32, Q5_0 16, Q8_0 128)
+// u the file's unsigned quants, packed 4 bits (linear_rows_w4's nibbles), 6 bits (those nibbles
+// and a plane of 2-bit high parts) or 8; sc and mn the file's integer block scales and mins
+// (int8), d and dmin its fp16 super-block scales as fp32. Each activation row is quantized to int8
+// as linear_rows_w4's, and per block, with exact integer sums,
+//   mins:        f = fma(fp32(sum x u), d sc, f);  f = fma(-(dmin mn), fp32(sum x), f)
+//   zero point:  f = fma(fp32(sum x u - z sum x), d sc, f)
+// (d sc and dmin mn are exact in fp32: an fp16 times an integer below 2**8), blocks in order; then
+// * the row's step, + bias, + residual. Each row is computed alone, so its bits do not depend on
+// the other rows.
+// Layouts per block of 16 output columns (one 512-bit accumulator), 64-byte k-steps (col, j) of:
+// 4 bits: 8 features, (K/8, 16, 4), low nibble feature 8p + j, high 8p + 4 + j;
+// 6 bits: 16 features in 3 steps, (K/16 * 3, 16, 4): two nibble planes as 4 bits' for features
+//   16q .. 16q + 7 and 16q + 8 .. 16q + 15, then the 2-bit high parts of features 16q + j, + 4, + 8,
+//   + 12 at bits 0, 2, 4, 6;
+// 8 bits: 4 features, (K/4, 16, 4), feature 4q + j.
+// A pass takes one column block for up to KQ_ROWS rows, its integer and fp32 sums in registers:
+// each 64-byte line of weights is read once per pass and unpacked once for all its rows.
+constexpr int KQ_ROWS = 12;
+// Each pass also prefetches its stream KQ_FAR bytes ahead into L2 (speclm.defaults.KQ_FAR_PREFETCH_BYTES).
+constexpr int64_t KQ_FAR = SPECLM_KQ_FAR;
+
+template <int BITS>
+constexpr int64_t kq_step_features() { return BITS == 4 ? 8 : BITS == 6 ? 16 : 4; }
+
+template <int ROWS, int BITS, bool MINS>
+void kq_block(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, int64_t blocks, int64_t block,
+              int64_t per_super, int32_t zero, const uint8_t* w, const int8_t* sc, const int8_t* mn, const float* d,
+              const float* dmin, __m512* out) {
+  __m512 f[ROWS];
+  for (int r = 0; r < ROWS; ++r) f[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  constexpr int64_t features = kq_step_features<BITS>();
+  constexpr int64_t step_bytes = BITS == 6 ? 192 : 64;
+  constexpr int quads = features / 4;
+  const int64_t steps = block / features;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i a[ROWS];
+    for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_si512();
+    for (int64_t p = b * steps; p < (b + 1) * steps; ++p) {
+      const uint8_t* wp = w + p * step_bytes;
+      for (int l = 0; l < step_bytes / 64; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + l * 64), _MM_HINT_T0);
+        if (KQ_FAR > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + KQ_FAR + l * 64), _MM_HINT_T1);
+      }
+      __m512i u[quads];
+      if (BITS == 8) {
+        u[0] = _mm512_loadu_si512(wp);
+      } else {
+        const __m512i v = _mm512_loadu_si512(wp);
+        u[0] = _mm512_and_si512(v, low);
+        u[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (BITS == 6) {
+          const __m512i v1 = _mm512_loadu_si512(wp + 64);
+          const __m512i h = _mm512_loadu_si512(wp + 128);
+          u[2] = _mm512_and_si512(v1, low);
+          u[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+          // u |= the high parts at bits 4-5: A | (B & C) is ternary logic 0xF8
+          u[0] = _mm512_ternarylogic_epi32(u[0], _mm512_slli_epi16(h, 4), top, 0xF8);
+          u[1] = _mm512_ternarylogic_epi32(u[1], _mm512_slli_epi16(h, 2), top, 0xF8);
+          u[2] = _mm512_ternarylogic_epi32(u[2], h, top, 0xF8);
+          u[3] = _mm512_ternarylogic_epi32(u[3], _mm512_srli_epi16(h, 2), top, 0xF8);
+        }
+      }
+      for (int q = 0; q < quads; ++q)
+        for (int r = 0; r < ROWS; ++r) dpbusd(a[r], u[q], _mm512_set1_epi32(x32[r * quad_stride + quads * p + q]));
+    }
+    const int64_t s = b / per_super;
+    const __m512 scale = _mm512_mul_ps(
+        _mm512_loadu_ps(d + s * 16),
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16)))));
+    if (MINS) {
+      const __m512 mins = _mm512_mul_ps(
+          _mm512_loadu_ps(dmin + s * 16),
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b * 16)))));
+      for (int r = 0; r < ROWS; ++r) {
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), scale, f[r]);
+        f[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(float(xsum[r * blocks + b])), f[r]);
+      }
+    } else {
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i exact = _mm512_sub_epi32(a[r], _mm512_set1_epi32(zero * xsum[r * blocks + b]));
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, f[r]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r] = f[r];
+}
+
+using KqFn = void (*)(const int32_t*, int64_t, const int32_t*, int64_t, int64_t, int64_t, int32_t, const uint8_t*,
+                      const int8_t*, const int8_t*, const float*, const float*, __m512*);
+
+template <int BITS, bool MINS, size_t... I>
+constexpr std::array<KqFn, sizeof...(I)> kq_by_rows(std::index_sequence<I...>) {
+  return {kq_block<int(I) + 1, BITS, MINS>...};
+}
+template <int BITS, bool MINS>
+constexpr std::array<KqFn, KQ_ROWS> KQ_BY_ROWS = kq_by_rows<BITS, MINS>(std::make_index_sequence<KQ_ROWS>{});
+
+// x (R, K) fp32; qs uint8 in the layout of `bits` (above), N_pad/16 column blocks first; sc (N_pad/16,
+// K/block, 16) int8; d (N_pad/16, K/super, 16) fp32; mn and dmin as sc and d where the format has
+// mins (zero 0), else None; n output features; bias (n,) or None; residual (R, n) or None.
+at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t bits, int64_t zero, const at::Tensor& sc,
+                          const at::Tensor& d, const c10::optional<at::Tensor>& mn,
+                          const c10::optional<at::Tensor>& dmin, int64_t n, const c10::optional<at::Tensor>& bias,
+                          const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), k = x.size(1);
+  const bool mins = mn.has_value() && mn->defined();
+  speclm_common::check_kq(qs, bits, zero, sc, d, mins ? &*mn : nullptr, mins && dmin.has_value() ? &*dmin : nullptr,
+                          k, n);
+  const float* bp = speclm_common::optional_rows(bias, rows, n, false);
+  const float* rp = speclm_common::optional_rows(residual, rows, n, true);
+  const bool has_bias = bp != nullptr, has_residual = rp != nullptr;
+  if (rows == 0) return at::empty({0, n}, x.options());
+  const int64_t blocks = sc.size(1), block = k / blocks, per_super = blocks / d.size(1);
+
+  std::vector<int8_t> xq(rows * k);
+  std::vector<int32_t> xsum(rows * blocks);
+  std::vector<float> step(rows);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, quantize_grain(k), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* out = xq.data() + r * k;
+      step[r] = quantize_row(xp + r * k, k, 0, reinterpret_cast<uint8_t*>(out));
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t sum = 0;
+        for (int64_t i = b * block; i < (b + 1) * block; ++i) sum += out[i];
+        xsum[r * blocks + b] = sum;  // |sum| <= 127 * block: exact in fp32 too
+      }
+    }
+  });
+
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = qs.data_ptr<uint8_t>();
+  const int8_t* scp = sc.data_ptr<int8_t>();
+  const int8_t* mnp = mins ? mn->data_ptr<int8_t>() : nullptr;
+  const float* dp = d.data_ptr<float>();
+  const float* dmp = mins ? dmin->data_ptr<float>() : nullptr;
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
+  const int64_t quad_stride = k / 4, column_blocks = qs.size(0), supers = d.size(1);
+  const int64_t block_bytes = k * bits * BLOCK / 8;  // a column block's quants
+  const KqFn* by_rows = (bits == 4 ? (mins ? KQ_BY_ROWS<4, true> : KQ_BY_ROWS<4, false>)
+                         : bits == 6 ? KQ_BY_ROWS<6, false> : KQ_BY_ROWS<8, false>).data();
+  // near-equal passes of at most KQ_ROWS rows
+  const int64_t passes = (rows + KQ_ROWS - 1) / KQ_ROWS;
+  at::parallel_for(0, column_blocks, 4, [&](int64_t c0, int64_t c1) {
+    __m512 acc[KQ_ROWS];
+    for (int64_t cb = c0; cb < c1; ++cb) {
+      const int64_t col = cb * BLOCK;
+      const __mmask16 mask = col + BLOCK <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - col)) - 1);
+      for (int64_t r0 = 0, pass = 0; r0 < rows; ++pass) {
+        const int rc = int((rows - r0) / (passes - pass));
+        by_rows[rc - 1](x32 + r0 * quad_stride, quad_stride, xsum.data() + r0 * blocks, blocks, block, per_super,
+                        int32_t(zero), wp + cb * block_bytes, scp + cb * blocks * BLOCK,
+                        mins ? mnp + cb * blocks * BLOCK : nullptr, dp + cb * supers * BLOCK,
+                        mins ? dmp + cb * supers * BLOCK : nullptr, acc);
+        for (int r = 0; r < rc; ++r) {
+          __m512 v = _mm512_mul_ps(acc[r], _mm512_set1_ps(step[r0 + r]));
+          if (has_bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + col));
+          if (has_residual) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, rp + (r0 + r) * n + col), v);
+          _mm512_mask_storeu_ps(yp + (r0 + r) * n + col, mask, v);
+        }
+        r0 += rc;
+      }
+    }
+  });
+  return y;
+}
+
 // RMSNorm of each row of x (R, E) fp32, transformers' formula: w * (x * 1 / sqrt(mean(x^2) + eps)).
 // One call instead of the several aten ops of F.rms_norm, which cost more than the arithmetic
 // on a decode step's few rows. The sum of squares runs in 16 lanes in a fixed order, so a row's
@@ -921,6 +1097,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("colsum"), py::arg("wscale"), py::arg("bias"), py::arg("residual") = py::none());
   m.def("linear_rows_w4", &linear_rows_w4, nogil, "int4-weight (W4A8, grouped scales) linear over rows (AVX-512 VNNI)",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("bias"),
+        py::arg("residual") = py::none());
+  m.def("linear_rows_kq", &linear_rows_kq, nogil, "a GGUF's own quantized blocks (4, 6 or 8-bit quants, block "
+        "scales, mins or a zero point) linear over rows", py::arg("x"), py::arg("qs"), py::arg("bits"), py::arg("zero"),
+        py::arg("sc"), py::arg("d"), py::arg("mn"), py::arg("dmin"), py::arg("n"), py::arg("bias"),
         py::arg("residual") = py::none());
   m.def("set_amx",
         [](int64_t min_rows, int64_t int4_min_rows) {
