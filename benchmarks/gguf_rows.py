@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from speclm.models.loading import load_model
+from speclm.quant import gguf
 from speclm.quant.weights import Int8Slice, QuantLinear
 
 from timing import median_ms  # benchmarks/timing.py
@@ -46,6 +47,9 @@ def main() -> None:
     if args.rows:
         rows = tuple(int(r) for r in args.rows.split(","))
     modes = args.modes.split(",")
+    if "gguf" in modes and not gguf.available():
+        print("gguf: not measured (speclm's AVX-512 VNNI kernels do not run here)")
+        modes.remove("gguf")
     layers = {mode: step_layers(load_model(args.target, quantize=mode, progress=False).model) for mode in modes}
     for mode, ls in layers.items():
         size = sum(t.numel() * t.element_size() for layer in ls for t in layer.state().values())

@@ -74,7 +74,8 @@ TABLE: tuple[Tuned, ...] = (
           "int4 0.92-0.96x (paired)"),
     Tuned("KQ_FAR_PREFETCH_BYTES", 16384, "speclm/quant/csrc", "`--quantize gguf`: the GGUF-block kernel's passes also "
           "prefetch their weight stream this far ahead into L2", "benchmarks/epyc/records.md#gguf-rows",
-          "6 rows / 1 row 1.18x and 1.04x (two runs) against 1.26x without; 32768: 1.31x (runs apart, not paired)"),
+          "6 rows / 1 row 1.18x and 1.04x (two runs) against 1.26x without; 8-32 KB with a 2-4 KB L1 distance "
+          "0.99-1.31x (runs apart, not paired: the memory's speed drifts)"),
     Tuned("LOOKAHEAD_WINDOW", 1, "--lookahead", "`lookahead`: W, the window's guesses per Jacobi level",
           "benchmarks/avx2/lookahead-self-int8-qwen1.5b-12", "W,N,G 1,2,1 0.98x none; 2,2,2 0.96x; 2,3,1 0.70x; 4,3,2 "
           "0.50x: a forward over their 3-13 tokens cost 1.24-3.64x a step, for 1.20-1.46 tokens"),

@@ -20,6 +20,7 @@ import torch
 
 from speclm.quant import kernels
 from speclm.cli import main
+from test_store import write_tiny_gguf
 from tiny import byte_tokenizer, loaded, random_heads, require_compiled_kernels, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +120,10 @@ SCRIPTS = {
     "eagle_levels.py": (["--target", "{target}", "--eagle", "{eagle}", "--per-category", "1", "--min-prob", "0.0,0.5"],
                         ["# EAGLE's MIN_PROB on 6 Spec-Bench prompts", "| run | tokens/s | speedup vs none |",
                          "| none | ", "| eagle, MIN_PROB 0.0 | ", "| eagle, MIN_PROB 0.5 | "], False),
+    "gguf_rows.py": (["--target", "{gguf}"], ["rows | ", re.compile(r"^int8: \d+ GEMMs a step", re.M),
+                                             re.compile(r"^4 \| .*x\)$", re.M)], True),
+    "gguf_quality.py": (["--target", "{gguf}"], ["fp32 (the file's values de-quantized): perplexity ",
+                                                 "int8: argmax agreement with fp32 "], True),
     "medusa_tree.py": (["--target", "{target}", "--heads", "{medusa}", "--data", "{data}"],
                        ["| head | rank 0 | rank 1 |", "| 3 | ", "tree: "], False),
 }
@@ -148,7 +153,9 @@ def models(tmp_path_factory) -> dict[str, str]:
             "medusa": random_heads("medusa", target, root / "medusa.safetensors"),
             # fused with layer 0's states (EAGLE-3's input): the scripts' paths for the richer head
             "eagle": random_heads("eagle", target, root / "eagle.safetensors", fuse_layers=(0,)),
-            "data": str(root / "data")}
+            "data": str(root / "data"),
+            # a GGUF of random k-quant blocks, for the scripts that compare --quantize gguf
+            "gguf": str(write_tiny_gguf(root / "kq.gguf", hidden=256, ff=512, layers=2, kquants=True))}
 
 
 @pytest.fixture(scope="module")

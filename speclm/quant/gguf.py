@@ -248,6 +248,12 @@ class GGUFLinear(QuantLinear):
                 f"GGUF {self.kind} blocks ({kernels.describe()})")
 
 
+def available() -> bool:
+    """Whether `--quantize gguf` runs here: speclm's AVX-512 VNNI kernels (not the AVX2 build)."""
+    module = kernels.compiled()
+    return module is not None and hasattr(module, "linear_rows_kq")
+
+
 def _kernel():
     module = kernels.compiled()
     if module is None or not hasattr(module, "linear_rows_kq"):
