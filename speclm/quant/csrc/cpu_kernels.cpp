@@ -130,6 +130,32 @@ inline float quantize_row(const float* row, int64_t k, int32_t offset, uint8_t* 
 // waking the pool would cost more than the work.
 inline int64_t quantize_grain(int64_t k) { return std::max<int64_t>(1, QUANTIZE_PARALLEL / k); }
 
+// The rows of x (R, K) fp32 quantized for the int4 and GGUF-block kernels: each row's int8 values
+// (quantize_row, offset 0), its step, and the exact sum of its values over each group of
+// `group` features (R, K / group).
+struct SignedRows {
+  std::vector<int8_t> xq;
+  std::vector<int32_t> sums;
+  std::vector<float> step;
+};
+
+inline SignedRows signed_rows(const float* xp, int64_t rows, int64_t k, int64_t group) {
+  const int64_t groups = k / group;
+  SignedRows q{std::vector<int8_t>(rows * k), std::vector<int32_t>(rows * groups), std::vector<float>(rows)};
+  at::parallel_for(0, rows, quantize_grain(k), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* out = q.xq.data() + r * k;
+      q.step[r] = quantize_row(xp + r * k, k, 0, reinterpret_cast<uint8_t*>(out));
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;  // |sum| <= 127 * group: exact in fp32 too
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
+        q.sums[r * groups + g] = sum;
+      }
+    }
+  });
+  return q;
+}
+
 // AMX (Intel's tile unit, Sapphire Rapids on): many rows of linear_rows in int8 tiles. A tile
 // product is the same exact int32 sum of u8 x s8 products as vpdpbusd's, so the result is
 // bit-identical to the VNNI loop's (tested); what changes is the rate: 16 rows x 16 columns x 64 k
@@ -500,21 +526,10 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int64_t groups = scales.size(1), group = k / groups;
 
   // Quantize each row: step = max|x| / 127, xq = round(x / step) (half to even); xsum: per group.
-  std::vector<int8_t> xq(rows * k);
-  std::vector<int32_t> xsum(rows * groups, 0);
-  std::vector<float> step(rows);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, rows, quantize_grain(k), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      int8_t* out = xq.data() + r * k;
-      step[r] = quantize_row(xp + r * k, k, 0, reinterpret_cast<uint8_t*>(out));
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t sum = 0;
-        for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
-        xsum[r * groups + g] = sum;
-      }
-    }
-  });
+  const SignedRows q = signed_rows(x.data_ptr<float>(), rows, k, group);
+  const std::vector<int8_t>& xq = q.xq;
+  const std::vector<int32_t>& xsum = q.sums;
+  const std::vector<float>& step = q.step;
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -693,21 +708,10 @@ at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t 
   if (rows == 0) return at::empty({0, n}, x.options());
   const int64_t blocks = sc.size(1), block = k / blocks, per_super = blocks / d.size(1);
 
-  std::vector<int8_t> xq(rows * k);
-  std::vector<int32_t> xsum(rows * blocks);
-  std::vector<float> step(rows);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, rows, quantize_grain(k), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      int8_t* out = xq.data() + r * k;
-      step[r] = quantize_row(xp + r * k, k, 0, reinterpret_cast<uint8_t*>(out));
-      for (int64_t b = 0; b < blocks; ++b) {
-        int32_t sum = 0;
-        for (int64_t i = b * block; i < (b + 1) * block; ++i) sum += out[i];
-        xsum[r * blocks + b] = sum;  // |sum| <= 127 * block: exact in fp32 too
-      }
-    }
-  });
+  const SignedRows q = signed_rows(x.data_ptr<float>(), rows, k, block);
+  const std::vector<int8_t>& xq = q.xq;
+  const std::vector<int32_t>& xsum = q.sums;
+  const std::vector<float>& step = q.step;
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
