@@ -64,7 +64,7 @@ def main() -> None:
     del ref
     modes = args.modes.split(",")
     if "gguf" in modes and not gguf.available():
-        print("gguf: not measured (speclm's AVX-512 VNNI kernels do not run here)")
+        print("gguf: not measured (speclm's compiled kernels do not run here)")
         modes.remove("gguf")
     for mode in modes:
         model = load_model(args.target, quantize=mode, progress=False).model

@@ -48,7 +48,7 @@ def main() -> None:
         rows = tuple(int(r) for r in args.rows.split(","))
     modes = args.modes.split(",")
     if "gguf" in modes and not gguf.available():
-        print("gguf: not measured (speclm's AVX-512 VNNI kernels do not run here)")
+        print("gguf: not measured (speclm's compiled kernels do not run here)")
         modes.remove("gguf")
     layers = {mode: step_layers(load_model(args.target, quantize=mode, progress=False).model) for mode in modes}
     for mode, ls in layers.items():

@@ -10,7 +10,8 @@ quants, fp16 scale per 32). Each is read into one form,
 
 with u the unsigned quants, sc and mn the integer block scales and mins, d and dmin fp32 (each the
 file's fp16 value, or 32, 16 and 128 times it for Q6_K's, Q5_0's and Q8_0's zero points, exact), laid out for
-speclm's kernel `linear_rows_kq` (speclm/quant/csrc/cpu_kernels.cpp): activations quantized per
+speclm's kernel `linear_rows_kq` (speclm/quant/csrc/cpu_kernels.cpp, and cpu_kernels_avx2.cpp with
+the same bits): activations quantized per
 row to int8 as the int4 kernel does, exact integer block sums, each row computed alone, so a
 model on these layers is batch-invariant (speculation's output equals plain decoding's bit for
 bit). Tensors of another type (F32, F16, Q4_0, Q5_K, ...) become int8 layers, said in the layer's repr.
@@ -178,7 +179,7 @@ def _unpacked(qs: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 
 class GGUFLinear(QuantLinear):
     """y = x W^T + b with W the GGUF's own blocks (one format for all its outputs) and x quantized
-    per row to int8; speclm's `linear_rows_kq` for every row count. Needs speclm's AVX-512 kernels."""
+    per row to int8; speclm's `linear_rows_kq` for every row count. Needs speclm's compiled kernels."""
 
     def __init__(self, *linears: nn.Linear):
         """One nn.Linear, or several that read the same input (fused: their outputs side by side),
@@ -249,7 +250,7 @@ class GGUFLinear(QuantLinear):
 
 
 def available() -> bool:
-    """Whether `--quantize gguf` runs here: speclm's AVX-512 VNNI kernels (not the AVX2 build)."""
+    """Whether `--quantize gguf` runs here: speclm's compiled kernels (AVX-512 VNNI or AVX2)."""
     module = kernels.compiled()
     return module is not None and hasattr(module, "linear_rows_kq")
 
@@ -257,8 +258,8 @@ def available() -> bool:
 def _kernel():
     module = kernels.compiled()
     if module is None or not hasattr(module, "linear_rows_kq"):
-        raise UsageError("quantize=gguf needs speclm's AVX-512 VNNI kernels (this CPU or build has none); "
-                         "use --quantize int8 or int4")
+        raise UsageError("quantize=gguf needs speclm's compiled kernels (an x86 CPU with AVX2 or AVX-512 VNNI; "
+                         "SPECLM_KERNELS=torch turns them off); use --quantize int8 or none")
     return module
 
 

@@ -40,6 +40,37 @@ inline void check_w4(const at::Tensor& packed, const at::Tensor& scales, int64_t
   TORCH_CHECK(n <= packed.size(0) * COLUMNS && n > packed.size(0) * COLUMNS - COLUMNS, "n does not match packed");
 }
 
+// linear_rows_kq's activation sums per row and block, as its chain takes them: with mins, fp32(sum x)
+// for the mins' term; with a zero point, -z sum x, where a block's integer sum starts (so that it
+// ends as the exact sum x (u - z)). `from(r)`: the view from row r on.
+struct KqRowSums {
+  const int32_t* less;  // (rows, stride) or null
+  const float* fp32;    // (rows, stride) or null
+  int64_t stride;       // blocks per row
+};
+struct KqSums {
+  std::vector<int32_t> less;
+  std::vector<float> fp32;
+  int64_t stride;
+  KqRowSums from(int64_t r) const {
+    return {less.empty() ? nullptr : less.data() + r * stride, fp32.empty() ? nullptr : fp32.data() + r * stride,
+            stride};
+  }
+};
+// sums: (rows, blocks) exact integer sums of each row's int8 activations; zero: the build's integer
+// offset (the format's zero point, less what its dot products already take off).
+inline KqSums kq_sums(const std::vector<int32_t>& sums, int64_t zero, bool mins, int64_t blocks) {
+  KqSums out{{}, {}, blocks};
+  if (mins) {
+    out.fp32.resize(sums.size());
+    for (size_t i = 0; i < sums.size(); ++i) out.fp32[i] = float(sums[i]);  // |sum| <= 127 * block: exact
+  } else {
+    out.less.resize(sums.size());
+    for (size_t i = 0; i < sums.size(); ++i) out.less[i] = -int32_t(zero) * sums[i];
+  }
+  return out;
+}
+
 // linear_rows_kq's weights for x of k features and n outputs (cpu_kernels.cpp's layouts, by blocks of
 // 16 columns): qs uint8 (N/16, K/8, 16, 4) for bits 4, (N/16, K/16 * 3, 16, 4) for 6, (N/16, K/4, 16,
 // 4) for 8; sc int8 (N/16, K/block, 16), block a multiple of the layout's k-step (8, 16, 4 features);

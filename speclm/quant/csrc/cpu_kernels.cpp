@@ -616,8 +616,8 @@ template <int BITS>
 constexpr int64_t kq_step_features() { return BITS == 4 ? 8 : BITS == 6 ? 16 : 4; }
 
 template <int ROWS, int BITS, bool MINS>
-void kq_block(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, int64_t blocks, int64_t block,
-              int64_t per_super, int32_t zero, const uint8_t* w, const int8_t* sc, const int8_t* mn, const float* d,
+void kq_block(const int32_t* x32, int64_t quad_stride, const speclm_common::KqRowSums& sums, int64_t blocks,
+              int64_t block, int64_t per_super, const uint8_t* w, const int8_t* sc, const int8_t* mn, const float* d,
               const float* dmin, __m512* out) {
   __m512 f[ROWS];
   for (int r = 0; r < ROWS; ++r) f[r] = _mm512_setzero_ps();
@@ -627,8 +627,9 @@ void kq_block(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, int6
   constexpr int quads = features / 4;
   const int64_t steps = block / features;
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i a[ROWS];
-    for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_si512();
+    __m512i a[ROWS];  // from - z sum x with a zero point: the sum ends as sum x (u - z)
+    for (int r = 0; r < ROWS; ++r)
+      a[r] = MINS ? _mm512_setzero_si512() : _mm512_set1_epi32(sums.less[r * sums.stride + b]);
     for (int64_t p = b * steps; p < (b + 1) * steps; ++p) {
       const uint8_t* wp = w + p * step_bytes;
       for (int l = 0; l < step_bytes / 64; ++l) {
@@ -667,19 +668,16 @@ void kq_block(const int32_t* x32, int64_t quad_stride, const int32_t* xsum, int6
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b * 16)))));
       for (int r = 0; r < ROWS; ++r) {
         f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), scale, f[r]);
-        f[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(float(xsum[r * blocks + b])), f[r]);
+        f[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(sums.fp32[r * sums.stride + b]), f[r]);
       }
     } else {
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512i exact = _mm512_sub_epi32(a[r], _mm512_set1_epi32(zero * xsum[r * blocks + b]));
-        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, f[r]);
-      }
+      for (int r = 0; r < ROWS; ++r) f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), scale, f[r]);
     }
   }
   for (int r = 0; r < ROWS; ++r) out[r] = f[r];
 }
 
-using KqFn = void (*)(const int32_t*, int64_t, const int32_t*, int64_t, int64_t, int64_t, int32_t, const uint8_t*,
+using KqFn = void (*)(const int32_t*, int64_t, const speclm_common::KqRowSums&, int64_t, int64_t, int64_t, const uint8_t*,
                       const int8_t*, const int8_t*, const float*, const float*, __m512*);
 
 template <int BITS, bool MINS, size_t... I>
@@ -710,8 +708,8 @@ at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t 
 
   const SignedRows q = signed_rows(x.data_ptr<float>(), rows, k, block);
   const std::vector<int8_t>& xq = q.xq;
-  const std::vector<int32_t>& xsum = q.sums;
   const std::vector<float>& step = q.step;
+  const speclm_common::KqSums all = speclm_common::kq_sums(q.sums, zero, mins, blocks);
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -734,8 +732,8 @@ at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t 
       const __mmask16 mask = col + BLOCK <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - col)) - 1);
       for (int64_t r0 = 0, pass = 0; r0 < rows; ++pass) {
         const int rc = int((rows - r0) / (passes - pass));
-        by_rows[rc - 1](x32 + r0 * quad_stride, quad_stride, xsum.data() + r0 * blocks, blocks, block, per_super,
-                        int32_t(zero), wp + cb * block_bytes, scp + cb * blocks * BLOCK,
+        by_rows[rc - 1](x32 + r0 * quad_stride, quad_stride, all.from(r0), blocks, block, per_super,
+                        wp + cb * block_bytes, scp + cb * blocks * BLOCK,
                         mins ? mnp + cb * blocks * BLOCK : nullptr, dp + cb * supers * BLOCK,
                         mins ? dmp + cb * supers * BLOCK : nullptr, acc);
         for (int r = 0; r < rc; ++r) {

@@ -1,7 +1,7 @@
 // speclm's CPU kernels for x86 CPUs with AVX2, FMA and F16C but no AVX-512 VNNI (built by
 // speclm/kernels.py in place of cpu_kernels.cpp; docs/cpu-fast-path.md, "The compiled kernels"). The
 // same functions, the same weight layouts and the same arithmetic as cpu_kernels.cpp:
-// linear_rows, linear_rows_w4, rms_norm, silu_mul, decode_attention.
+// linear_rows, linear_rows_w4, linear_rows_kq, rms_norm, silu_mul, decode_attention.
 //
 // The int8 dot products. AVX2 has no vpdpbusd, and vpmaddubsw (u8 x s8, pairs summed in int16)
 // saturates when one operand is u8 up to 255: oneDNN's AVX2 int8 GEMM is inexact for that
@@ -383,6 +383,203 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   return y;
 }
 
+// cpu_kernels.cpp's linear_rows_kq: a GGUF file's own blocks in the same layouts, computed with the
+// same fp32 steps per column (so the same bits), by 8-column halves of each 16-column block. The
+// integer sums: 4- and 6-bit quants (u <= 63) pair with int8 activations in vpmaddubsw exactly
+// (2 * 63 * 127 = 16002, and two quads' pairs added in int16 stay below 32767; 4-bit ones' over 4
+// steps, 16 products of at most 15 * 127, too); 8-bit quants (u up
+// to 255) go in as w = u - 128 with the sign trick (|w| <= 128: a pair <= 32512), so their sum is
+// sum x u - 128 sum x and the zero point's subtraction takes 128 less: the VNNI kernel's integer.
+namespace {
+
+// Rows per pass: their int32 and fp32 accumulators, broadcasts and unpacked quants in 16 registers.
+constexpr int KQ_ROWS = 4;
+constexpr int64_t KQ_FAR = SPECLM_KQ_FAR;  // speclm.defaults.KQ_FAR_PREFETCH_BYTES, as cpu_kernels.cpp's
+
+// out[h * ROWS + r]: row r's 8 columns of half h0 + h (fp32 sums over blocks, before the step).
+// w, sc, mn, d, dmin: the column block's; `first`: the block's first pass fetches its stream ahead.
+template <int ROWS, int HALVES, int BITS, bool MINS>
+void kq_halves(const int32_t* x32, int64_t quad_stride, const speclm_common::KqRowSums& sums, int64_t blocks,
+               int64_t block, int64_t per_super, const uint8_t* w, const int8_t* sc, const int8_t* mn, const float* d,
+               const float* dmin, int h0, __m256* out, bool first) {
+  __m256 f[HALVES * ROWS];
+  for (int i = 0; i < HALVES * ROWS; ++i) f[i] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  constexpr int64_t features = BITS == 4 ? 8 : BITS == 6 ? 16 : 4;
+  constexpr int64_t step_bytes = BITS == 6 ? 192 : 64;
+  constexpr int quads = features / 4;
+  const int64_t steps = block / features;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i a[HALVES * ROWS];  // from the zero point's -z sum x (kq_sums), as cpu_kernels.cpp's
+    for (int h = 0; h < HALVES; ++h)
+      for (int r = 0; r < ROWS; ++r)
+        a[h * ROWS + r] = MINS ? _mm256_setzero_si256() : _mm256_set1_epi32(sums.less[r * sums.stride + b]);
+    __m256i s16[HALVES * ROWS];  // 4 bits: a column's pairs over up to 4 steps (16 products <= 16 * 15 * 127)
+    for (int64_t p = b * steps; p < (b + 1) * steps; ++p) {
+      const uint8_t* wp = w + p * step_bytes;
+      const bool opens = BITS == 4 && (p - b * steps) % 4 == 0;
+      const bool closes = BITS == 4 && ((p - b * steps) % 4 == 3 || p == (b + 1) * steps - 1);
+      if (opens)
+        for (int i = 0; i < HALVES * ROWS; ++i) s16[i] = _mm256_setzero_si256();
+      if (first)
+        for (int l = 0; l < step_bytes / 64; ++l) {
+          _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + l * 64), _MM_HINT_T0);
+          if (KQ_FAR > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + KQ_FAR + l * 64), _MM_HINT_T1);
+        }
+      __m256i xb[ROWS][quads];
+      for (int r = 0; r < ROWS; ++r)
+        for (int q = 0; q < quads; ++q) xb[r][q] = _mm256_set1_epi32(x32[r * quad_stride + quads * p + q]);
+      for (int h = 0; h < HALVES; ++h) {
+        const uint8_t* wh = wp + (h0 + h) * 32;
+        if (BITS == 8) {
+          const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh)),
+                                              _mm256_set1_epi8(char(0x80)));
+          const __m256i wabs = _mm256_abs_epi8(wv);
+          for (int r = 0; r < ROWS; ++r) {
+            const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xb[r][0], wv));
+            a[h * ROWS + r] = _mm256_add_epi32(a[h * ROWS + r], _mm256_madd_epi16(pairs, ones));
+          }
+        } else {
+          __m256i u[quads];
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh));
+          u[0] = _mm256_and_si256(v, low);
+          u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if (BITS == 6) {
+            const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + 64));
+            const __m256i hp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + 128));
+            u[2] = _mm256_and_si256(v1, low);
+            u[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hp, 4), top));
+            u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hp, 2), top));
+            u[2] = _mm256_or_si256(u[2], _mm256_and_si256(hp, top));
+            u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_srli_epi16(hp, 2), top));
+          }
+          for (int r = 0; r < ROWS; ++r)
+            for (int q = 0; q < quads; q += 2) {
+              const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u[q], xb[r][q]),
+                                                     _mm256_maddubs_epi16(u[q + 1], xb[r][q + 1]));
+              if (BITS == 4) s16[h * ROWS + r] = _mm256_add_epi16(s16[h * ROWS + r], pairs);
+              else a[h * ROWS + r] = _mm256_add_epi32(a[h * ROWS + r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+      }
+      if (closes)
+        for (int i = 0; i < HALVES * ROWS; ++i) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(s16[i], ones));
+    }
+    const int64_t s = b / per_super;
+    for (int h = 0; h < HALVES; ++h) {
+      const int64_t c = (h0 + h) * 8;
+      const __m256 scale = _mm256_mul_ps(
+          _mm256_loadu_ps(d + s * 16 + c),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 16 + c)))));
+      if (MINS) {
+        const __m256 mins = _mm256_mul_ps(
+            _mm256_loadu_ps(dmin + s * 16 + c),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + b * 16 + c)))));
+        for (int r = 0; r < ROWS; ++r) {
+          f[h * ROWS + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h * ROWS + r]), scale, f[h * ROWS + r]);
+          f[h * ROWS + r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(sums.fp32[r * sums.stride + b]), f[h * ROWS + r]);
+        }
+      } else {
+        for (int r = 0; r < ROWS; ++r)
+          f[h * ROWS + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h * ROWS + r]), scale, f[h * ROWS + r]);
+      }
+    }
+  }
+  for (int i = 0; i < HALVES * ROWS; ++i) out[i] = f[i];
+}
+
+using KqFn = void (*)(const int32_t*, int64_t, const speclm_common::KqRowSums&, int64_t, int64_t, int64_t, const uint8_t*,
+                      const int8_t*, const int8_t*, const float*, const float*, int, __m256*, bool);
+// A pass of 1 or 2 rows takes both halves of a block in one sweep (its weights read once); 3 or 4
+// rows one half a sweep, so that the accumulators stay in registers.
+struct KqPass {
+  KqFn fn;
+  int halves;
+};
+template <int BITS, bool MINS>
+constexpr KqPass KQ_PASSES[KQ_ROWS + 1] = {{nullptr, 0},
+                                           {kq_halves<1, 2, BITS, MINS>, 2},
+                                           {kq_halves<2, 2, BITS, MINS>, 2},
+                                           {kq_halves<3, 1, BITS, MINS>, 1},
+                                           {kq_halves<4, 1, BITS, MINS>, 1}};
+
+}  // namespace
+
+// The signature and layouts of cpu_kernels.cpp's linear_rows_kq.
+at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t bits, int64_t zero, const at::Tensor& sc,
+                          const at::Tensor& d, const c10::optional<at::Tensor>& mn,
+                          const c10::optional<at::Tensor>& dmin, int64_t n, const c10::optional<at::Tensor>& bias,
+                          const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), k = x.size(1);
+  const bool mins = mn.has_value() && mn->defined();
+  speclm_common::check_kq(qs, bits, zero, sc, d, mins ? &*mn : nullptr, mins && dmin.has_value() ? &*dmin : nullptr,
+                          k, n);
+  const float* bp = speclm_common::optional_rows(bias, rows, n, false);
+  const float* rp = speclm_common::optional_rows(residual, rows, n, true);
+  if (rows == 0) return at::empty({0, n}, x.options());
+  const int64_t blocks = sc.size(1), block = k / blocks, per_super = blocks / d.size(1);
+
+  std::vector<int8_t> xq(rows * k);
+  std::vector<int32_t> xsum(rows * blocks, 0);
+  std::vector<float> step(rows);
+  const float* xp = x.data_ptr<float>();
+  speclm_common::for_rows(rows, rows < QUANTIZE_THREADED_ROWS, 8, [&](int64_t r) {
+    int8_t* out = xq.data() + r * k;
+    step[r] = quantize_row(xp + r * k, k, k, out);
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t sum = 0;
+      for (int64_t i = b * block; i < (b + 1) * block; ++i) sum += out[i];
+      xsum[r * blocks + b] = sum;
+    }
+  });
+  // 8-bit quants' dot products already take 128 sum x off (w = u - 128)
+  const speclm_common::KqSums all = speclm_common::kq_sums(xsum, bits == 8 ? zero - 128 : zero, mins, blocks);
+
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = qs.data_ptr<uint8_t>();
+  const int8_t* scp = sc.data_ptr<int8_t>();
+  const int8_t* mnp = mins ? mn->data_ptr<int8_t>() : nullptr;
+  const float* dp = d.data_ptr<float>();
+  const float* dmp = mins ? dmin->data_ptr<float>() : nullptr;
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xq.data());
+  const int64_t quad_stride = k / 4, column_blocks = qs.size(0), supers = d.size(1);
+  const int64_t block_bytes = k * bits * speclm_common::KQ_COLUMNS / 8;
+  const KqPass* passes_by_rows = (bits == 4 ? (mins ? KQ_PASSES<4, true> : KQ_PASSES<4, false>)
+                                  : bits == 6 ? KQ_PASSES<6, false> : KQ_PASSES<8, false>);
+  const int64_t passes = (rows + KQ_ROWS - 1) / KQ_ROWS;  // near-equal passes of at most KQ_ROWS rows
+  at::parallel_for(0, column_blocks, 4, [&](int64_t c0, int64_t c1) {
+    __m256 acc[2 * KQ_ROWS];
+    for (int64_t cb = c0; cb < c1; ++cb) {
+      for (int64_t r0 = 0, pass = 0; r0 < rows; ++pass) {
+        const int rc = int((rows - r0) / (passes - pass));
+        const KqPass& kp = passes_by_rows[rc];
+        for (int h0 = 0; h0 < 2; h0 += kp.halves) {
+          kp.fn(x32 + r0 * quad_stride, quad_stride, all.from(r0), blocks, block, per_super, wp + cb * block_bytes, scp + cb * blocks * 16, mins ? mnp + cb * blocks * 16 : nullptr,
+                dp + cb * supers * 16, mins ? dmp + cb * supers * 16 : nullptr, h0, acc, pass == 0 && h0 == 0);
+          for (int h = 0; h < kp.halves; ++h) {
+            const int64_t col = cb * 16 + (h0 + h) * 8;
+            if (col >= n) break;
+            const int64_t valid = std::min<int64_t>(8, n - col);
+            for (int r = 0; r < rc; ++r) {
+              const int64_t row = r0 + r;
+              __m256 v = _mm256_mul_ps(acc[h * rc + r], _mm256_set1_ps(step[row]));
+              if (bp) v = _mm256_add_ps(v, load8(bp + col, valid));
+              if (rp) v = _mm256_add_ps(load8(rp + row * n + col, valid), v);
+              store8(yp + row * n + col, v, valid);
+            }
+          }
+        }
+        r0 += rc;
+      }
+    }
+  });
+  return y;
+}
+
 namespace {
 
 // The sum of 16 lanes held as lo (lanes 0-7) and hi (8-15), in the order of GCC's
@@ -677,6 +874,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("colsum"), py::arg("wscale"), py::arg("bias"), py::arg("residual") = py::none());
   m.def("linear_rows_w4", &linear_rows_w4, nogil, "int4-weight (W4A8, grouped scales) linear over rows (AVX2)",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("bias"),
+        py::arg("residual") = py::none());
+  m.def("linear_rows_kq", &linear_rows_kq, nogil, "a GGUF's own quantized blocks (4, 6 or 8-bit quants, block "
+        "scales, fp32 super-block scales) linear over rows (AVX2)", py::arg("x"), py::arg("qs"), py::arg("bits"),
+        py::arg("zero"), py::arg("sc"), py::arg("d"), py::arg("mn"), py::arg("dmin"), py::arg("n"), py::arg("bias"),
         py::arg("residual") = py::none());
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up over rows of gate | up, fp32");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm over rows, fp32", py::arg("x"), py::arg("weight"), py::arg("eps"));
