@@ -397,73 +397,80 @@ constexpr int KQ_ROWS = 4;
 constexpr int64_t KQ_FAR = SPECLM_KQ_FAR;  // speclm.defaults.KQ_FAR_PREFETCH_BYTES, as cpu_kernels.cpp's
 
 // out[h * ROWS + r]: row r's 8 columns of half h0 + h (fp32 sums over blocks, before the step).
-// w, sc, mn, d, dmin: the column block's; `first`: the block's first pass fetches its stream ahead.
+// w, sc, mn, d, dmin: the column block's. A step's quants are unpacked once for both halves and
+// every row; each row's broadcasts live for that row only, so that the int16 (4 bits) or int32
+// sums stay in the 16 registers.
 template <int ROWS, int HALVES, int BITS, bool MINS>
 void kq_halves(const int32_t* x32, int64_t quad_stride, const speclm_common::KqRowSums& sums, int64_t blocks,
                int64_t block, int64_t per_super, const uint8_t* w, const int8_t* sc, const int8_t* mn, const float* d,
-               const float* dmin, int h0, __m256* out, bool first) {
+               const float* dmin, int h0, __m256* out) {
   __m256 f[HALVES * ROWS];
   for (int i = 0; i < HALVES * ROWS; ++i) f[i] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
   constexpr int64_t features = BITS == 4 ? 8 : BITS == 6 ? 16 : 4;
   constexpr int64_t step_bytes = BITS == 6 ? 192 : 64;
   constexpr int quads = features / 4;
+  constexpr int64_t chunk = BITS == 4 ? 4 : 1;  // steps whose pairs add in int16 (4 bits: 16 products <= 16 * 15 * 127)
   const int64_t steps = block / features;
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i a[HALVES * ROWS];  // from the zero point's -z sum x (kq_sums), as cpu_kernels.cpp's
     for (int h = 0; h < HALVES; ++h)
       for (int r = 0; r < ROWS; ++r)
         a[h * ROWS + r] = MINS ? _mm256_setzero_si256() : _mm256_set1_epi32(sums.less[r * sums.stride + b]);
-    __m256i s16[HALVES * ROWS];  // 4 bits: a column's pairs over up to 4 steps (16 products <= 16 * 15 * 127)
-    for (int64_t p = b * steps; p < (b + 1) * steps; ++p) {
-      const uint8_t* wp = w + p * step_bytes;
-      const bool opens = BITS == 4 && (p - b * steps) % 4 == 0;
-      const bool closes = BITS == 4 && ((p - b * steps) % 4 == 3 || p == (b + 1) * steps - 1);
-      if (opens)
+    for (int64_t p0 = b * steps; p0 < (b + 1) * steps; p0 += chunk) {
+      __m256i s16[BITS == 4 ? HALVES * ROWS : 1];
+      if (BITS == 4)
         for (int i = 0; i < HALVES * ROWS; ++i) s16[i] = _mm256_setzero_si256();
-      if (first)
+      for (int64_t p = p0; p < std::min(p0 + chunk, (b + 1) * steps); ++p) {
+        const uint8_t* wp = w + p * step_bytes;
         for (int l = 0; l < step_bytes / 64; ++l) {
           _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + l * 64), _MM_HINT_T0);
           if (KQ_FAR > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + KQ_FAR + l * 64), _MM_HINT_T1);
         }
-      __m256i xb[ROWS][quads];
-      for (int r = 0; r < ROWS; ++r)
-        for (int q = 0; q < quads; ++q) xb[r][q] = _mm256_set1_epi32(x32[r * quad_stride + quads * p + q]);
-      for (int h = 0; h < HALVES; ++h) {
-        const uint8_t* wh = wp + (h0 + h) * 32;
-        if (BITS == 8) {
-          const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh)),
-                                              _mm256_set1_epi8(char(0x80)));
-          const __m256i wabs = _mm256_abs_epi8(wv);
-          for (int r = 0; r < ROWS; ++r) {
-            const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xb[r][0], wv));
-            a[h * ROWS + r] = _mm256_add_epi32(a[h * ROWS + r], _mm256_madd_epi16(pairs, ones));
-          }
-        } else {
-          __m256i u[quads];
+        __m256i u[HALVES][BITS == 8 ? 2 : quads];  // 8 bits: w = u - 128 and |w|
+        for (int h = 0; h < HALVES; ++h) {
+          const uint8_t* wh = wp + (h0 + h) * 32;
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh));
-          u[0] = _mm256_and_si256(v, low);
-          u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if (BITS == 8) {
+            u[h][0] = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));
+            u[h][1] = _mm256_abs_epi8(u[h][0]);
+            continue;
+          }
+          u[h][0] = _mm256_and_si256(v, low);
+          u[h][1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           if (BITS == 6) {
             const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + 64));
             const __m256i hp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + 128));
-            u[2] = _mm256_and_si256(v1, low);
-            u[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-            u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hp, 4), top));
-            u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hp, 2), top));
-            u[2] = _mm256_or_si256(u[2], _mm256_and_si256(hp, top));
-            u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_srli_epi16(hp, 2), top));
+            u[h][2 % quads] = _mm256_or_si256(_mm256_and_si256(v1, low), _mm256_and_si256(hp, top));
+            u[h][3 % quads] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
+                                              _mm256_and_si256(_mm256_srli_epi16(hp, 2), top));
+            u[h][0] = _mm256_or_si256(u[h][0], _mm256_and_si256(_mm256_slli_epi16(hp, 4), top));
+            u[h][1] = _mm256_or_si256(u[h][1], _mm256_and_si256(_mm256_slli_epi16(hp, 2), top));
           }
-          for (int r = 0; r < ROWS; ++r)
-            for (int q = 0; q < quads; q += 2) {
-              const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u[q], xb[r][q]),
-                                                     _mm256_maddubs_epi16(u[q + 1], xb[r][q + 1]));
-              if (BITS == 4) s16[h * ROWS + r] = _mm256_add_epi16(s16[h * ROWS + r], pairs);
-              else a[h * ROWS + r] = _mm256_add_epi32(a[h * ROWS + r], _mm256_madd_epi16(pairs, ones));
+        }
+        for (int r = 0; r < ROWS; ++r) {
+          __m256i xb[quads];
+          for (int q = 0; q < quads; ++q) xb[q] = _mm256_set1_epi32(x32[r * quad_stride + quads * p + q]);
+          for (int h = 0; h < HALVES; ++h) {
+            __m256i& acc = a[h * ROWS + r];
+            if (BITS == 8) {
+              acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u[h][1], _mm256_sign_epi8(xb[0], u[h][0])),
+                                                            ones));
+            } else if (BITS == 4) {
+              s16[h * ROWS + r] = _mm256_add_epi16(s16[h * ROWS + r],
+                                                   _mm256_add_epi16(_mm256_maddubs_epi16(u[h][0], xb[0]),
+                                                                    _mm256_maddubs_epi16(u[h][1], xb[1 % quads])));
+            } else {
+              for (int q = 0; q < quads; q += 2) {
+                const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u[h][q], xb[q]),
+                                                       _mm256_maddubs_epi16(u[h][(q + 1) % quads], xb[(q + 1) % quads]));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+              }
             }
+          }
         }
       }
-      if (closes)
+      if (BITS == 4)
         for (int i = 0; i < HALVES * ROWS; ++i) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(s16[i], ones));
     }
     const int64_t s = b / per_super;
@@ -490,9 +497,9 @@ void kq_halves(const int32_t* x32, int64_t quad_stride, const speclm_common::KqR
 }
 
 using KqFn = void (*)(const int32_t*, int64_t, const speclm_common::KqRowSums&, int64_t, int64_t, int64_t, const uint8_t*,
-                      const int8_t*, const int8_t*, const float*, const float*, int, __m256*, bool);
-// A pass of 1 or 2 rows takes both halves of a block in one sweep (its weights read once); 3 or 4
-// rows one half a sweep, so that the accumulators stay in registers.
+                      const int8_t*, const int8_t*, const float*, const float*, int, __m256*);
+// A pass takes both halves of a block in one sweep (its weights read and unpacked once), but 3 or
+// 4 rows of 6-bit quants (four unpacked registers a half) one half a sweep.
 struct KqPass {
   KqFn fn;
   int halves;
@@ -501,8 +508,8 @@ template <int BITS, bool MINS>
 constexpr KqPass KQ_PASSES[KQ_ROWS + 1] = {{nullptr, 0},
                                            {kq_halves<1, 2, BITS, MINS>, 2},
                                            {kq_halves<2, 2, BITS, MINS>, 2},
-                                           {kq_halves<3, 1, BITS, MINS>, 1},
-                                           {kq_halves<4, 1, BITS, MINS>, 1}};
+                                           {kq_halves<3, BITS == 6 ? 1 : 2, BITS, MINS>, BITS == 6 ? 1 : 2},
+                                           {kq_halves<4, BITS == 6 ? 1 : 2, BITS, MINS>, BITS == 6 ? 1 : 2}};
 
 }  // namespace
 
@@ -559,7 +566,7 @@ at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t 
         const KqPass& kp = passes_by_rows[rc];
         for (int h0 = 0; h0 < 2; h0 += kp.halves) {
           kp.fn(x32 + r0 * quad_stride, quad_stride, all.from(r0), blocks, block, per_super, wp + cb * block_bytes, scp + cb * blocks * 16, mins ? mnp + cb * blocks * 16 : nullptr,
-                dp + cb * supers * 16, mins ? dmp + cb * supers * 16 : nullptr, h0, acc, pass == 0 && h0 == 0);
+                dp + cb * supers * 16, mins ? dmp + cb * supers * 16 : nullptr, h0, acc);
           for (int h = 0; h < kp.halves; ++h) {
             const int64_t col = cb * 16 + (h0 + h) * 8;
             if (col >= n) break;
