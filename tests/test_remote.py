@@ -322,3 +322,43 @@ def test_a_given_draft_is_verified_to_the_target_s_distribution():
 
     assert p_value(firsts()) > ALPHA
     assert p_value(firsts("misplaced")) < ALPHA
+
+
+class _BusyVerifier:
+    """A verifier whose session answers 409 session_busy `busy` times (its first try of the call still
+    running after a dropped connection), then the round."""
+
+    url = "http://verifier.test"
+
+    def __init__(self, busy: int):
+        self.busy, self.calls, self.model = busy, 0, {}
+
+    def call(self, body: dict) -> tuple[int, dict]:
+        self.calls += 1
+        if self.calls <= self.busy:
+            return 409, {"error": {"code": "session_busy", "message": "the session's previous call is still running"}}
+        return 200, {"tokens": [7], "session": body["session"]}
+
+
+@pytest.mark.parametrize("busy", [0, 1, 3])
+def test_a_busy_session_is_asked_again_until_it_answers(monkeypatch, busy):
+    from speclm import remote
+
+    monkeypatch.setattr(remote.time, "sleep", lambda s: None)
+    verifier, stats = _BusyVerifier(busy), remote.RemoteStats()
+    request = Request.of(0, [72, 101], GenerationOptions(max_new_tokens=4), 0, None)
+    reply = remote._verify(verifier, {"draft": []}, "s1", [72, 101], request, None, stats)
+    assert reply == {"tokens": [7], "session": "s1"} and verifier.calls == busy + 1 and stats.resumed == 0
+
+
+def test_a_session_busy_past_patience_fails_in_one_line(monkeypatch):
+    from speclm import remote
+
+    monkeypatch.setattr(remote.time, "sleep", lambda s: None)
+    monkeypatch.setattr(remote, "PATIENCE", 0.0)
+    verifier = _BusyVerifier(10 ** 6)
+    request = Request.of(0, [72, 101], GenerationOptions(max_new_tokens=4), 0, None)
+    with pytest.raises(remote.RemoteError) as err:
+        remote._verify(verifier, {"draft": []}, "s1", [72, 101], request, None, remote.RemoteStats())
+    assert "\n" not in str(err.value) and "409" in str(err.value) and "still running" in str(err.value)
+    assert verifier.calls >= 1
