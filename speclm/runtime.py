@@ -28,7 +28,9 @@ def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, 
     """
     from speclm.quant import kernels
 
-    if quantize == "auto":
+    if quantize == "auto":  # not gguf: with --method auto it tied int8 end to end on AVX-512, its prefill
+        # slower (benchmarks/epyc/records.md#gguf-auto: 36.97 against 36.99 tokens/s, 12 prompts); the AVX2
+        # build's 1.09x (#gguf-avx2) ran on that machine, not on an AVX2-only CPU
         quantize = "int8" if kernels.compiled() is not None else "none"
     if draft_quantize in (None, "auto"):  # `none` asks nothing of the kernels (their first build takes a minute)
         draft_quantize = "int4" if quantize in ("int8", "gguf") and kernels.compiled() is not None else quantize
