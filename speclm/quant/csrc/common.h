@@ -40,6 +40,37 @@ inline void check_w4(const at::Tensor& packed, const at::Tensor& scales, int64_t
   TORCH_CHECK(n <= packed.size(0) * COLUMNS && n > packed.size(0) * COLUMNS - COLUMNS, "n does not match packed");
 }
 
+// The exact sums of a row's int8 values q (k) over each group of `group` features (k / group):
+// |sum| <= 127 * group, exact in fp32 too.
+inline void group_sums(const int8_t* q, int64_t k, int64_t group, int32_t* sums) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    int32_t sum = 0;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += q[i];
+    sums[g] = sum;
+  }
+}
+
+// The rows of x (R, K) quantized for the int4 and GGUF-block kernels (each build's signed_rows): each
+// row's int8 values, its step, and its group_sums (R, K / group).
+struct SignedRows {
+  std::vector<int8_t> xq;
+  std::vector<int32_t> sums;
+  std::vector<float> step;
+  SignedRows(int64_t rows, int64_t k, int64_t group) : xq(rows * k), sums(rows * (k / group)), step(rows) {}
+};
+
+// linear_rows_kq's inputs as both builds take them (check_kq done): x fp32 (R, K) contiguous, whether
+// the format has mins, the bias and residual (or null), and its blocks: `blocks` a row, `block`
+// features each, `per_super` a super-block.
+struct KqCall {
+  at::Tensor x;
+  int64_t rows, k;
+  bool mins;
+  const float* bias;
+  const float* residual;
+  int64_t blocks, block, per_super;
+};
+
 // linear_rows_kq's activation sums per row and block, as its chain takes them: with mins, fp32(sum x)
 // for the mins' term; with a zero point, -z sum x, where a block's integer sum starts (so that it
 // ends as the exact sum x (u - z)). `from(r)`: the view from row r on.
@@ -97,6 +128,24 @@ inline void check_kq(const at::Tensor& qs, int64_t bits, int64_t zero, const at:
                 "dmin must be as d");
   }
   TORCH_CHECK(n <= qs.size(0) * KQ_COLUMNS && n > qs.size(0) * KQ_COLUMNS - KQ_COLUMNS, "n does not match qs");
+}
+
+inline KqCall kq_call(const at::Tensor& x_in, const at::Tensor& qs, int64_t bits, int64_t zero, const at::Tensor& sc,
+                      const at::Tensor& d, const c10::optional<at::Tensor>& mn, const c10::optional<at::Tensor>& dmin,
+                      int64_t n, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
+  KqCall c;
+  c.x = x_in.to(at::kFloat).contiguous();
+  c.rows = c.x.size(0);
+  c.k = c.x.size(1);
+  c.mins = mn.has_value() && mn->defined();
+  check_kq(qs, bits, zero, sc, d, c.mins ? &*mn : nullptr, c.mins && dmin.has_value() ? &*dmin : nullptr, c.k, n);
+  c.bias = optional_rows(bias, c.rows, n, false);
+  c.residual = optional_rows(residual, c.rows, n, true);
+  c.blocks = sc.size(1);
+  c.block = c.k / c.blocks;
+  c.per_super = c.blocks / d.size(1);
+  return c;
 }
 
 // fn(r) for every row r: serially where `serial` (a decode step's few rows: threads would cost more

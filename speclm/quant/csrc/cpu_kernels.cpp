@@ -130,27 +130,16 @@ inline float quantize_row(const float* row, int64_t k, int32_t offset, uint8_t* 
 // waking the pool would cost more than the work.
 inline int64_t quantize_grain(int64_t k) { return std::max<int64_t>(1, QUANTIZE_PARALLEL / k); }
 
-// The rows of x (R, K) fp32 quantized for the int4 and GGUF-block kernels: each row's int8 values
-// (quantize_row, offset 0), its step, and the exact sum of its values over each group of
-// `group` features (R, K / group).
-struct SignedRows {
-  std::vector<int8_t> xq;
-  std::vector<int32_t> sums;
-  std::vector<float> step;
-};
-
+// The rows of x (R, K) fp32 quantized for the int4 and GGUF-block kernels (quantize_row, offset 0).
+using speclm_common::SignedRows;
 inline SignedRows signed_rows(const float* xp, int64_t rows, int64_t k, int64_t group) {
   const int64_t groups = k / group;
-  SignedRows q{std::vector<int8_t>(rows * k), std::vector<int32_t>(rows * groups), std::vector<float>(rows)};
+  SignedRows q(rows, k, group);
   at::parallel_for(0, rows, quantize_grain(k), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* out = q.xq.data() + r * k;
       q.step[r] = quantize_row(xp + r * k, k, 0, reinterpret_cast<uint8_t*>(out));
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t sum = 0;  // |sum| <= 127 * group: exact in fp32 too
-        for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
-        q.sums[r * groups + g] = sum;
-      }
+      speclm_common::group_sums(out, k, group, q.sums.data() + r * groups);
     }
   });
   return q;
@@ -694,17 +683,15 @@ at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t 
                           const at::Tensor& d, const c10::optional<at::Tensor>& mn,
                           const c10::optional<at::Tensor>& dmin, int64_t n, const c10::optional<at::Tensor>& bias,
                           const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t rows = x.size(0), k = x.size(1);
-  const bool mins = mn.has_value() && mn->defined();
-  speclm_common::check_kq(qs, bits, zero, sc, d, mins ? &*mn : nullptr, mins && dmin.has_value() ? &*dmin : nullptr,
-                          k, n);
-  const float* bp = speclm_common::optional_rows(bias, rows, n, false);
-  const float* rp = speclm_common::optional_rows(residual, rows, n, true);
+  const speclm_common::KqCall call = speclm_common::kq_call(x_in, qs, bits, zero, sc, d, mn, dmin, n, bias, residual);
+  const at::Tensor& x = call.x;
+  const int64_t rows = call.rows, k = call.k;
+  const bool mins = call.mins;
+  const float* bp = call.bias;
+  const float* rp = call.residual;
   const bool has_bias = bp != nullptr, has_residual = rp != nullptr;
   if (rows == 0) return at::empty({0, n}, x.options());
-  const int64_t blocks = sc.size(1), block = k / blocks, per_super = blocks / d.size(1);
+  const int64_t blocks = call.blocks, block = call.block, per_super = call.per_super;
 
   const SignedRows q = signed_rows(x.data_ptr<float>(), rows, k, block);
   const std::vector<int8_t>& xq = q.xq;

@@ -80,6 +80,29 @@ inline float quantize_row(const float* row, int64_t k, int64_t kp, int8_t* out) 
 // alone as before: the same bytes.
 constexpr int64_t QUANTIZE_THREADED_ROWS = 16;
 
+// The rows of x (R, K) fp32 quantized for the int4 and GGUF-block kernels (quantize_row), as
+// cpu_kernels.cpp's signed_rows: a few rows on the calling thread.
+using speclm_common::SignedRows;
+inline SignedRows signed_rows(const float* xp, int64_t rows, int64_t k, int64_t group) {
+  const int64_t groups = k / group;
+  SignedRows q(rows, k, group);
+  speclm_common::for_rows(rows, rows < QUANTIZE_THREADED_ROWS, 8, [&](int64_t r) {
+    int8_t* out = q.xq.data() + r * k;
+    q.step[r] = quantize_row(xp + r * k, k, k, out);
+    speclm_common::group_sums(out, k, group, q.sums.data() + r * groups);
+  });
+  return q;
+}
+
+// One row's `valid` columns from their fp32 sums: times the row's step, + bias, then residual +,
+// in that order (the int4 and GGUF-block kernels').
+inline void finish8(__m256 sums, float step, const float* bp, const float* rp, float* out, int64_t valid) {
+  __m256 v = _mm256_mul_ps(sums, _mm256_set1_ps(step));
+  if (bp) v = _mm256_add_ps(v, load8(bp, valid));
+  if (rp) v = _mm256_add_ps(load8(rp, valid), v);
+  store8(out, v, valid);
+}
+
 // acc (8 int32 lanes, one per column) += the 4-term dot products of x's quad (broadcast) with
 // each column's 4 int8 weights in w, exactly (see the top of this file).
 inline __m256i dot_quads(__m256i acc, __m256i x, __m256i w, __m256i wabs, __m256i ones) {
@@ -330,19 +353,10 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
   if (rows == 0) return at::empty({0, n}, x.options());
   const int64_t groups = scales.size(1), group = k / groups;
 
-  std::vector<int8_t> xq(rows * k);
-  std::vector<int32_t> xsum(rows * groups, 0);
-  std::vector<float> step(rows);
-  const float* xp = x.data_ptr<float>();
-  speclm_common::for_rows(rows, rows < QUANTIZE_THREADED_ROWS, 8, [&](int64_t r) {
-    int8_t* out = xq.data() + r * k;
-    step[r] = quantize_row(xp + r * k, k, k, out);
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += out[i];
-      xsum[r * groups + g] = sum;
-    }
-  });
+  const SignedRows q = signed_rows(x.data_ptr<float>(), rows, k, group);
+  const std::vector<int8_t>& xq = q.xq;
+  const std::vector<int32_t>& xsum = q.sums;
+  const std::vector<float>& step = q.step;
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -369,10 +383,8 @@ at::Tensor linear_rows_w4(const at::Tensor& x_in, const at::Tensor& packed, cons
             const int64_t valid = std::min<int64_t>(BLOCK, n - col);
             for (int r = 0; r < rc; ++r) {
               const int64_t row = r0 + r;
-              __m256 v = _mm256_mul_ps(acc[r * cb + c], _mm256_set1_ps(step[row]));
-              if (bp) v = _mm256_add_ps(v, load8(bp + col, valid));
-              if (rp) v = _mm256_add_ps(load8(rp + row * n + col, valid), v);
-              store8(yp + row * n + col, v, valid);
+              finish8(acc[r * cb + c], step[row], bp ? bp + col : nullptr, rp ? rp + row * n + col : nullptr,
+                      yp + row * n + col, valid);
             }
           }
         }
@@ -518,32 +530,20 @@ at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t 
                           const at::Tensor& d, const c10::optional<at::Tensor>& mn,
                           const c10::optional<at::Tensor>& dmin, int64_t n, const c10::optional<at::Tensor>& bias,
                           const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x_in.dim() == 2, "x must be (R, K)");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t rows = x.size(0), k = x.size(1);
-  const bool mins = mn.has_value() && mn->defined();
-  speclm_common::check_kq(qs, bits, zero, sc, d, mins ? &*mn : nullptr, mins && dmin.has_value() ? &*dmin : nullptr,
-                          k, n);
-  const float* bp = speclm_common::optional_rows(bias, rows, n, false);
-  const float* rp = speclm_common::optional_rows(residual, rows, n, true);
+  const speclm_common::KqCall call = speclm_common::kq_call(x_in, qs, bits, zero, sc, d, mn, dmin, n, bias, residual);
+  const at::Tensor& x = call.x;
+  const int64_t rows = call.rows, k = call.k;
+  const bool mins = call.mins;
+  const float* bp = call.bias;
+  const float* rp = call.residual;
   if (rows == 0) return at::empty({0, n}, x.options());
-  const int64_t blocks = sc.size(1), block = k / blocks, per_super = blocks / d.size(1);
+  const int64_t blocks = call.blocks, block = call.block, per_super = call.per_super;
 
-  std::vector<int8_t> xq(rows * k);
-  std::vector<int32_t> xsum(rows * blocks, 0);
-  std::vector<float> step(rows);
-  const float* xp = x.data_ptr<float>();
-  speclm_common::for_rows(rows, rows < QUANTIZE_THREADED_ROWS, 8, [&](int64_t r) {
-    int8_t* out = xq.data() + r * k;
-    step[r] = quantize_row(xp + r * k, k, k, out);
-    for (int64_t b = 0; b < blocks; ++b) {
-      int32_t sum = 0;
-      for (int64_t i = b * block; i < (b + 1) * block; ++i) sum += out[i];
-      xsum[r * blocks + b] = sum;
-    }
-  });
+  const SignedRows q = signed_rows(x.data_ptr<float>(), rows, k, block);
+  const std::vector<int8_t>& xq = q.xq;
+  const std::vector<float>& step = q.step;
   // 8-bit quants' dot products already take 128 sum x off (w = u - 128)
-  const speclm_common::KqSums all = speclm_common::kq_sums(xsum, bits == 8 ? zero - 128 : zero, mins, blocks);
+  const speclm_common::KqSums all = speclm_common::kq_sums(q.sums, bits == 8 ? zero - 128 : zero, mins, blocks);
 
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -565,18 +565,17 @@ at::Tensor linear_rows_kq(const at::Tensor& x_in, const at::Tensor& qs, int64_t 
         const int rc = int((rows - r0) / (passes - pass));
         const KqPass& kp = passes_by_rows[rc];
         for (int h0 = 0; h0 < 2; h0 += kp.halves) {
-          kp.fn(x32 + r0 * quad_stride, quad_stride, all.from(r0), blocks, block, per_super, wp + cb * block_bytes, scp + cb * blocks * 16, mins ? mnp + cb * blocks * 16 : nullptr,
-                dp + cb * supers * 16, mins ? dmp + cb * supers * 16 : nullptr, h0, acc);
+          kp.fn(x32 + r0 * quad_stride, quad_stride, all.from(r0), blocks, block, per_super, wp + cb * block_bytes,
+                scp + cb * blocks * 16, mins ? mnp + cb * blocks * 16 : nullptr, dp + cb * supers * 16,
+                mins ? dmp + cb * supers * 16 : nullptr, h0, acc);
           for (int h = 0; h < kp.halves; ++h) {
             const int64_t col = cb * 16 + (h0 + h) * 8;
             if (col >= n) break;
             const int64_t valid = std::min<int64_t>(8, n - col);
             for (int r = 0; r < rc; ++r) {
               const int64_t row = r0 + r;
-              __m256 v = _mm256_mul_ps(acc[h * rc + r], _mm256_set1_ps(step[row]));
-              if (bp) v = _mm256_add_ps(v, load8(bp + col, valid));
-              if (rp) v = _mm256_add_ps(load8(rp + row * n + col, valid), v);
-              store8(yp + row * n + col, v, valid);
+              finish8(acc[h * rc + r], step[row], bp ? bp + col : nullptr, rp ? rp + row * n + col : nullptr,
+                      yp + row * n + col, valid);
             }
           }
         }
