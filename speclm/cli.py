@@ -277,15 +277,39 @@ def _tune(args) -> int:
     args.draft = family_draft(args.target, "auto", args.draft)
     if args.draft:
         check_model_name(args.draft)
-    quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
-    target = load_model(args.target, quantize=quantize, progress=_progress())
-    draft = load_model(args.draft, quantize=draft_quantize, progress=_progress()) if args.draft else None
-    engine = SpecEngine(target, draft=draft)
-    if not args.show:
-        profile = tune.measure(engine, opts, progress=_progress())
-        print(f"speclm: profile of {profile.key} measured in {profile.seconds:.0f} s: {tune.path_of(engine, opts)}",
-              file=sys.stderr)
-    print(tune.show(engine, opts))
+    from speclm.quant import kernels
+
+    race = args.quantize == "auto" and kernels.compiled() is not None  # auto's weights are chosen here
+    modes = tune.WEIGHT_MODES if race else (weights_for(args.quantize, args.draft_quantize)[0],)
+    engines, drafts = {}, {}
+    for mode in modes:
+        try:
+            target = load_model(args.target, quantize=mode, progress=_progress())
+        except UsageError as exc:
+            if mode == modes[0]:
+                raise
+            print(f"speclm: --quantize auto cannot choose {mode} for {args.target}: {exc}", file=sys.stderr)
+            continue
+        draft_mode = weights_for(mode, args.draft_quantize)[1]
+        if args.draft and draft_mode not in drafts:
+            drafts[draft_mode] = load_model(args.draft, quantize=draft_mode, progress=_progress())
+        engines[mode] = SpecEngine(target, draft=drafts.get(draft_mode))
+    for mode, engine in engines.items():
+        if not args.show:
+            profile = tune.measure(engine, opts, progress=_progress())
+            print(f"speclm: profile of {profile.key} measured in {profile.seconds:.0f} s: {tune.path_of(engine, opts)}",
+                  file=sys.stderr)
+        if args.show and len(engines) > 1 and tune.load(engine, opts) is None:
+            continue  # a mode tune never measured here
+        print(tune.show(engine, opts))
+    if race and len(engines) > 1:
+        if args.show:
+            choice = tune.chosen_weights(args.target, args.draft)
+        else:
+            choice = tune.choose_weights(args.target, args.draft, tune.race(engines, opts, progress=_progress()))
+        print(f"\n--quantize auto: {choice.describe() if choice else 'int8 weights (no race measured here)'}")
+    elif race:
+        print(f"\n--quantize auto: {modes[0]} weights (the target has no GGUF blocks speclm's kernels read)")
     return 0
 
 
@@ -389,7 +413,7 @@ def _generate(args) -> int:
     check_model_name(args.target)  # fail fast, before minutes of loading
     if uses_draft:
         check_model_name(args.draft)
-    quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
+    quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize, args.target, args.draft)
     target = load_model(args.target, quantize=quantize, progress=_progress())
     draft = load_model(args.draft, quantize=draft_quantize, progress=_progress()) if uses_draft else None
     engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
@@ -582,7 +606,7 @@ def _bench(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a folder")
-    args.quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
+    args.quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize, args.target, args.draft)
     for s in specs:
         if s.draft_model:
             check_model_name(s.draft_model)
@@ -638,7 +662,7 @@ def _demo(args) -> int:
 
     if args.k is not None:
         GenerationOptions(method="draft", k=args.k)  # validates k before minutes of loading
-    quantize, draft_mode = weights_for(args.quantize, args.draft_quantize)
+    quantize, draft_mode = weights_for(args.quantize, args.draft_quantize, args.target, args.draft)
     print(f"loading {args.target} (target, weights {quantize}) and {args.draft} (draft, weights {draft_mode})...",
           file=sys.stderr)
     engine = SpecEngine(load_model(args.target, quantize=quantize, progress=_progress()),

@@ -13,25 +13,40 @@ from speclm.memory import resident
 # weights: as published, speclm.quant.weights's int8 / int4, or the GGUF's own blocks (speclm.quant.gguf)
 QUANTIZE_MODES = ("none", "int8", "int4", "gguf")
 QUANTIZE_CHOICES = ("auto",) + QUANTIZE_MODES  # the CLI's --quantize: auto resolves by `weights_for`
-QUANTIZE_HELP = ("the target's weights. auto (default): int8 where speclm's compiled CPU kernels run (the fast path, "
-                 "and speculative output equals plain output bit for bit there), else the weights as loaded; "
+QUANTIZE_HELP = ("the target's weights. auto (default): where speclm's compiled CPU kernels run (the fast path, "
+                 "and speculative output equals plain output bit for bit there) the mode `speclm tune` measured "
+                 "fastest for the target and draft (int8 or gguf), int8 where it measured none; else the weights as loaded; "
                  "none: the weights as loaded (fp32 for the catalog's models); int8, int4: speclm.quant.weights's; "
                  "gguf: the GGUF file's own quantized blocks (Q4_K, Q6_K, Q8_0), not quantized again")
 
 
-def weights_for(quantize: str, draft_quantize: str | None = None) -> tuple[str, str]:
+_SAID: set[str] = set()  # the weight choices already said on stderr in this process
+
+
+def weights_for(quantize: str, draft_quantize: str | None = None, target: str | None = None,
+                draft: str | None = None) -> tuple[str, str]:
     """The target's and the draft's weights for --quantize and --draft-quantize (None: the default).
 
-    auto is int8 where speclm's compiled kernels run, else none. The draft defaults to int4 beside
-    an int8 target on those kernels (half a draft step's bytes; what is proposed changes, never
+    auto, where speclm's compiled kernels run: the mode `speclm tune` chose for this target and
+    draft on this machine (speclm.tune.chosen_weights: the faster of int8 and gguf under `--method
+    auto`, said once on stderr), int8 where it chose none (the two tied on the AVX-512 EPYC,
+    benchmarks/epyc/records.md#gguf-auto); elsewhere none. The draft defaults to int4 beside an
+    int8 or gguf target on those kernels (half a draft step's bytes; what is proposed changes, never
     the output), else to the target's weights.
     """
     from speclm.quant import kernels
 
-    if quantize == "auto":  # not gguf: with --method auto it tied int8 end to end on AVX-512, its prefill
-        # slower (benchmarks/epyc/records.md#gguf-auto: 36.97 against 36.99 tokens/s, 12 prompts); the AVX2
-        # build's 1.09x (#gguf-avx2) ran on that machine, not on an AVX2-only CPU
+    if quantize == "auto":
         quantize = "int8" if kernels.compiled() is not None else "none"
+        if quantize == "int8" and target is not None:
+            from speclm.tune import chosen_weights
+
+            choice = chosen_weights(target, draft)
+            if choice is not None:
+                quantize = choice.mode
+                if f"{target}+{draft}" not in _SAID:
+                    _SAID.add(f"{target}+{draft}")
+                    print(f"speclm: --quantize auto: {choice.describe()}", file=sys.stderr, flush=True)
     if draft_quantize in (None, "auto"):  # `none` asks nothing of the kernels (their first build takes a minute)
         draft_quantize = "int4" if quantize in ("int8", "gguf") and kernels.compiled() is not None else quantize
     return quantize, draft_quantize

@@ -14,6 +14,11 @@ A profile is kept in `$SPECLM_HOME/profiles/`, its file named by the target and 
 weights), the heads, the processor and thread count, and the compiled kernels' build
 (speclm.forward.costs.cache_path): a profile from another CPU, model or build is never read. The
 tuning prompts are the project's own, never an evaluation set's.
+
+`speclm tune` with `--quantize auto` (its default) measures this for every weight mode auto
+chooses between (WEIGHT_MODES: int8, and gguf where the target is a GGUF speclm's kernels read),
+then races `auto` on them, prompt by prompt, interleaved, and keeps the faster mode in
+`$SPECLM_HOME/weights/` (keyed like a profile, by target and draft): `--quantize auto` loads it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ from speclm.forward.costs import cache_path
 from speclm.options import GenerationOptions
 
 FORM = 3  # the profile file's layout; another is measured again
+# --quantize auto chooses between these by `race`: int8 (a finer rounding of any weights) and the GGUF's
+# own blocks; never int4 (a second, coarser rounding of a GGUF's values) nor fp32 (slower wherever they run)
+WEIGHT_MODES = ("int8", "gguf")
+RACE_PASSES = 2  # passes over the tuning prompts, the modes' order reversed in the second
 TOKENS = 64  # new tokens per tuning prompt
 # Tuning prompts: a few kinds of work a user asks for (code, rewriting given text, explaining,
 # a list, quoting from given text, arithmetic in steps), written for speclm; none is from
@@ -101,6 +110,76 @@ class Profile:
             raise ValueError("another layout")
         kids = {name: ChildProfile(**c) for name, c in data["children"].items()}
         return Profile(data["key"], data["processor"], data["created"], float(data["seconds"]), kids)
+
+
+@dataclass
+class WeightsChoice:
+    """What `speclm tune` measured for --quantize auto: `auto`'s tokens per second on each weight mode
+    (the tuning prompts, RACE_PASSES passes, modes interleaved), and the faster one."""
+
+    mode: str
+    tokens_per_second: dict[str, float]
+    created: str
+
+    def describe(self) -> str:
+        speeds = ", ".join(f"{m} {t:.1f}" for m, t in sorted(self.tokens_per_second.items(), key=lambda kv: -kv[1]))
+        return f"{self.mode} weights (speclm tune, {self.created[:10]}: auto ran {speeds} tokens/s)"
+
+
+def _choice_path(target: str, draft: str | None):
+    return cache_path("weights", f"{target}+{draft or 'no-draft'}", None)
+
+
+def chosen_weights(target: str, draft: str | None) -> WeightsChoice | None:
+    """The weight mode `speclm tune` chose for this target and draft on this processor, thread count
+    and kernel build, or None where it measured none."""
+    try:
+        data = json.loads(_choice_path(target, draft).read_text())
+        choice = WeightsChoice(str(data["mode"]), {str(m): float(t) for m, t in data["tokens_per_second"].items()},
+                               str(data["created"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return choice if choice.mode in WEIGHT_MODES else None
+
+
+def race(engines: dict, opts: GenerationOptions, progress: bool | None = None, clock=time.perf_counter) -> dict[str, float]:
+    """`auto`'s tokens per second on each engine (weight mode -> SpecEngine over those weights) over
+    the tuning prompts, prefill included: RACE_PASSES passes, each prompt run on every engine in
+    turn, the engines' order reversed every other pass, so a drift of this machine's speed during
+    the race falls on all of them alike."""
+    modes = list(engines)
+    first = engines[modes[0]]
+    chat = bool(getattr(first.target.tokenizer, "chat_template", None))
+    prompts = [p for p in PROMPTS if _fits(first, p, chat)] or PROMPTS[:1]
+    auto = dict(method="auto", heads=opts.heads, chat=chat)
+    for engine in engines.values():  # warm-up: first-call allocations, the planner's setup
+        engine.generate("Hi", max_new_tokens=4, **auto)
+    spent, made = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0)
+    bar = tqdm(total=RACE_PASSES * len(prompts) * len(modes), desc="race", unit="run", file=sys.stderr,
+               disable=progress is False)
+    for turn in range(RACE_PASSES):
+        for prompt in prompts:
+            for mode in (modes if turn % 2 == 0 else modes[::-1]):
+                t0 = clock()
+                out = engines[mode].generate(prompt, max_new_tokens=TOKENS, **auto)
+                spent[mode] += clock() - t0
+                made[mode] += len(out.token_ids)
+                bar.update()
+    bar.close()
+    return {m: made[m] / spent[m] if spent[m] > 0 else 0.0 for m in modes}
+
+
+def choose_weights(target: str, draft: str | None, speeds: dict[str, float]) -> WeightsChoice:
+    """Keep a race's fastest mode for --quantize auto (a tie: the first in WEIGHT_MODES)."""
+    best = max(speeds, key=lambda m: (speeds[m], -WEIGHT_MODES.index(m)))
+    choice = WeightsChoice(best, dict(speeds), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    path = _choice_path(target, draft)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(asdict(choice), indent=1))
+    except OSError:
+        pass  # an unwritable home: --quantize auto stays int8
+    return choice
 
 
 def key_of(engine, opts: GenerationOptions) -> str:

@@ -277,3 +277,87 @@ def test_tune_measures_then_shows_the_profile(folders, tmp_path, monkeypatch, ca
     assert code == 0 and shown.splitlines()[1:] == out.splitlines()[1:]
     rows = [line.split() for line in shown.splitlines() if line[:1].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [(p, b) for p in ("64", "2048") for b in ("1", "2", "4", "8")]
+
+
+def test_quantize_auto_loads_the_weight_mode_tune_chose(tmp_path, monkeypatch, capsys):
+    """`speclm tune`'s race decides --quantize auto for its target and draft on this machine, said
+    once on stderr; a tie keeps int8; an explicit mode, another draft or an unreadable file leave it
+    alone; no race measured: int8."""
+    require_compiled_kernels()
+    from speclm import runtime, tune
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(runtime, "_SAID", set())
+    assert runtime.weights_for("auto", None, "t", "d") == ("int8", "int4")
+    assert tune.choose_weights("t", "d", {"int8": 30.0, "gguf": 33.0}).mode == "gguf"
+    assert runtime.weights_for("auto", None, "t", "d") == ("gguf", "int4")
+    assert "--quantize auto: gguf weights (speclm tune" in capsys.readouterr().err
+    assert runtime.weights_for("auto", None, "t", "d")[0] == "gguf" and capsys.readouterr().err == ""  # said once
+    assert runtime.weights_for("int8", None, "t", "d")[0] == "int8"
+    assert runtime.weights_for("auto", None, "t", None)[0] == runtime.weights_for("auto", None, "u", "d")[0] == "int8"
+    assert tune.choose_weights("t", "d", {"int8": 33.0, "gguf": 30.0}).mode == "int8"
+    assert tune.choose_weights("t", "d", {"gguf": 30.0, "int8": 30.0}).mode == "int8"
+    tune.choose_weights("t", "d", {"int8": 1.0, "gguf": 2.0})
+    tune._choice_path("t", "d").write_text("{not json")
+    assert runtime.weights_for("auto", None, "t", "d")[0] == "int8"
+
+
+def test_the_weights_race_interleaves_the_modes_and_times_whole_requests():
+    """race: every tuning prompt on each mode in turn, the order reversed in the second pass, a
+    request's whole time (its prefill too) over the tokens it made."""
+    from types import SimpleNamespace
+
+    from speclm import tune
+    from speclm.options import GenerationOptions
+
+    now, calls = [0.0], []
+
+    class Engine:
+        target = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None), max_context=None)
+
+        def __init__(self, mode, per_token):
+            self.mode, self.per_token = mode, per_token
+
+        def generate(self, prompt, max_new_tokens, method, heads, chat):
+            assert method == "auto"
+            calls.append(self.mode)
+            now[0] += 0.5 + self.per_token * max_new_tokens  # a prefill, then the tokens
+            return SimpleNamespace(token_ids=[1] * max_new_tokens)
+
+    speeds = tune.race({"int8": Engine("int8", 0.02), "gguf": Engine("gguf", 0.01)}, GenerationOptions(method="auto"),
+                       progress=False, clock=lambda: now[0])
+    n = len(tune.PROMPTS)
+    assert calls[2:] == ["int8", "gguf"] * n + ["gguf", "int8"] * n
+    assert speeds["int8"] == pytest.approx(tune.TOKENS / (0.5 + 0.02 * tune.TOKENS))
+    assert speeds["gguf"] == pytest.approx(tune.TOKENS / (0.5 + 0.01 * tune.TOKENS))
+
+
+def test_tune_races_the_weight_modes_of_a_gguf_and_auto_loads_the_winner(folders, tmp_path, monkeypatch, capsys):
+    """`speclm tune` (--quantize auto) on a k-quant GGUF measures a profile for int8 and for gguf,
+    races them and keeps the faster; `generate` with --quantize auto then loads that mode and says
+    so. A model without GGUF blocks has int8 alone to choose."""
+    require_compiled_kernels()
+    import speclm.forward.costs as costs
+    from speclm import runtime
+    from test_store import write_tiny_gguf
+
+    monkeypatch.setenv("SPECLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(costs, "BUSY", 0.0)
+    monkeypatch.setattr(runtime, "_SAID", set())
+    path = str(write_tiny_gguf(tmp_path / "kq.gguf", hidden=256, ff=512, layers=2, heads=2, kv_heads=1, kquants=True))
+    code, out, err = run(["tune", "--target", path, "--draft", "none"], capsys)
+    assert code == 0, err
+    assert err.count("profile of") == 2 and "-int8+no-draft" in err and "-gguf+no-draft" in err
+    line = out.splitlines()[-1]
+    speeds = {m: float(t) for m, t in re.findall(r"(int8|gguf) ([0-9.]+)", line)}
+    assert set(speeds) == {"int8", "gguf"}
+    chosen = max(speeds, key=lambda m: (speeds[m], m == "int8"))
+    assert line.startswith(f"--quantize auto: {chosen} weights (speclm tune")
+    code, shown, _ = run(["tune", "--target", path, "--draft", "none", "--show"], capsys)  # measures nothing
+    assert code == 0 and shown.splitlines()[-1] == line
+    code, _, err = run(["generate", "--target", path, "--draft", "none", "--prompt", "abc", "--max-new-tokens", "4",
+                        "--method", "none"], capsys)
+    assert code == 0 and f"--quantize auto: {chosen} weights" in err and f"target {chosen} weights" in err.splitlines()[-1]
+    code, out, err = run(["tune", "--target", folders["target"], "--draft", "none"], capsys)  # no GGUF: int8 alone
+    assert code == 0 and err.count("profile of") == 1 and "cannot choose gguf" in err
+    assert out.splitlines()[-1].startswith("--quantize auto: int8 weights (the target has no GGUF blocks")

@@ -56,7 +56,7 @@ def build(args, progress: bool = False):
     args.draft = family_draft(args.target, method, args.draft)
     if args.draft:
         check_model_name(args.draft)
-    quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize)
+    quantize, draft_quantize = weights_for(args.quantize, args.draft_quantize, args.target, args.draft)
     target = load_model(args.target, quantize=quantize, progress=progress)
     draft = load_model(args.draft, quantize=draft_quantize, progress=progress) if args.draft else None
     engine = SpecEngine(target, draft=draft, prefix_cache=args.prefix_cache)
