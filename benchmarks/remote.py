@@ -41,7 +41,7 @@ def arguments() -> argparse.Namespace:
 
 
 def start_server(target: str, threads: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "speclm.cli", "serve", "--target", target, "--method", "none", "--port", "0",
+    cmd = [sys.executable, "-m", "speclm.cli", "serve", "--target", target, "--method", "none", "--quantize", "int8", "--port", "0",
            "--threads", str(threads)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     log = []
