@@ -10,8 +10,8 @@ distribution it was drawn from: the draft samples from at most DRAFT_SUPPORT tok
 distribution is sent whole; a seeded request draws as the server's seeded decoding does).
 
 The draft length each round (`DraftLength`) maximises the expected committed tokens per second
-from what the client measured: the round trip (link and the server's forward, by draft length),
-a draft step, and the chain's acceptance. A slow link drafts more per round.
+from what the client measured: the round trip (link and the server's forward), a draft step,
+and the chain's acceptance. A slow link drafts more per round.
 
 A dropped connection is tried again for PATIENCE seconds (the server answers a call whose reply
 was lost again, the same: it keeps each session's last reply); a session the server no longer holds (expired, restarted) is
@@ -97,33 +97,23 @@ class DraftLength:
     """The draft length that maximises expected tokens per second of a round: a chain of k whose
     tokens each pass with probability a commits (1 - a^(k+1)) / (1 - a) tokens in k draft steps
     and one round trip. a: accepted / (accepted + rounds that stopped early), decayed; the times
-    measured, decayed. The round trip holds the server's forward, which grows with the tokens it
-    verifies: it is fitted as trip(k) = base + slope k over the rounds' drafted lengths (decayed
-    least squares; slope 0 while the lengths hardly differ)."""
+    measured, decayed. The round trip holds the server's forward, priced as one number whatever k."""
 
     most: int = MAX_DRAFT
     accepted: float = 2.0  # the prior: a = 2 / 3
     stops: float = 1.0
     step: float | None = None  # seconds per draft step
-    fit: tuple[float, float, float, float, float] | None = None  # decayed sums of 1, k, k^2, trip, k trip
+    trip: float | None = None  # seconds per round trip
     decay: float = 0.9
     fixed: bool = False  # `most` every round
-
-    def trip(self, k: int) -> float:
-        """The round trip's expected seconds with k draft tokens."""
-        n, sk, skk, st, skt = self.fit
-        spread = n * skk - sk * sk  # n^2 times the variance of the lengths
-        slope = max(0.0, (n * skt - sk * st) / spread) if spread > 0.05 * n * n else 0.0
-        base = max(0.0, (st - slope * sk) / n)
-        return base + slope * k
 
     def choose(self) -> int:
         if self.fixed:
             return self.most
-        if self.step is None or self.fit is None:
+        if self.step is None or self.trip is None:
             return min(4, self.most)
         a = min(self.accepted / (self.accepted + self.stops), 0.99)
-        return max(range(1, self.most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (self.trip(k) + k * self.step))
+        return max(range(1, self.most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (self.trip + k * self.step))
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, steps: int, trip: float) -> None:
         d = self.decay
@@ -133,8 +123,7 @@ class DraftLength:
         if drafted:  # a lookup's steps cost next to nothing: its time per drafted token
             per = draft_seconds / max(steps, drafted if not steps else steps)
             self.step = per if self.step is None else d * self.step + (1 - d) * per
-        point = (1.0, drafted, drafted * drafted, trip, drafted * trip)
-        self.fit = point if self.fit is None else tuple(d * old + new for old, new in zip(self.fit, point))
+        self.trip = trip if self.trip is None else d * self.trip + (1 - d) * trip
 
 
 @dataclass

@@ -96,23 +96,6 @@ def test_the_draft_length_follows_the_link_and_the_acceptance():
     assert fixed.choose() == 5
 
 
-def test_a_round_trip_that_grows_with_the_draft_drafts_shorter():
-    """The round trip is fitted against the drafted length: where the server's forward grows with
-    the tokens it verifies, DraftLength sees it (trip(k) recovered) and drafts shorter chains than
-    where the same mean round trip does not grow."""
-    def fitted(base: float, slope: float) -> DraftLength:
-        policy = DraftLength()
-        for i in range(60):
-            k = 2 + i % 7
-            policy.observe(k, k - 1, 0.004 * k, k, base + slope * k)
-        return policy
-
-    steep, flat = fitted(0.01, 0.02), fitted(0.11, 0.0)
-    assert steep.trip(3) == pytest.approx(0.07) and steep.trip(12) == pytest.approx(0.25)
-    assert flat.trip(3) == pytest.approx(0.11) == flat.trip(12)
-    assert 1 <= steep.choose() < flat.choose()
-
-
 @pytest.mark.parametrize("method", ["pld", "draft+pld"])
 def test_every_chain_method_drafts_for_the_server(server, models, capsys, monkeypatch, method):
     out = _remote(capsys, monkeypatch, server.url, models, PROMPTS[2], "--max-new-tokens", "40", "--method", method)
