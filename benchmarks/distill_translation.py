@@ -87,7 +87,7 @@ def news_topics(seed: int):
 
 
 def docstring_tasks(seed: int):
-    """(task, English text) for the docstrings' sentences, one or two at a time."""
+    """(task, English text, its first sentence) for the docstrings' sentences, one or two at a time."""
     from speclm.heads.sources import sentences
 
     rng = random.Random(seed)
@@ -126,12 +126,14 @@ def main() -> int:
             break
         outs = engine.generate([task for task, _, _ in batch], chat=True, method="none", max_new_tokens=new_tokens)
         for (_, english, origin), out in zip(batch, outs):
+            if written >= want:
+                break
             if args.smoke:
                 text = (out.text.strip() or "?") + " Hallo Welt"
             else:
                 text = news(out.text) if english is None else german(out.text, english)
             prompt = WORDING.format(text) if text else None
-            if prompt is None or index.hits(prompt) or written >= want:
+            if prompt is None or index.hits(prompt):
                 skipped += 1
                 continue
             line = ({"prompt": prompt, "topic": origin, "source": "written by the target"} if english is None else
