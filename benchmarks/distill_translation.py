@@ -79,11 +79,11 @@ def news(text: str) -> str | None:
 
 
 def news_topics(seed: int):
-    """(task, what) for every event, place and length, in a fixed order for `seed`."""
+    """(task, None: no English source, what) for every event, place and length, in a fixed order for `seed`."""
     topics = [(e, p, n) for e in EVENTS for p in PLACES for n in LENGTHS]
     random.Random(f"speclm-news/{seed}").shuffle(topics)
     for event, place, length in topics:
-        yield ASK_NEWS.format(length=length, event=event, place=place), f"{event} / {place} / {length}"
+        yield ASK_NEWS.format(length=length, event=event, place=place), None, f"{event} / {place} / {length}"
 
 
 def docstring_tasks(seed: int):
@@ -113,10 +113,7 @@ def main() -> int:
     want, new_tokens = (4, 8) if args.smoke else (args.prompts, 96 if args.source == "news" else 160)
     started = time.monotonic()
     engine = SpecEngine(load_model(args.target, quantize=weights_for("auto")[0]))
-    if args.source == "news":
-        tasks = ((task, None, what) for task, what in news_topics(args.seed))
-    else:
-        tasks = docstring_tasks(args.seed)
+    tasks = news_topics(args.seed) if args.source == "news" else docstring_tasks(args.seed)
     index = eval_index()
     written, skipped, lines = 0, 0, []
     bar = tqdm(total=want, unit="prompt", desc="prompts", disable=args.smoke)
