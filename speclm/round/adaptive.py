@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable
 
 from speclm import defaults
@@ -100,6 +101,7 @@ EASE_WEIGHT = 2.0  # a request's ease starts at the workload's, as this many exp
 WORKLOAD_WEIGHT = 8.0  # the workload's starts at 1 (the profile's prompts), as this many
 EASE_SHARE = 0.5  # a child's prior moves by the square root of the ease of the request's other children
 SHADOW_WEIGHT = 0.5  # a child scored every round (`Adaptive._shadow`): its prior weighs half a round's worth
+CURVE_SPAN = 8  # positions of a chain's curve priced at once (`Adaptive._chain`): every child's k up to it
 
 
 @dataclass
@@ -273,7 +275,7 @@ class Adaptive:
         # auto: (request, child) -> _Rate via a per-request dict
         self._child_rates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Rate}
         self._own_curves: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {chain child: _Curve}
-        self._chains: dict = {}  # (request, child, k) -> _chain's answer, until the next observe or plan
+        self._chains: dict = {}  # (request, child) -> _chain's running sums by k, until the next observe or plan
         self._rows: dict = {}  # (request, child, k) -> _row's answer, until the next observe or plan
         self._steps: dict = {}  # (group key, child, rows) -> _step_seconds' answer, until the next observe or plan
         self._ratio_memo: dict = {}  # (rows, drafting) -> ratio's answer, until the next round is timed
@@ -572,18 +574,23 @@ class Adaptive:
     def _chain(self, key, r, choice: Choice) -> tuple[float, float]:
         """(accepted tokens, drafted positions) expected of row r's chain `choice`, position by
         position: the row's own rounds with that child (_Curve, decayed by the policy's decay),
-        their prior the child's before them (_prior_chain), its acceptance times the row's ease."""
-        memo = (r, choice.child, choice.k)  # a request is in one group: its key is implied; keyed by the
-        # request itself, not its id(), which a request freed since the last clear may hand to a new one
-        if memo in self._chains:  # a round prices each choice many times over (every row's move)
-            return self._chains[memo]
-        own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
-        ease = self.ease(r, choice.child, key)
-        prior = [(d, min(a * ease, d)) for d, a in self._prior_chain(choice.child, choice.k)[1]]
-        curve = own.chain(prior, SHADOW_WEIGHT if choice.child in self._shadowing else 2.0)
-        drafted, accepted = sum(d for d, _ in curve), sum(a for _, a in curve)
-        self._chains[memo] = min(accepted, drafted), drafted
-        return self._chains[memo]
+        their prior the child's before them (_prior_chain), its acceptance times the row's ease.
+        A cap's curve is the first k positions of any longer cap's (each position depends on those
+        before it alone), so one curve per row and child prices every k (kept as running sums)."""
+        if choice.k <= 0:
+            return 0.0, 0.0
+        memo = (r, choice.child)  # a request is in one group: its key is implied; keyed by the request
+        # itself, not its id(), which a request freed since the last clear may hand to a new one
+        sums = self._chains.get(memo)  # a round prices each choice many times over (every k, every row's move)
+        if sums is None or len(sums[0]) < choice.k:
+            own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
+            ease = self.ease(r, choice.child, key)
+            span = max(choice.k, CURVE_SPAN)
+            prior = [(d, min(a * ease, d)) for d, a in self._prior_chain(choice.child, span)[1]]
+            curve = own.chain(prior, SHADOW_WEIGHT if choice.child in self._shadowing else 2.0)
+            sums = self._chains[memo] = (list(accumulate(d for d, _ in curve)), list(accumulate(a for _, a in curve)))
+        drafted, accepted = sums[0][choice.k - 1], sums[1][choice.k - 1]
+        return min(accepted, drafted), drafted
 
     def _prior_chain(self, child: str, k: int) -> tuple[float, list[tuple[float, float]]]:
         """(accepted tokens, [(P(drafted), P(accepted)) by position]) of auto's chain `child` capped
