@@ -106,6 +106,10 @@ def test_run_writes_results_report_and_plots(engine, tmp_path, dataset):
     assert results["complete"]
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["runs"]) == 2 * len(specs)
+    first, second = ([r["method"] for r in saved["runs"] if r["prompt_id"] == p.prompt_id] for p in prompts)
+    assert first[0] == second[0] == "none"  # plain decoding first: the reference; the others' order turned by one
+    others = [m for m in first if m != "none" and m in second[1:]]
+    assert [m for m in second if m in others] == others[1:] + others[:1], (first, second)
     assert set(saved["cost_model"]["v"]) == {str(k) for k in range(1, 17)}
     assert all(r["lossless"] for r in saved["runs"] if r["method"] != "none")
     text = (out / "report.md").read_text()
