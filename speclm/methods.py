@@ -56,9 +56,6 @@ class Method:
     planned: int = 0
     fallback: bool = False  # auto: a child only where no other child runs a model (it costs a setup of its own)
     plans: bool = False  # the planner's own method (auto): its proposer plans each row among the planned methods
-    # auto: where this method is a child beside it, the method whose proposer it drafts on (one draft
-    # model, one cache, one reading of each prompt), told per row which it drafts as (Proposer.plan_as)
-    shares: str | None = None
 
     def __post_init__(self) -> None:
         assert (self.needs == HEADS) == (self.heads is not None), self.name
@@ -197,20 +194,16 @@ def children(engine, opts, fallback: bool | None = None) -> "list[GenerationOpti
 def _auto(engine, opts):
     from speclm.proposers.auto import AutoProposer
 
-    built: dict = {}
-    for o in children(engine, opts):  # the registry's order: a shared proposer is built before its sharers
-        m = REGISTRY[o.method]
-        built[o.method] = built[m.shares] if m.shares in built else m.build(engine, o)
-    return AutoProposer(built)
+    return AutoProposer({o.method: REGISTRY[o.method].build(engine, o) for o in children(engine, opts)})
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("none", "plain decoding through the same engine: the baseline", _none, lambda w, o: 0),
     Method("draft", "a draft model with the target's tokenizer proposes", _draft, _draft_model_k,
            needs=DRAFT_MODEL, shapes=("chain", "tree"), options=DRAFT_OPTIONS, tree_default=defaults.TREE,
-           runs_model=True, planned=2, shares="draft+pld"),
+           runs_model=True),
     Method("pld", "prompt lookup: what followed the last earlier match of the context's trailing n-gram",
-           _pld, _pld_k, options=LOOKUP_OPTIONS, planned=4),
+           _pld, _pld_k, options=LOOKUP_OPTIONS, planned=3),
     Method("draft+pld", "per row and round: prompt lookup where the context repeats itself, else the draft model",
            _draft_pld, _draft_model_k, needs=DRAFT_MODEL, shapes=("chain", "tree"),
            options=DRAFT_OPTIONS | LOOKUP_OPTIONS | {"draft_prompt_ratio"}, ngram_min=defaults.NGRAM_MIN_DRAFT_PLD,
@@ -224,7 +217,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("eagle+pld", "per row and round: prompt lookup where the context repeats itself, else eagle's tree",
            _eagle_pld, lambda w, o: defaults.K_EAGLE, needs=HEADS, shapes=("chain", "tree"),
            options=HEAD_OPTIONS | LOOKUP_OPTIONS, heads="eagle", ngram_min=defaults.NGRAM_MIN_DRAFT_PLD,
-           runs_model=True, planned=3),
+           runs_model=True, planned=2),
     Method("lookahead", "lookahead decoding: Jacobi iteration over a window fills an n-gram pool; "
            "its n-grams that follow the context are verified", _lookahead,
            lambda w, o: max(o.lookahead_shape[0], o.lookahead_shape[1] - 1), shapes=("tree",),
@@ -234,9 +227,9 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            shapes=("chain", "tree"), options=LOOKUP_OPTIONS | {"lookahead"}, ngram_min=defaults.NGRAM_MIN_DRAFT_PLD),
     Method("self", "self-speculation: the target's own layers, some skipped, draft a chain or a tree", _self,
            lambda w, o: defaults.K_SELF, shapes=("chain", "tree"), options=frozenset({"layers", "self_weights", "tree", "draft_vocab"}),
-           runs_model=True, planned=5, fallback=True),
+           runs_model=True, planned=4, fallback=True),
     Method("auto", "per request and round, the planner picks among the methods the loaded models allow "
-           "(draft+pld, draft, eagle+pld, pld; self where no model drafts), the draft length, or none",
+           "(draft+pld, eagle+pld, pld; self where no model drafts), the draft length, or none",
            _auto, lambda w, o: 0, shapes=("chain", "tree"), options=frozenset({"heads"}), runs_model=True, plans=True),
 )}
 NAMES: tuple[str, ...] = tuple(REGISTRY)

@@ -8,11 +8,6 @@ budget of 0 for rows that are not its own (a proposer drafts nothing and draws n
 row's generator where its budget is 0), and each row's draft is its own child's, node for node,
 so the verifier's paths index the child's own draft.
 
-Two children may share one proposer (speclm.methods: `Method.shares`: `draft` drafts on
-`draft+pld`'s, its model's rows with no lookup beside them): it proposes once for the rows of
-both, told per row which it drafts as (`Proposer.plan_as`), so choosing either costs one reading
-of the prompt and one cache.
-
 After verification every child hears of every row: its own rows' paths as they are; another
 child's rows as an empty path (nothing of its draft was accepted: a draft model's cache keeps
 what it had read and reads the rest when it drafts that row again), except for a child that reads
@@ -55,13 +50,7 @@ class AutoProposer(Proposer):
         choice for a row before anything is measured)."""
         assert children, "auto needs a child"
         self.children = children
-        # each proposer once, with the children that draft on it (two where a method shares another's
-        # proposer, speclm.methods: `Method.shares`: one model, one cache, one reading of each prompt)
-        owners: dict[int, tuple[Proposer, list[str]]] = {}
-        for name, c in children.items():
-            owners.setdefault(id(c), (c, []))[1].append(name)
-        self._owners = [(c, tuple(names)) for c, names in owners.values()]
-        kids = [c for c, _ in self._owners]
+        kids = list(children.values())
         self.k = max(c.k for c in kids)
         self.max_nodes = max(c.max_nodes for c in kids)
         self.hidden_layers = tuple(sorted({layer for c in kids for layer in c.hidden_layers}))
@@ -80,22 +69,22 @@ class AutoProposer(Proposer):
 
     # ---------------------------------------------------------------- rows
     def start(self, batch_size, capacity, prompt_lengths=None, max_new_tokens=None, pool=0):
-        for c, _ in self._owners:
+        for c in self.children.values():
             c.start(0, capacity, pool=pool)
         self.add(batch_size, prompt_lengths, max_new_tokens)
 
     def add(self, count, prompt_lengths=None, max_new_tokens=None):
-        for c, _ in self._owners:
+        for c in self.children.values():
             c.add(count, prompt_lengths, max_new_tokens)
 
     def select(self, rows):
         self.plan = [self.plan[r] for r in rows] if len(self.plan) > max(rows, default=-1) else []
         self.last = [self.last[r] for r in rows] if len(self.last) > max(rows, default=-1) else []
-        for c, _ in self._owners:
+        for c in self.children.values():
             c.select(rows)
 
     def read_prompt(self, hidden, starts):
-        for c, _ in self._owners:
+        for c in self.children.values():
             if not c.prompt_hidden:
                 continue
             own = [{layer: h[layer] for layer in c.hidden_layers} for h in hidden]
@@ -112,14 +101,14 @@ class AutoProposer(Proposer):
     # ---------------------------------------------------------------- a round
     @property
     def forward_seconds(self) -> float:
-        return sum(c.forward_seconds for c, _ in self._owners)
+        return sum(c.forward_seconds for c in self.children.values())
 
     @property
     def prefill_seconds(self) -> float:
-        return sum(c.prefill_seconds for c, _ in self._owners)
+        return sum(c.prefill_seconds for c in self.children.values())
 
     def bind_target(self, kv, rows):
-        for c, _ in self._owners:
+        for c in self.children.values():
             if c.drafts_on_target:
                 c.bind_target(kv, rows)
 
@@ -133,48 +122,42 @@ class AutoProposer(Proposer):
         batch = len(contexts)
         plan = self._plan(batch)
         self.last, self.spent = list(plan), {}
-        drafts: dict[str, Draft] = {}  # by child: its rows' draft (children sharing a proposer: one draft)
-        forwards = 0
-        for child, names in self._owners:
-            budgets = [min(m, p.k) if p.child in names else 0 for m, p in zip(max_tokens, plan)]
+        drafts: dict[str, Draft] = {}
+        for name, child in self.children.items():
+            budgets = [min(m, p.k) if p.child == name else 0 for m, p in zip(max_tokens, plan)]
             if not any(budgets):
                 continue
-            if len(names) > 1:
-                child.plan_as([p.child if p.child in names else None for p in plan])
             t0, read0 = time.perf_counter(), child.prefill_seconds
             child.draws, child.guides = self.draws, self.guides
             draft = child.propose(contexts, budgets, params, generators).trimmed()
-            forwards += draft.forwards
+            drafts[name] = draft
             rows = sum(b > 0 for b in budgets)
-            spent = (time.perf_counter() - t0, child.prefill_seconds - read0, draft.forwards, draft.forward_rows or rows)
-            for name in names:
-                if any(p.child == name for p in plan):
-                    drafts[name], self.spent[name] = draft, spent
+            self.spent[name] = (time.perf_counter() - t0, child.prefill_seconds - read0, draft.forwards,
+                                draft.forward_rows or rows)
         self._proposed = set(drafts)
         if not drafts:
             return Draft.empty(batch)
-        if len({id(d) for d in drafts.values()}) == 1:  # one proposer drafted: its draft as it is (rows not its own have none)
+        if len(drafts) == 1:  # one child drafted: its draft as it is (rows not its own have none)
             return next(iter(drafts.values()))
+        forwards = sum(d.forwards for d in drafts.values())
         return _merge(drafts, [p.child for p in plan], batch, params.greedy, forwards)
 
     def accept(self, verified: Verified) -> None:
-        for child, names in self._owners:
+        for name, child in self.children.items():
             if child.hidden_layers or child.needs_logits:  # it reads the target's states along whatever was taken
                 child.accept(verified)
             else:
-                paths = [path if p.child in names else [] for path, p in zip(verified.paths, self.last)]
+                paths = [path if p.child == name else [] for path, p in zip(verified.paths, self.last)]
                 child.accept(Verified(verified.keep, paths, verified.hidden, verified.logits))
 
     def round_counts(self):
         counts = [{} for _ in self.last]
-        for child, names in self._owners:
-            if not self._proposed.intersection(names):  # a child that sat out counts nothing
-                continue
-            inner = child.round_counts()
+        for name, child in self.children.items():
+            inner = child.round_counts() if name in self._proposed else None  # a child that sat out counts nothing
             if inner is None:
                 continue
             for b, (own, p) in enumerate(zip(inner, self.last)):
-                if p.child in names:
+                if p.child == name:
                     counts[b].update(own)
         for b, p in enumerate(self.last):
             counts[b]["planned"] = {p.child or "none": 1}

@@ -186,11 +186,6 @@ class Proposer:
         draft+pld row whose prompt is too long for its draft model); [] where it never does."""
         return []
 
-    def plan_as(self, methods: list[str | None]) -> None:
-        """auto, before a proposal of a proposer that two of its children share (speclm.methods:
-        `Method.shares`): per row, the method it drafts the row as this round (None: not its row).
-        A proposer no method shares never hears it."""
-
     def shadow(self, contexts: list[list[int]]) -> list[list[int]] | None:
         """Per row: the chain it would draft at its k from the context alone, for rows it does not
         draft this round, where that needs no state and costs next to nothing (a lookup); None where

@@ -15,12 +15,8 @@ proportion to the tokens generated, and long prompts are where lookup finds most
 (Spec-Bench's summarization and RAG prompts: prompt lookup beat the draft model on each of the
 six measured; docs/methods.md). Lookup then drafts that row alone, with pld's settings.
 
-`auto` plans `draft` on this proposer too (speclm.methods: `Method.shares`): a row it plans so
-this round is the model's with no lookup beside it, and the model reads each prompt once
-whichever of the two a row takes.
-
-Every choice depends on the context, the request and auto's plan, never on the target's
-verdict of this round, so the verifier's rejection sampling stays exact.
+Every choice depends on the context and the request alone, never on the target, so the
+verifier's rejection sampling stays exact.
 """
 
 from __future__ import annotations
@@ -53,8 +49,6 @@ class DraftLookupProposer(DraftModelProposer):
         # per row, this round: the context length of a row drafted by lookup while the model
         # drafted too (its cache then holds the model's tokens, not the lookup's), else None
         self._cut: list[int | None] = []
-        # per row, for the next proposal only (auto, `plan_as`): the model drafts it without a lookup beside
-        self._model_only: list[bool] = []
 
     def start(self, batch_size: int, capacity: int, prompt_lengths=None, max_new_tokens=None, pool: int = 0) -> None:
         self.lookups, self._cut, self.model_on = 0, [], []
@@ -77,17 +71,9 @@ class DraftLookupProposer(DraftModelProposer):
     def unread(self, contexts) -> list[int]:
         return [n if on else 0 for n, on in zip(super().unread(contexts), self.model_on)]  # lookup rows: never
 
-    def plan_as(self, methods: list[str | None]) -> None:
-        """auto's rows planned as the method that shares this proposer (`draft`) are drafted by the
-        model alone, no lookup beside it; the others as this method (a row too long for the model: by
-        lookup, as ever)."""
-        self._model_only = [m is not None and m != self.name for m in methods]
-
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
-        only = self._model_only if len(self._model_only) == len(contexts) else [False] * len(contexts)
-        self._model_only = []
-        found = [[] if model_only and on else (self.beside if on else self.alone).found([c], [m])[0]
-                 for c, m, on, model_only in zip(contexts, max_tokens, self.model_on, only)]
+        found = [(self.beside if on else self.alone).found([c], [m])[0]
+                 for c, m, on in zip(contexts, max_tokens, self.model_on)]
         by_lookup = [len(f) > 0 or not on for f, on in zip(found, self.model_on)]
         self.lookups += sum(len(f) > 0 for f in found)
         self._cut = []

@@ -57,7 +57,11 @@ row's rounds stopped at is priced from how they went); its width is the position
 draft, and a draft model's forwards those times its forwards per position drafted. A child that
 can say what it would draft without running (prompt lookup: `Proposer.shadow`) is scored each
 round against the text a row then commits, for rows it did not draft, and counted in the row's
-curve as the rounds it would have been: it is priced by the row's own text from the start. A row's
+curve as the rounds it would have been: it is priced by the row's own text from the start, and a
+new row's prior for it is how its chains went on the workload's recent text (every request's rounds
+and shadows of it, SHARED_DECAY an update; the profile's by position as WORKLOAD_WEIGHT rounds'
+worth): priced by the profile's prompts, which copy little, every summary's first rounds went to
+eagle+pld, paying EAGLE's reading of its prompt, and most of its rounds stayed there. A row's
 acceptance is kept per child; a
 child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
 than their priors every request's drafts went (the workload's, whichever child drafted them) and
@@ -282,6 +286,9 @@ class Adaptive:
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._shadows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> [_Shadow] not yet scored
         self._shadowing: set = set()  # auto children whose chains are scored for rows they do not draft
+        # (group key, such a child) -> _Curve of every request's rounds and shadows of it (SHARED_DECAY a
+        # round): a new request's prior for the child, the profile's weighing WORKLOAD_WEIGHT rounds
+        self._workload_curves: dict = {}
         self._ease: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Ease of its rounds}
         self._workloads: dict = {}  # group key -> _Ease of every request's auto rounds, whichever child (SHARED_DECAY a round)
         self._ran_model: set = set()  # group keys whose proposals ran model forwards
@@ -321,6 +328,8 @@ class Adaptive:
         if child is not None and cap:
             own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
             own.update(self.decay, cap, min(drafted, cap), accepted)
+            if child in self._shadowing:
+                self._workload_curves.setdefault((key, child), _Curve()).update(SHARED_DECAY, cap, min(drafted, cap), accepted)
         if drafted <= 0:
             return
         if child is not None:
@@ -587,6 +596,9 @@ class Adaptive:
             ease = self.ease(r, choice.child, key)
             span = max(choice.k, CURVE_SPAN)
             prior = [(d, min(a * ease, d)) for d, a in self._prior_chain(choice.child, span)[1]]
+            workload = self._workload_curves.get((key, choice.child))
+            if workload is not None:  # a child scored on every row's text: how it went on the workload's
+                prior = workload.chain(prior, WORKLOAD_WEIGHT)
             curve = own.chain(prior, SHADOW_WEIGHT if choice.child in self._shadowing else 2.0)
             sums = self._chains[memo] = (list(accumulate(d for d, _ in curve)), list(accumulate(a for _, a in curve)))
         drafted, accepted = sums[0][choice.k - 1], sums[1][choice.k - 1]
@@ -839,6 +851,8 @@ class Adaptive:
                 left.append(s)
             else:
                 self._own_curves.setdefault(r, {}).setdefault(s.child, _Curve()).update(self.decay, s.cap, len(s.tokens), taken)
+                self._workload_curves.setdefault((r.options.proposer_key(), s.child), _Curve()).update(
+                    SHARED_DECAY, s.cap, len(s.tokens), taken)
         pending[:] = left
 
 
