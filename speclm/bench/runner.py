@@ -133,8 +133,9 @@ def run_bench(engine: SpecEngine, specs: list[MethodSpec], prompts: list[BenchPr
             run(spec, encoded[0], 8, config.seed)
         caches.clear()  # the first prompt is read whole, as a server's first request
         # plain decoding runs first on each set of weights and each peer engine: the others' reference;
-        # the others in an order turned by one each prompt, so each follows every other as often (a run
-        # after `self`, whose int4 copy of the target's layers it had just read, prefilled 7% slower)
+        # the others in an order turned by one each prompt, so each follows every other as often (what
+        # a method leaves in memory and caches, such as self's int4 copy of the target's layers, then
+        # weighs on every method alike, not always on the one after it)
         plain = [s for s in specs if s.name == s.plain]
         rest = [s for s in specs if s.name != s.plain]
         for n, (prompt, ids) in enumerate(zip(prompts, encoded)):

@@ -60,8 +60,8 @@ round against the text a row then commits, for rows it did not draft, and counte
 curve as the rounds it would have been: it is priced by the row's own text from the start, and a
 new row's prior for it is how its chains went on the workload's recent text (every request's rounds
 and shadows of it, SHARED_DECAY an update; the profile's by position as WORKLOAD_WEIGHT rounds'
-worth): priced by the profile's prompts, which copy little, every summary's first rounds went to
-eagle+pld, paying EAGLE's reading of its prompt, and most of its rounds stayed there. A row's
+worth): priced by the profile's prompts alone, which copy little, a summary's first rounds went
+to eagle+pld, paying EAGLE's reading of its prompt, before its own text was scored. A row's
 acceptance is kept per child; a
 child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
 than their priors every request's drafts went (the workload's, whichever child drafted them) and
@@ -286,8 +286,8 @@ class Adaptive:
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._shadows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> [_Shadow] not yet scored
         self._shadowing: set = set()  # auto children whose chains are scored for rows they do not draft
-        # (group key, such a child) -> _Curve of every request's rounds and shadows of it (SHARED_DECAY a
-        # round): a new request's prior for the child, the profile's weighing WORKLOAD_WEIGHT rounds
+        # (group key, such a child) -> _Curve of every request's rounds and shadows of it (SHARED_DECAY an
+        # update): a new request's prior for the child, the profile's weighing WORKLOAD_WEIGHT rounds
         self._workload_curves: dict = {}
         self._ease: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> {child: _Ease of its rounds}
         self._workloads: dict = {}  # group key -> _Ease of every request's auto rounds, whichever child (SHARED_DECAY a round)
@@ -326,10 +326,7 @@ class Adaptive:
         self._rows.clear()
         self._steps.clear()
         if child is not None and cap:
-            own = self._own_curves.setdefault(request, {}).setdefault(child, _Curve())
-            own.update(self.decay, cap, min(drafted, cap), accepted)
-            if child in self._shadowing:
-                self._workload_curves.setdefault((key, child), _Curve()).update(SHARED_DECAY, cap, min(drafted, cap), accepted)
+            self._count_chain(request, key, child, cap, min(drafted, cap), accepted)
         if drafted <= 0:
             return
         if child is not None:
@@ -850,10 +847,15 @@ class Adaptive:
             if taken is None:
                 left.append(s)
             else:
-                self._own_curves.setdefault(r, {}).setdefault(s.child, _Curve()).update(self.decay, s.cap, len(s.tokens), taken)
-                self._workload_curves.setdefault((r.options.proposer_key(), s.child), _Curve()).update(
-                    SHARED_DECAY, s.cap, len(s.tokens), taken)
+                self._count_chain(r, r.options.proposer_key(), s.child, s.cap, len(s.tokens), taken)
         pending[:] = left
+
+    def _count_chain(self, request, key, child: str, cap: int, drafted: int, accepted: int) -> None:
+        """One round of a chain child for the request, run or shadowed: in the request's curve, and
+        for a child scored on every row's text (`_shadowing`), in the workload's (group key `key`)."""
+        self._own_curves.setdefault(request, {}).setdefault(child, _Curve()).update(self.decay, cap, drafted, accepted)
+        if child in self._shadowing:
+            self._workload_curves.setdefault((key, child), _Curve()).update(SHARED_DECAY, cap, drafted, accepted)
 
 
 def _spec(key):
