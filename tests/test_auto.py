@@ -20,7 +20,7 @@ from speclm.methods import children
 from speclm.options import GenerationOptions
 from speclm.proposers.auto import NO_DRAFT, AutoProposer, Choice
 from speclm.proposers.base import Draft, Proposer
-from speclm.proposers.prompt_lookup import PromptLookupProposer
+from speclm.proposers.prompt_lookup import PromptLookupProposer, lookup
 from speclm.quant.weights import quantize_model
 from speclm.requests import Request
 from speclm.round.adaptive import Adaptive
@@ -484,6 +484,108 @@ def test_a_new_request_prices_lookup_by_how_it_went_on_the_workload():
     _copying_rows(policy, 30)
     policy._workload_curves.clear()  # the planted bug: the workload's record forgotten
     assert _copying_rows(policy, 5)[0] == "tree"
+
+
+class _PlusLookup(_Child):
+    """A `+pld` child (eagle+pld, draft+pld): prompt lookup's chain where the context repeats
+    itself, else its model's."""
+
+    def looked_up(self, contexts):
+        return [lookup(c, self.k) for c in contexts]
+
+
+def _copy_and_novel_rows(policy, children, model_takes: int, rounds: int = 60):
+    """A row whose text alternates 6 rounds copying its prompt's cycle of 8 tokens (a lookup finds
+    a chain there and it is taken whole) with 6 rounds of new text (no lookup finds anything; a
+    model's draft of 4 is taken for `model_takes` tokens). Returns (planned child, whether the
+    lookup found a chain) per round."""
+    cycle, fresh = list(range(5, 13)), iter(range(1000, 100000))
+    key, group, request = _one_row(children)
+    request.context[:] = cycle * 3
+    request.prompt_len = len(request.context)
+    batch = SimpleNamespace(groups={key: group}, requests=[request])
+    found, chosen = [], []
+    for n in range(rounds):
+        chain = lookup(request.context, 4)
+        policy.caps(batch)
+        choice = group.proposer.plan[0]
+        chosen.append(choice.child)
+        found.append(bool(chain))
+        copying = (n // 6) % 2 == 0
+        if choice.child is None:
+            taken, drafted, forwards = 0, 0, 0
+        elif chain:  # a lookup's chain (the +pld child's too, its lookup being the same)
+            taken, drafted, forwards = (len(chain) if copying else 0), len(chain), 0
+        else:
+            model = choice.child != "lookup"
+            taken, drafted, forwards = (model_takes if model else 0), (choice.k if model else 0), (choice.k if model else 0)
+        if choice.child is not None:
+            policy.observe(request, drafted, min(taken, choice.k), 0.05 * forwards, forwards, 1,
+                           child=choice.child, cap=choice.k)
+        for _ in range(min(taken, max(choice.k, 0)) + 1):  # the accepted tokens and the target's own
+            request.context.append(cycle[len(request.context) % len(cycle)] if copying else next(fresh))
+    return chosen, found
+
+
+def _lookup_and_model_policy():
+    lookup_profile = tune.ChildProfile(0.0, 0.5, 2.0, 4.0, 50, forwards=0.0, drafted_at=[0.5] * 4,
+                                       accepted_at=[0.5] * 4)
+    model_profile = tune.ChildProfile(0.05, 0.6, 1.8, 4.0, 50, forwards=4.0, drafted_at=[1.0] * 4,
+                                      accepted_at=[0.7, 0.5, 0.35, 0.25])
+    return Adaptive(ForwardCosts({1: 1.0, 64: 1.0}), measured={"lookup": lookup_profile, "model": model_profile})
+
+
+def test_a_lookup_child_is_priced_by_the_chain_it_finds_this_round(monkeypatch):
+    """Prompt lookup finds its chain before the round at no cost: where it finds none it drafts
+    nothing (priced as no draft), where it finds one its positions are priced as its drafted chains
+    went. So a row whose text copies some stretches and not others takes the lookup where it finds
+    a chain and the model where it does not. Planted (the round's chain unknown, the lookup priced
+    by its record over every round): the lookup is planned in rounds where it drafts nothing."""
+    chosen, found = _copy_and_novel_rows(_lookup_and_model_policy(), {"model": _Child(4), "lookup": PromptLookupProposer(k=4)}, 2)
+    late = list(zip(chosen, found))[12:]
+    assert all(child == "lookup" for child, hit in late if hit), late
+    assert all(child == "model" for child, hit in late if not hit), late
+    monkeypatch.setattr(Adaptive, "_chain", _unconditioned_chain)
+    chosen, found = _copy_and_novel_rows(_lookup_and_model_policy(), {"model": _Child(4), "lookup": PromptLookupProposer(k=4)}, 2)
+    assert any(child == "lookup" and not hit for child, hit in list(zip(chosen, found))[12:])
+
+
+_conditioned_chain = Adaptive._chain
+
+
+def _unconditioned_chain(self, key, r, choice):
+    saved = dict(self._found)
+    self._found.clear()
+    try:
+        return _conditioned_chain(self, key, r, choice)
+    finally:
+        self._found.update(saved)
+
+
+def test_a_plus_lookup_child_is_priced_by_its_models_rounds(monkeypatch):
+    """A `+pld` child (eagle+pld, draft+pld) drafts a row by lookup where the context repeats
+    itself. In a round where that chain is the lookup child's it is not offered (the same tokens:
+    the lookup is, priced by its chain), and a round it drafts by lookup is not counted as its
+    model's (in summaries eagle+pld's lookup rounds, taken whole, priced its tree, which gained
+    next to nothing where the lookup found no match). Planted (its lookup unknown to the
+    planner): it is planned for the lookup's chain, and that round counts as its model's."""
+
+    def rows(lookup_k, planted):
+        if planted:
+            monkeypatch.setattr(_PlusLookup, "looked_up", lambda self, contexts: None)
+        model = tune.ChildProfile(0.0, 0.9, 3.6, 4.0, 50, forwards=4.0, drafted_at=[1.0] * 4, accepted_at=[0.95] * 4)
+        looked = tune.ChildProfile(0.0, 0.5, 1.0, 4.0, 50, forwards=0.0, drafted_at=[0.5] * 4, accepted_at=[0.25] * 4)
+        policy = Adaptive(ForwardCosts({1: 1.0, 64: 1.0}), measured={"model": model, "lookup": looked})
+        key, group, request = _one_row({"model": _PlusLookup(4), "lookup": PromptLookupProposer(k=lookup_k)})
+        request.context[:] = list(range(5, 13)) * 3  # the lookup finds a chain of 4 (of lookup_k)
+        policy.caps(SimpleNamespace(groups={key: group}, requests=[request]))
+        choice = group.proposer.plan[0]
+        policy.observe(request, 4, 4, 0.0, 0, 1, child=choice.child, cap=choice.k)
+        return choice.child, request in policy._own_curves and "model" in policy._own_curves[request]
+
+    assert rows(4, False) == ("lookup", False)  # the same chain: the lookup's round
+    assert rows(2, False) == ("model", False)  # its longer chain, planned: not its model's record
+    assert rows(4, True)[0] == "model" and rows(2, True) == ("model", True)
 
 
 def replace_max(options, n):

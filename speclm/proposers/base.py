@@ -186,6 +186,12 @@ class Proposer:
         draft+pld row whose prompt is too long for its draft model); [] where it never does."""
         return []
 
+    def looked_up(self, contexts: list[list[int]]) -> list[list[int]] | None:
+        """Per row: the chain its prompt lookup drafts this round where this proposer drafts a row
+        by lookup when the context repeats itself and else by its model (a `+pld` method), [] where
+        its model would draft the row; None where it has no lookup of its own."""
+        return None
+
     def shadow(self, contexts: list[list[int]]) -> list[list[int]] | None:
         """Per row: the chain it would draft at its k from the context alone, for rows it does not
         draft this round, where that needs no state and costs next to nothing (a lookup); None where

@@ -68,6 +68,10 @@ class DraftLookupProposer(DraftModelProposer):
     def lookup_only(self) -> list[bool]:
         return [not on for on in self.model_on]
 
+    def looked_up(self, contexts):
+        return [(self.beside if on else self.alone).found([c], [self.k if on else self.alone.k])[0]
+                for c, on in zip(contexts, self.model_on)]
+
     def unread(self, contexts) -> list[int]:
         return [n if on else 0 for n, on in zip(super().unread(contexts), self.model_on)]  # lookup rows: never
 

@@ -64,6 +64,9 @@ class LookupFirstProposer(Proposer):
     def reading_seconds(self, tokens):
         return self.heads.reading_seconds(tokens)
 
+    def looked_up(self, contexts):
+        return self.lookup.found(contexts, [self.lookup.k] * len(contexts))
+
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
         chains = self.lookup.found(contexts, max_tokens)  # each no longer than the row's budget
         self.by_lookup = [bool(chain) for chain in chains]

@@ -61,7 +61,14 @@ curve as the rounds it would have been: it is priced by the row's own text from 
 new row's prior for it is how its chains went on the workload's recent text (every request's rounds
 and shadows of it, SHARED_DECAY an update; the profile's by position as WORKLOAD_WEIGHT rounds'
 worth): priced by the profile's prompts alone, which copy little, a summary's first rounds went
-to eagle+pld, paying EAGLE's reading of its prompt, before its own text was scored. A row's
+to eagle+pld, paying EAGLE's reading of its prompt, before its own text was scored. Before a
+round is planned each lookup finds its chain for every row (free): a lookup child is priced by
+that chain, its positions accepted as its drafted chains' were (none found: it drafts nothing, so
+it is priced as no draft), not by its record over rounds with and without a match. A `+pld`
+child (`Proposer.looked_up`) whose lookup drafts the lookup child's chain that round is not
+offered beside it, and a round it drafts by lookup is not its model's record: counted so, the
+lookup rounds of eagle+pld in summaries (taken whole) priced its tree, which gained next to
+nothing in the rounds where the lookup found no match. A row's
 acceptance is kept per child; a
 child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
 than their priors every request's drafts went (the workload's, whichever child drafted them) and
@@ -286,6 +293,9 @@ class Adaptive:
         self._chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its last Choice
         self._shadows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> [_Shadow] not yet scored
         self._shadowing: set = set()  # auto children whose chains are scored for rows they do not draft
+        self._found: dict = {}  # (request, such a child) -> the chain it finds for the row this round, while planning
+        self._looked: dict = {}  # (request, a `+pld` child) -> the chain its own lookup drafts this round ([]: its model), while planning
+        self._by_lookup: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its child drafts it by lookup this round
         # (group key, such a child) -> _Curve of every request's rounds and shadows of it (SHARED_DECAY an
         # update): a new request's prior for the child, the profile's weighing WORKLOAD_WEIGHT rounds
         self._workload_curves: dict = {}
@@ -318,6 +328,11 @@ class Adaptive:
         in its curve even where it drafted nothing (a lookup that found no match): what it drafts
         how often is its price."""
         key = request.options.proposer_key()
+        if self._by_lookup.pop(request, False):  # a `+pld` child's lookup round: not its model's record
+            self._chains.clear()
+            self._rows.clear()
+            self._steps.clear()
+            return
         if child is not None and child not in self._shadowing and (cap or drafted > 0):  # against its prior's expectation
             expected = self._prior_chain(child, cap)[0] if cap else self._prior_tree(child)
             self._ease.setdefault(request, {}).setdefault(child, _Ease()).update(self.decay, accepted, expected)
@@ -588,6 +603,7 @@ class Adaptive:
         memo = (r, choice.child)  # a request is in one group: its key is implied; keyed by the request
         # itself, not its id(), which a request freed since the last clear may hand to a new one
         sums = self._chains.get(memo)  # a round prices each choice many times over (every k, every row's move)
+        found = self._found.get(memo)  # a lookup's chain this round, found before planning
         if sums is None or len(sums[0]) < choice.k:
             own = self._own_curves.get(r, {}).get(choice.child) or _Curve()
             ease = self.ease(r, choice.child, key)
@@ -597,7 +613,11 @@ class Adaptive:
             if workload is not None:  # a child scored on every row's text: how it went on the workload's
                 prior = workload.chain(prior, WORKLOAD_WEIGHT)
             curve = own.chain(prior, SHADOW_WEIGHT if choice.child in self._shadowing else 2.0)
-            sums = self._chains[memo] = (list(accumulate(d for d, _ in curve)), list(accumulate(a for _, a in curve)))
+            sums = self._chains[memo] = (list(accumulate(d for d, _ in curve)), list(accumulate(a for _, a in curve)),
+                                         list(accumulate(a / d if d > 0 else 0.0 for d, a in curve)))
+        if found is not None:  # its chain is known: its positions drafted, each accepted as when drafted
+            n = min(choice.k, len(found), len(sums[2]))
+            return (sums[2][n - 1], float(n)) if n else (0.0, 0.0)
         drafted, accepted = sums[0][choice.k - 1], sums[1][choice.k - 1]
         return min(accepted, drafted), drafted
 
@@ -727,6 +747,8 @@ class Adaptive:
         keep their k. Returns {} (no caps for the others)."""
         self._chains.clear()  # ids of requests that left may come back as new ones
         self._rows.clear()
+        self._found.clear()
+        self._looked.clear()
         self._steps.clear()
         tokens0, fed0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
         for key, g in groups:  # the other groups at their own k
@@ -737,11 +759,18 @@ class Adaptive:
             for r in g.requests:
                 self._score_shadows(r)
             contexts = [r.context for r in g.requests]
+            for name, child in g.proposer.children.items():  # what a lookup finds this round: its price
+                chains = child.shadow(contexts) if child.shape != "tree" else None
+                for r, chain in zip(g.requests, chains or ()):
+                    self._found[(r, name)] = chain
+                for r, chain in zip(g.requests, child.looked_up(contexts) or ()):
+                    self._looked[(r, name)] = chain
             unread = {name: c.unread(contexts) for name, c in g.proposer.children.items()}
             lookup = {name: c.lookup_only() for name, c in g.proposer.children.items()}
             for b, r in enumerate(g.requests):
                 own = {name: u[b] for name, u in unread.items()}
-                alone[id(r)] = frozenset(name for name, rows in lookup.items() if b < len(rows) and rows[b])
+                alone[id(r)] = frozenset([name for name, rows in lookup.items() if b < len(rows) and rows[b]]
+                                         + self._copies(r, g.proposer.children))
                 free.append([key, g, r, NO_DRAFT, own])  # a seeded row draws by position: any plan keeps its text
         if free:
             options = {id(e): self._options(e[0], e[1], e[2], alone[id(e[2])]) for e in free}
@@ -804,7 +833,24 @@ class Adaptive:
                     del r.stats.plan_switches[:-16]  # the last 16
                 self._chosen[r] = c
         self.last = {key: [c for c in g.proposer.plan] for key, g in planned}
+        for e in free:
+            if e[3].child is not None and self._looked.get((e[2], e[3].child)):
+                self._by_lookup[e[2]] = True
+        self._found.clear()
+        self._looked.clear()
         return {}
+
+    def _copies(self, r, children) -> list[str]:
+        """The `+pld` children whose round for row r would be this round's chain of a lookup child
+        (Proposer.looked_up against `_found`): the same tokens, offered once, as the lookup, priced
+        by the chain found. A `+pld` child is then priced by the rounds its model drafted alone."""
+        found = [self._found[(r, n)] for n in children if (r, n) in self._found]
+        out = []
+        for name in children:
+            chain = self._looked.get((r, name))
+            if chain and any(f[:len(chain)] == chain for f in found):
+                out.append(name)
+        return out
 
     def _shadow(self, free) -> set:
         """For each planned row, the chain each child that can say so without running
@@ -823,7 +869,10 @@ class Adaptive:
                 if child.shape == "tree":
                     continue
                 others = [e[2] for e in rows if e[3].child != name]
-                chains = child.shadow([r.context for r in others])  # asked with no rows too: it says whether it can
+                if others and all((r, name) in self._found for r in others):  # found before planning
+                    chains = [self._found[(r, name)] for r in others]
+                else:
+                    chains = child.shadow([r.context for r in others])  # asked with no rows too: it says whether it can
                 if chains is None:
                     continue
                 self._shadowing.add(name)
