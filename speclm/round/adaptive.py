@@ -833,9 +833,8 @@ class Adaptive:
                     del r.stats.plan_switches[:-16]  # the last 16
                 self._chosen[r] = c
         self.last = {key: [c for c in g.proposer.plan] for key, g in planned}
-        for e in free:
-            if e[3].child is not None and self._looked.get((e[2], e[3].child)):
-                self._by_lookup[e[2]] = True
+        for e in free:  # each round's own: a row whose round is not observed leaves no stale mark
+            self._by_lookup[e[2]] = e[3].child is not None and bool(self._looked.get((e[2], e[3].child)))
         self._found.clear()
         self._looked.clear()
         return {}
