@@ -65,7 +65,7 @@ class LookupFirstProposer(Proposer):
         return self.heads.reading_seconds(tokens)
 
     def looked_up(self, contexts):
-        return self.lookup.found(contexts, [self.lookup.k] * len(contexts))
+        return self.lookup.shadow(contexts)  # its chain at its own k
 
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
         chains = self.lookup.found(contexts, max_tokens)  # each no longer than the row's budget

@@ -328,18 +328,15 @@ class Adaptive:
         in its curve even where it drafted nothing (a lookup that found no match): what it drafts
         how often is its price."""
         key = request.options.proposer_key()
+        self._chains.clear()  # priced from the counts this round changes
+        self._rows.clear()
+        self._steps.clear()
         if self._by_lookup.pop(request, False):  # a `+pld` child's lookup round: not its model's record
-            self._chains.clear()
-            self._rows.clear()
-            self._steps.clear()
             return
         if child is not None and child not in self._shadowing and (cap or drafted > 0):  # against its prior's expectation
             expected = self._prior_chain(child, cap)[0] if cap else self._prior_tree(child)
             self._ease.setdefault(request, {}).setdefault(child, _Ease()).update(self.decay, accepted, expected)
             self._workloads.setdefault(key, _Ease()).update(SHARED_DECAY, accepted, expected)
-        self._chains.clear()  # priced from the counts this round changes
-        self._rows.clear()
-        self._steps.clear()
         if child is not None and cap:
             self._count_chain(request, key, child, cap, min(drafted, cap), accepted)
         if drafted <= 0:
