@@ -55,6 +55,9 @@ class Method:
     # auto's children: their order (1 first: the first tried); 0: not a child
     planned: int = 0
     fallback: bool = False  # auto: a child only where no other child runs a model (it costs a setup of its own)
+    # auto: the method this child drafts as beside its lookup child (a `+pld` method: its model alone,
+    # Proposer.drop_lookup); what `speclm tune` measures of it. None: itself
+    drafts_as: str | None = None
     plans: bool = False  # the planner's own method (auto): its proposer plans each row among the planned methods
 
     def __post_init__(self) -> None:
@@ -207,7 +210,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("draft+pld", "per row and round: prompt lookup where the context repeats itself, else the draft model",
            _draft_pld, _draft_model_k, needs=DRAFT_MODEL, shapes=("chain", "tree"),
            options=DRAFT_OPTIONS | LOOKUP_OPTIONS | {"draft_prompt_ratio"}, ngram_min=defaults.NGRAM_MIN_DRAFT_PLD,
-           tree_default=defaults.TREE, runs_model=True, planned=1),
+           tree_default=defaults.TREE, runs_model=True, planned=1, drafts_as="draft"),
     Method("medusa", "trained Medusa heads on the target's last feature propose a tree", _medusa,
            lambda w, o: defaults.K_MEDUSA, needs=HEADS, shapes=("tree",), options=HEAD_OPTIONS | {"tree"},
            heads="medusa", tree_default=defaults.MEDUSA_TREE, runs_model=True),
@@ -217,7 +220,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("eagle+pld", "per row and round: prompt lookup where the context repeats itself, else eagle's tree",
            _eagle_pld, lambda w, o: defaults.K_EAGLE, needs=HEADS, shapes=("chain", "tree"),
            options=HEAD_OPTIONS | LOOKUP_OPTIONS, heads="eagle", ngram_min=defaults.NGRAM_MIN_DRAFT_PLD,
-           runs_model=True, planned=2),
+           runs_model=True, planned=2, drafts_as="eagle"),
     Method("lookahead", "lookahead decoding: Jacobi iteration over a window fills an n-gram pool; "
            "its n-grams that follow the context are verified", _lookahead,
            lambda w, o: max(o.lookahead_shape[0], o.lookahead_shape[1] - 1), shapes=("tree",),

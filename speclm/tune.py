@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tqdm.auto import tqdm
 
@@ -36,7 +36,7 @@ from speclm.files import atomic_write
 from speclm.forward.costs import cache_path
 from speclm.options import GenerationOptions
 
-FORM = 3  # the profile file's layout; another is measured again
+FORM = 4  # the profile file's layout (4: `+pld` children measured as they draft in auto); another is measured again
 # --quantize auto chooses between these by `race`: int8 (a finer rounding of any weights) and the GGUF's
 # own blocks; never int4 (a second, coarser rounding of a GGUF's values) nor fp32 (slower wherever they run)
 WEIGHT_MODES = ("int8", "gguf")
@@ -86,8 +86,7 @@ class ChildProfile:
                 else (0.0, 0.0) for j in range(k)]
 
     def forwards_per_position(self) -> float | None:
-        """A chain's draft forwards per position drafted (below one where some rounds draft
-        without its model: draft+pld's lookups); None where it drafted nothing."""
+        """A chain's draft forwards per position drafted; None where it drafted nothing."""
         drafted = sum(self.drafted_at)
         return self.forwards / drafted if drafted > 0 else None
 
@@ -228,7 +227,7 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
     fallback children too (self: a calibration and an int4 copy; `speclm tune` does, a request
     that finds no profile does not)."""
     from speclm.forward.costs import _processor
-    from speclm.methods import children
+    from speclm.methods import REGISTRY, children
 
     t0 = time.perf_counter()
     engine.forward_costs()
@@ -242,12 +241,14 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
     profile = Profile(key_of(engine, opts), _processor(engine.target.model), time.strftime("%Y-%m-%dT%H:%M:%S%z"), 0.0)
     for child in kids:
         bar.set_postfix_str(child.method)
+        name, method = child.method, REGISTRY[child.method].drafts_as or child.method  # as it drafts in auto
+        child = replace(child, method=method)
         engine.prepare(child)
-        engine.generate("Hi", method=child.method, heads=child.heads, max_new_tokens=4, chat=chat)  # warm-up
+        engine.generate("Hi", method=method, heads=child.heads, max_new_tokens=4, chat=chat)  # warm-up
         step = forwards = accepted = tries = rounds = nodes = reading = read = 0.0
         drafted_at, accepted_at = [], []  # rounds by draft position, over every prompt
         for prompt in prompts:
-            out = engine.generate(prompt, method=child.method, heads=child.heads, max_new_tokens=TOKENS, chat=chat)
+            out = engine.generate(prompt, method=method, heads=child.heads, max_new_tokens=TOKENS, chat=chat)
             s = out.stats
             drafting = s.draft_seconds - s.draft_prefill_seconds
             rounds_here = max(0, s.target_forwards - 1)
@@ -265,7 +266,7 @@ def measure(engine, opts: GenerationOptions, progress: bool | None = None, fallb
                     total[j] += n
             bar.update()
         per = step / forwards if forwards else step / max(rounds, 1)
-        profile.children[child.method] = ChildProfile(
+        profile.children[name] = ChildProfile(
             step_seconds=per, acceptance=accepted / tries if tries else 0.0, gained=accepted / max(rounds, 1),
             nodes=nodes / max(rounds, 1), rounds=int(rounds), forwards=forwards / max(rounds, 1),
             drafted_at=[x / max(rounds, 1) for x in drafted_at], accepted_at=[x / max(rounds, 1) for x in accepted_at],

@@ -486,14 +486,6 @@ def test_a_new_request_prices_lookup_by_how_it_went_on_the_workload():
     assert _copying_rows(policy, 5)[0] == "tree"
 
 
-class _PlusLookup(_Child):
-    """A `+pld` child (eagle+pld, draft+pld): prompt lookup's chain where the context repeats
-    itself, else its model's."""
-
-    def looked_up(self, contexts):
-        return [lookup(c, self.k) for c in contexts]
-
-
 def _copy_and_novel_rows(policy, children, model_takes: int, rounds: int = 60):
     """A row whose text alternates 6 rounds copying its prompt's cycle of 8 tokens (a lookup finds
     a chain there and it is taken whole) with 6 rounds of new text (no lookup finds anything; a
@@ -514,7 +506,7 @@ def _copy_and_novel_rows(policy, children, model_takes: int, rounds: int = 60):
         copying = (n // 6) % 2 == 0
         if choice.child is None:
             taken, drafted, forwards = 0, 0, 0
-        elif chain:  # a lookup's chain (the +pld child's too, its lookup being the same)
+        elif chain and choice.child == "lookup":
             taken, drafted, forwards = (len(chain) if copying else 0), len(chain), 0
         else:
             model = choice.child != "lookup"
@@ -562,30 +554,42 @@ def _unconditioned_chain(self, key, r, choice):
         self._found.update(saved)
 
 
-def test_a_plus_lookup_child_is_priced_by_its_models_rounds(monkeypatch):
-    """A `+pld` child (eagle+pld, draft+pld) drafts a row by lookup where the context repeats
-    itself. In a round where that chain is the lookup child's it is not offered (the same tokens:
-    the lookup is, priced by its chain), and a round it drafts by lookup is not counted as its
-    model's (in summaries eagle+pld's lookup rounds, taken whole, priced its tree, which gained
-    next to nothing where the lookup found no match). Planted (its lookup unknown to the
-    planner): it is planned for the lookup's chain, and that round counts as its model's."""
+def test_a_plus_lookup_child_drafts_by_its_model_inside_auto(target, monkeypatch):
+    """Beside a lookup child, auto's `+pld` children (draft+pld, eagle+pld) draft every row they are
+    planned for by their model: where the context repeats itself the plan weighs the lookup's chain
+    (`pld`, priced by the chain found) against the model's draft, instead of the child's own lookup
+    taking the round whatever it found. Their own methods keep the lookup. Planted (auto leaves the
+    children's lookups on): the planned model drafts the lookup's chain."""
+    from speclm.proposers import DraftLookupProposer
+    from speclm.proposers.lookup_first import LookupFirstProposer
+    from speclm.sampling import SamplingParams
 
-    def rows(lookup_k, planted):
-        if planted:
-            monkeypatch.setattr(_PlusLookup, "looked_up", lambda self, contexts: None)
-        model = tune.ChildProfile(0.0, 0.9, 3.6, 4.0, 50, forwards=4.0, drafted_at=[1.0] * 4, accepted_at=[0.95] * 4)
-        looked = tune.ChildProfile(0.0, 0.5, 1.0, 4.0, 50, forwards=0.0, drafted_at=[0.5] * 4, accepted_at=[0.25] * 4)
-        policy = Adaptive(ForwardCosts({1: 1.0, 64: 1.0}), measured={"model": model, "lookup": looked})
-        key, group, request = _one_row({"model": _PlusLookup(4), "lookup": PromptLookupProposer(k=lookup_k)})
-        request.context[:] = list(range(5, 13)) * 3  # the lookup finds a chain of 4 (of lookup_k)
-        policy.caps(SimpleNamespace(groups={key: group}, requests=[request]))
-        choice = group.proposer.plan[0]
-        policy.observe(request, 4, 4, 0.0, 0, 1, child=choice.child, cap=choice.k)
-        return choice.child, request in policy._own_curves and "model" in policy._own_curves[request]
+    repeats = [5, 6, 7, 8, 5, 6]  # its last 2 tokens occurred before: a lookup drafts 7 8 5 6
 
-    assert rows(4, False) == ("lookup", False)  # the same chain: the lookup's round
-    assert rows(2, False) == ("model", False)  # its longer chain, planned: not its model's record
-    assert rows(4, True)[0] == "model" and rows(2, True) == ("model", True)
+    def drafted(child, planned: bool):
+        children = {"model": child, "pld": PromptLookupProposer(k=4)}
+        proposer = AutoProposer(children) if planned else None
+        one = proposer or child
+        one.start(1, 64)
+        if planned:
+            proposer.plan = [Choice("model", 4)]
+        draft = one.propose([repeats], [4], SamplingParams(), [None])
+        return draft.tokens[0, :int(draft.lengths[0])].tolist(), draft.forwards
+
+    def plus_lookups():
+        return DraftLookupProposer(target.model, k=4, ngram_min=2), LookupFirstProposer(_Child(4), k=4, ngram_min=2)
+
+    for child in plus_lookups():  # alone (their own methods): the lookup's chain, no model forward
+        assert drafted(child, planned=False) == ([7, 8, 5, 6], 0)
+    model, heads = plus_lookups()
+    tokens, forwards = drafted(model, planned=True)
+    assert forwards == 4 and len(tokens) == 4  # the draft model drafted the row (its own tokens)
+    assert drafted(heads, planned=True)[0] == [1, 1, 1, 1]  # the stand-in heads' draft
+    monkeypatch.setattr(Proposer, "drop_lookup", lambda self: None)  # the planted bug
+    monkeypatch.setattr(DraftLookupProposer, "drop_lookup", lambda self: None)
+    monkeypatch.setattr(LookupFirstProposer, "drop_lookup", lambda self: None)
+    for child in plus_lookups():
+        assert drafted(child, planned=True) == ([7, 8, 5, 6], 0)
 
 
 def replace_max(options, n):

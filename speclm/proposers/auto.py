@@ -2,7 +2,10 @@
 round the one a plan chose (speclm.round.adaptive.Adaptive.caps), or none.
 
 The children are the registry's planned methods (speclm.methods: `Method.planned`), built as
-their own method would be. Each round the plan gives every row a child and a draft length, or
+their own method would be, except that a `+pld` child drafts by its model alone
+(`Proposer.drop_lookup`) beside a lookup child: where the context repeats itself the plan
+chooses between the lookup's chain (`pld`, priced by the chain it finds) and the model, by price,
+instead of the lookup taking the round whatever it found. Each round the plan gives every row a child and a draft length, or
 nothing (plain decoding for that row). Each child then proposes for all the group's rows, with a
 budget of 0 for rows that are not its own (a proposer drafts nothing and draws nothing from a
 row's generator where its budget is 0), and each row's draft is its own child's, node for node,
@@ -50,6 +53,9 @@ class AutoProposer(Proposer):
         choice for a row before anything is measured)."""
         assert children, "auto needs a child"
         self.children = children
+        if any(c.shadow([]) is not None for c in children.values()):  # a lookup child: it drafts the lookup's chains
+            for c in children.values():
+                c.drop_lookup()
         kids = list(children.values())
         self.k = max(c.k for c in kids)
         self.max_nodes = max(c.max_nodes for c in kids)

@@ -186,11 +186,11 @@ class Proposer:
         draft+pld row whose prompt is too long for its draft model); [] where it never does."""
         return []
 
-    def looked_up(self, contexts: list[list[int]]) -> list[list[int]] | None:
-        """Per row: the chain its prompt lookup drafts this round where this proposer drafts a row
-        by lookup when the context repeats itself and else by its model (a `+pld` method), [] where
-        its model would draft the row; None where it has no lookup of its own."""
-        return None
+    def drop_lookup(self) -> None:
+        """From now on draft every row by this proposer's model, never by its own prompt lookup (a
+        `+pld` method): auto plans its lookup child (`pld`) beside it, priced by the chain it finds
+        each round, so a lookup inside this child would only take rounds the plan priced as its
+        model's. Nothing where it has no lookup of its own."""
 
     def shadow(self, contexts: list[list[int]]) -> list[list[int]] | None:
         """Per row: the chain it would draft at its k from the context alone, for rows it does not

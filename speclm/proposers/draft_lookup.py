@@ -40,7 +40,8 @@ class DraftLookupProposer(DraftModelProposer):
         the draft model's (speclm.forward.prefix_cache); tree: the draft model's tree (None: a chain)."""
         super().__init__(model, k=k, confidence=confidence, vocab=vocab, always=always, alternatives=alternatives,
                          prefix_cache=prefix_cache, tree=tree, times=times)
-        self.beside = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)  # while the model runs
+        # while the model runs (None: `drop_lookup`, the model drafts every row it runs)
+        self.beside: PromptLookupProposer | None = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)
         self.alone = PromptLookupProposer(k=lookup_k, max_ngram=ngram_max, min_ngram=1)  # as method pld
         self.prompt_ratio = prompt_ratio
         self.max_nodes = max(self.max_nodes, lookup_k)
@@ -68,15 +69,14 @@ class DraftLookupProposer(DraftModelProposer):
     def lookup_only(self) -> list[bool]:
         return [not on for on in self.model_on]
 
-    def looked_up(self, contexts):
-        return [(self.beside if on else self.alone).found([c], [self.k if on else self.alone.k])[0]
-                for c, on in zip(contexts, self.model_on)]
+    def drop_lookup(self) -> None:
+        self.beside = None  # rows the model drafts: by it alone (a row it never drafts stays lookup's)
 
     def unread(self, contexts) -> list[int]:
         return [n if on else 0 for n, on in zip(super().unread(contexts), self.model_on)]  # lookup rows: never
 
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
-        found = [(self.beside if on else self.alone).found([c], [m])[0]
+        found = [(self.beside if on else self.alone).found([c], [m])[0] if self.beside is not None or not on else []
                  for c, m, on in zip(contexts, max_tokens, self.model_on)]
         by_lookup = [len(f) > 0 or not on for f, on in zip(found, self.model_on)]
         self.lookups += sum(len(f) > 0 for f in found)

@@ -32,7 +32,8 @@ class LookupFirstProposer(Proposer):
         """heads: the wrapped proposer; k, ngram_max, ngram_min: the lookup's
         (speclm.proposers.prompt_lookup)."""
         self.heads = heads
-        self.lookup = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)
+        # None: `drop_lookup`, every row the wrapped proposer's
+        self.lookup: PromptLookupProposer | None = PromptLookupProposer(k=k, max_ngram=ngram_max, min_ngram=ngram_min)
         self.name = heads.name + "+pld"
         self.k = max(heads.k, k)
         self.max_nodes = max(heads.max_nodes, k)
@@ -64,10 +65,13 @@ class LookupFirstProposer(Proposer):
     def reading_seconds(self, tokens):
         return self.heads.reading_seconds(tokens)
 
-    def looked_up(self, contexts):
-        return self.lookup.shadow(contexts)  # its chain at its own k
+    def drop_lookup(self) -> None:
+        self.lookup = None  # every row the wrapped proposer's
 
     def propose(self, contexts, max_tokens, params, generators) -> Draft:
+        if self.lookup is None:
+            self.by_lookup = [False] * len(contexts)
+            return self.heads.propose(contexts, max_tokens, params, generators)
         chains = self.lookup.found(contexts, max_tokens)  # each no longer than the row's budget
         self.by_lookup = [bool(chain) for chain in chains]
         if not any(chains):

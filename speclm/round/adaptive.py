@@ -65,11 +65,11 @@ to eagle+pld, paying EAGLE's reading of its prompt, before its own text was scor
 round is planned each lookup finds its chain for every row (free): a lookup child is priced by
 that chain, its positions accepted as its drafted chains' were (none found: it drafts nothing, so
 it is priced as no draft), not by its record over rounds with and without a match. A `+pld`
-child (`Proposer.looked_up`) whose lookup drafts the lookup child's chain that round is not
-offered beside it, and a round it drafts by lookup is not its model's record: counted so, the
-lookup rounds of eagle+pld in summaries (taken whole) priced its tree, which gained next to
-nothing in the rounds where the lookup found no match. A row's
-acceptance is kept per child; a
+child drafts by its model alone (speclm.proposers.auto: `Proposer.drop_lookup`), so where the
+lookup finds a chain the plan weighs that chain against the model's draft: taken whatever it
+found, a lookup's chain took rounds priced as the model's (a chat row's one-token matches), and
+its rounds, counted as the model's, priced eagle+pld's tree in summaries at what the lookup
+copied. A row's acceptance is kept per child; a
 child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
 than their priors every request's drafts went (the workload's, whichever child drafted them) and
 how the row's other children went. Children's acceptances move together, and the profile ranks
@@ -294,8 +294,6 @@ class Adaptive:
         self._shadows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> [_Shadow] not yet scored
         self._shadowing: set = set()  # auto children whose chains are scored for rows they do not draft
         self._found: dict = {}  # (request, such a child) -> the chain it finds for the row this round, while planning
-        self._looked: dict = {}  # (request, a `+pld` child) -> the chain its own lookup drafts this round ([]: its model), while planning
-        self._by_lookup: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> its child drafts it by lookup this round
         # (group key, such a child) -> _Curve of every request's rounds and shadows of it (SHARED_DECAY an
         # update): a new request's prior for the child, the profile's weighing WORKLOAD_WEIGHT rounds
         self._workload_curves: dict = {}
@@ -331,8 +329,6 @@ class Adaptive:
         self._chains.clear()  # priced from the counts this round changes
         self._rows.clear()
         self._steps.clear()
-        if self._by_lookup.pop(request, False):  # a `+pld` child's lookup round: not its model's record
-            return
         if child is not None and child not in self._shadowing and (cap or drafted > 0):  # against its prior's expectation
             expected = self._prior_chain(child, cap)[0] if cap else self._prior_tree(child)
             self._ease.setdefault(request, {}).setdefault(child, _Ease()).update(self.decay, accepted, expected)
@@ -486,7 +482,7 @@ class Adaptive:
 
     def _forwards_per_position(self, key, child: str) -> float:
         """A chain child's draft forwards per position it drafts: as measured here, else in `speclm
-        tune`, else one. Below one where some rounds draft without its model (draft+pld's lookups)."""
+        tune`, else one."""
         levels, nodes = self._levels.get(key), self._nodes.get(key)
         if levels is not None and nodes:
             return min(levels / nodes, 2.0)
@@ -745,7 +741,6 @@ class Adaptive:
         self._chains.clear()  # ids of requests that left may come back as new ones
         self._rows.clear()
         self._found.clear()
-        self._looked.clear()
         self._steps.clear()
         tokens0, fed0 = float(rows - sum(len(g.requests) for _, g in planned)), 0
         for key, g in groups:  # the other groups at their own k
@@ -760,14 +755,11 @@ class Adaptive:
                 chains = child.shadow(contexts) if child.shape != "tree" else None
                 for r, chain in zip(g.requests, chains or ()):
                     self._found[(r, name)] = chain
-                for r, chain in zip(g.requests, child.looked_up(contexts) or ()):
-                    self._looked[(r, name)] = chain
             unread = {name: c.unread(contexts) for name, c in g.proposer.children.items()}
             lookup = {name: c.lookup_only() for name, c in g.proposer.children.items()}
             for b, r in enumerate(g.requests):
                 own = {name: u[b] for name, u in unread.items()}
-                alone[id(r)] = frozenset([name for name, rows in lookup.items() if b < len(rows) and rows[b]]
-                                         + self._copies(r, g.proposer.children))
+                alone[id(r)] = frozenset(name for name, rows in lookup.items() if b < len(rows) and rows[b])
                 free.append([key, g, r, NO_DRAFT, own])  # a seeded row draws by position: any plan keeps its text
         if free:
             options = {id(e): self._options(e[0], e[1], e[2], alone[id(e[2])]) for e in free}
@@ -830,23 +822,8 @@ class Adaptive:
                     del r.stats.plan_switches[:-16]  # the last 16
                 self._chosen[r] = c
         self.last = {key: [c for c in g.proposer.plan] for key, g in planned}
-        for e in free:  # each round's own: a row whose round is not observed leaves no stale mark
-            self._by_lookup[e[2]] = e[3].child is not None and bool(self._looked.get((e[2], e[3].child)))
         self._found.clear()
-        self._looked.clear()
         return {}
-
-    def _copies(self, r, children) -> list[str]:
-        """The `+pld` children whose round for row r would be this round's chain of a lookup child
-        (Proposer.looked_up against `_found`): the same tokens, offered once, as the lookup, priced
-        by the chain found. A `+pld` child is then priced by the rounds its model drafted alone."""
-        found = [self._found[(r, n)] for n in children if (r, n) in self._found]
-        out = []
-        for name in children:
-            chain = self._looked.get((r, name))
-            if chain and any(f[:len(chain)] == chain for f in found):
-                out.append(name)
-        return out
 
     def _shadow(self, free) -> set:
         """For each planned row, the chain each child that can say so without running
