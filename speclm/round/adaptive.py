@@ -67,7 +67,7 @@ that chain, its positions accepted as its drafted chains' were (none found: it d
 it is priced as no draft), not by its record over rounds with and without a match. A `+pld`
 child drafts by its model alone (speclm.proposers.auto: `Proposer.drop_lookup`), so where the
 lookup finds a chain the plan weighs that chain against the model's draft: taken whatever it
-found, a lookup's chain took rounds priced as the model's (a chat row's one-token matches), and
+found, a lookup's chain took rounds priced as the model's (a chat row's short matches), and
 its rounds, counted as the model's, priced eagle+pld's tree in summaries at what the lookup
 copied. A row's acceptance is kept per child; a
 child's prior is the profile's (else the policy's prior) times an ease (`ease`): how much better
