@@ -6,10 +6,10 @@ their own method would be, except that a `+pld` child drafts by its model alone
 (`Proposer.drop_lookup`) beside a lookup child: where the context repeats itself the plan
 chooses between the lookup's chain (`pld`, priced by the chain it finds) and the model, by price,
 instead of the lookup taking the round whatever it found. Each round the plan gives every row a
-child and a draft length, or nothing (plain decoding for that row). Each child then proposes for all the group's rows, with a
-budget of 0 for rows that are not its own (a proposer drafts nothing and draws nothing from a
-row's generator where its budget is 0), and each row's draft is its own child's, node for node,
-so the verifier's paths index the child's own draft.
+child and a draft length, or nothing (plain decoding for that row). Each child then proposes for
+all the group's rows, with a budget of 0 for rows that are not its own (a proposer drafts nothing
+and draws nothing from a row's generator where its budget is 0), and each row's draft is its own
+child's, node for node, so the verifier's paths index the child's own draft.
 
 After verification every child hears of every row: its own rows' paths as they are; another
 child's rows as an empty path (nothing of its draft was accepted: a draft model's cache keeps
