@@ -76,8 +76,8 @@ class DraftLookupProposer(DraftModelProposer):
         return [n if on else 0 for n, on in zip(super().unread(contexts), self.model_on)]  # lookup rows: never
 
     def propose(self, contexts, max_tokens, params: SamplingParams, generators) -> Draft:
-        found = [(self.beside if on else self.alone).found([c], [m])[0] if self.beside is not None or not on else []
-                 for c, m, on in zip(contexts, max_tokens, self.model_on)]
+        lookups = [self.beside if on else self.alone for on in self.model_on]  # None: the model alone
+        found = [lookup.found([c], [m])[0] if lookup is not None else [] for c, m, lookup in zip(contexts, max_tokens, lookups)]
         by_lookup = [len(f) > 0 or not on for f, on in zip(found, self.model_on)]
         self.lookups += sum(len(f) > 0 for f in found)
         self._cut = []
